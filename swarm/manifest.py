@@ -1,0 +1,227 @@
+"""The run manifest: everything peers must agree on before they exchange a single tensor.
+
+A run is identified by the hash of its canonical manifest, so two peers with the same `run_id`
+compute the same function. The manifest also records the SHA-256 of `T_fixed` and of `U`
+version 0, which every peer recomputes from the seed and checks before it starts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+Compression = Literal["subspace", "boundary", "none"]
+WireDType = Literal["fp32", "bf16", "fp16"]
+
+MANIFEST_FORMAT = 1
+
+
+class ManifestError(ValueError):
+    """A manifest broke a rule; the message names the field and the rule."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelShape(_Strict):
+    d_model: int = Field(gt=0)
+    n_layers: int = Field(gt=0)
+    n_heads: int = Field(gt=0)
+    n_kv_heads: int = Field(gt=0)
+    d_ff: int = Field(gt=0)
+    vocab_size: int = Field(ge=2, le=1 << 20)
+    max_seq_len: int = Field(gt=1)
+    rope_theta: float = Field(default=10000.0, gt=0)
+    norm_eps: float = Field(default=1e-5, gt=0)
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> ModelShape:
+        if self.d_model % self.n_heads:
+            raise ValueError(f"model.d_model ({self.d_model}) must be divisible by model.n_heads ({self.n_heads})")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"model.n_heads ({self.n_heads}) must be divisible by model.n_kv_heads ({self.n_kv_heads})"
+            )
+        if (self.d_model // self.n_heads) % 2:
+            raise ValueError("model.d_model / model.n_heads must be even (RoPE rotates pairs)")
+        return self
+
+
+class StageSpec(_Strict):
+    """Layers `[first_layer, end_layer)` of the decoder."""
+
+    first_layer: int = Field(ge=0)
+    end_layer: int = Field(ge=0)
+
+
+class OptimizerSpec(_Strict):
+    lr: float = Field(default=1e-3, gt=0)
+    beta1: float = Field(default=0.9, ge=0, lt=1)
+    beta2: float = Field(default=0.95, ge=0, lt=1)
+    eps: float = Field(default=1e-8, gt=0)
+    weight_decay: float = Field(default=0.0, ge=0)
+    warmup_steps: int = Field(default=0, ge=0)
+    grad_clip: float = Field(default=1.0, ge=0)
+
+
+class BatchSpec(_Strict):
+    microbatch_size: int = Field(gt=0)
+    seq_len: int = Field(gt=1)
+    target_batch_size: int = Field(gt=0, description="sequences per optimizer step, summed over a stage's peers")
+
+
+class Manifest(_Strict):
+    format: int = MANIFEST_FORMAT
+    name: str = Field(min_length=1, max_length=64)
+    model: ModelShape
+    stages: tuple[StageSpec, ...]
+    k: int
+    compression: Compression = "subspace"
+    wire_dtype: WireDType = "bf16"
+    seed: int = Field(ge=0, lt=1 << 63)
+    tokenizer: str = "bytes"
+    dataset: str = "builtin:stdlib"
+    optimizer: OptimizerSpec = OptimizerSpec()
+    batch: BatchSpec
+    subspace_update_interval: int = Field(default=0, ge=0)
+    t_fixed_sha256: str = ""
+    u_sha256: str = ""
+
+    @field_validator("k")
+    @classmethod
+    def _k_positive(cls, k: int) -> int:
+        if k < 1:
+            raise ValueError(f"k must be at least 1, got {k}")
+        return k
+
+    @field_validator("tokenizer")
+    @classmethod
+    def _known_tokenizer(cls, tokenizer: str) -> str:
+        if tokenizer != "bytes" and not tokenizer.startswith("hf:"):
+            raise ValueError(f"tokenizer must be 'bytes' or 'hf:<name>', got {tokenizer!r}")
+        return tokenizer
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Manifest:
+        shape = self.model
+        if self.k >= shape.d_model:
+            raise ValueError(f"k ({self.k}) must be smaller than model.d_model ({shape.d_model})")
+        if self.tokenizer == "bytes" and shape.vocab_size < 256:
+            raise ValueError(f"model.vocab_size ({shape.vocab_size}) must be >= 256 for the byte tokenizer")
+        if self.batch.seq_len > shape.max_seq_len:
+            raise ValueError(
+                f"batch.seq_len ({self.batch.seq_len}) must not exceed model.max_seq_len ({shape.max_seq_len})"
+            )
+        if not self.stages:
+            raise ValueError("stages must list at least one stage")
+        expected = 0
+        for i, stage in enumerate(self.stages):
+            if stage.first_layer != expected:
+                raise ValueError(
+                    f"stages[{i}].first_layer is {stage.first_layer} but must be {expected}: "
+                    "stages must cover the layers exactly, in order, without gaps or overlaps"
+                )
+            if stage.end_layer <= stage.first_layer:
+                raise ValueError(f"stages[{i}] must hold at least one layer (end_layer > first_layer)")
+            expected = stage.end_layer
+        if expected != shape.n_layers:
+            raise ValueError(
+                f"stages end at layer {expected} but model.n_layers is {shape.n_layers}: "
+                "stages must cover the layers exactly"
+            )
+        for field in ("t_fixed_sha256", "u_sha256"):
+            value = getattr(self, field)
+            if value and (len(value) != 64 or any(c not in "0123456789abcdef" for c in value)):
+                raise ValueError(f"{field} must be 64 lowercase hex digits")
+        return self
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    def canonical_json(self) -> str:
+        return json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+
+    @property
+    def run_id(self) -> str:
+        """Short hash of the canonical manifest: names every DHT key of the run."""
+        digest = hashlib.sha256(self.canonical_json().encode()).hexdigest()
+        return f"{self.name}-{digest[:12]}"
+
+    @property
+    def optimizer_prefix(self) -> str:
+        """hivemind matchmaking refuses '.' in a run id, so stage optimizers use this prefix."""
+        return self.run_id.replace(".", "_")
+
+    def layers_of(self, stage: int) -> range:
+        spec = self.stages[stage]
+        return range(spec.first_layer, spec.end_layer)
+
+    def dense_bytes_per_token(self) -> int:
+        """What the dense baseline sends per token across one boundary in one direction."""
+        return self.model.d_model * wire_itemsize(self.wire_dtype)
+
+    def compressed_bytes_per_token(self) -> int:
+        """Payload per token and direction in compressed modes: k coefficients plus the token id."""
+        if self.compression == "none":
+            return self.dense_bytes_per_token()
+        return self.k * wire_itemsize(self.wire_dtype) + token_id_itemsize(self.model.vocab_size)
+
+
+def wire_itemsize(wire_dtype: WireDType) -> int:
+    return 4 if wire_dtype == "fp32" else 2
+
+
+def token_id_itemsize(vocab_size: int) -> int:
+    if vocab_size <= 1 << 8:
+        return 1
+    if vocab_size <= 1 << 16:
+        return 2
+    return 4
+
+
+def even_stages(n_layers: int, n_stages: int) -> tuple[StageSpec, ...]:
+    """Split layers into contiguous stages; earlier stages take the remainder."""
+    if not 1 <= n_stages <= n_layers:
+        raise ManifestError(f"stages must be between 1 and model.n_layers ({n_layers}), got {n_stages}")
+    base, extra = divmod(n_layers, n_stages)
+    specs, first = [], 0
+    for i in range(n_stages):
+        end = first + base + (1 if i < extra else 0)
+        specs.append(StageSpec(first_layer=first, end_layer=end))
+        first = end
+    return tuple(specs)
+
+
+def parse_manifest(data: dict) -> Manifest:
+    """Validate a manifest dict; every broken rule becomes one ManifestError naming its field."""
+    try:
+        return Manifest.model_validate(data)
+    except ValidationError as exc:
+        problems = []
+        for err in exc.errors():
+            where = ".".join(str(p) for p in err["loc"]) or "manifest"
+            message = err["msg"].removeprefix("Value error, ")
+            problems.append(f"{where}: {message}")
+        raise ManifestError("invalid manifest: " + "; ".join(problems)) from None
+
+
+def load_manifest(path: str | Path) -> Manifest:
+    try:
+        data = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ManifestError(f"manifest file not found: {path}") from None
+    except json.JSONDecodeError as exc:
+        raise ManifestError(f"manifest file {path} is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ManifestError(f"manifest file {path} must hold a JSON object")
+    return parse_manifest(data)
+
+
+def save_manifest(manifest: Manifest, path: str | Path) -> None:
+    Path(path).write_text(json.dumps(manifest.model_dump(mode="json"), indent=2, sort_keys=True) + "\n")

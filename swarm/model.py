@@ -1,0 +1,243 @@
+"""A LLaMA-style decoder (RMSNorm, RoPE, SwiGLU, grouped-query attention) cut into pipeline stages.
+
+One `PipelineStage` is what one peer holds. The head stage embeds tokens as
+`T_fixed[tok] + T_S[tok]`; the tail stage ends with the final norm, the LM head and the loss.
+What keeps the boundary activations in span(U) depends on the manifest's compression:
+
+- `subspace` (the paper): `W_o`, `W_down` of every layer upstream of the last boundary and
+  `T_S` are constrained (columns of W, rows of T_S in span(U)). Their gradients are projected by
+  hooks, so every consumer of `.grad` (our optimizer, hivemind's averager) sees `P G`.
+- `boundary` (our variant): every non-tail stage ends by projecting the residual,
+  `x ← T_fixed[tok] + P (x − T_fixed[tok])`; only `T_S` is constrained.
+- `none`: the dense baseline; nothing is constrained or projected.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from swarm.manifest import Manifest, ModelShape
+from swarm.subspace import initial_basis, t_fixed_table, tensor_sha256
+
+
+class SubspaceState(nn.Module):
+    """`U` with its version and `T_fixed`: the frozen tensors a stage needs at its boundaries."""
+
+    def __init__(self, manifest: Manifest, need_t_fixed: bool = True):
+        super().__init__()
+        shape = manifest.model
+        self.version = 0
+        self.register_buffer("basis", initial_basis(manifest.seed, shape.d_model, manifest.k), persistent=False)
+        table = t_fixed_table(manifest.seed, shape.vocab_size, shape.d_model) if need_t_fixed else None
+        self.register_buffer("t_fixed", table, persistent=False)
+        self.basis_sha256 = tensor_sha256(self.basis)
+        self.t_fixed_sha256 = manifest.t_fixed_sha256 or (tensor_sha256(table) if table is not None else "")
+
+    def set_basis(self, basis: torch.Tensor, version: int) -> None:
+        self.basis = basis.to(device=self.basis.device, dtype=self.basis.dtype).contiguous()
+        self.version = version
+        self.basis_sha256 = tensor_sha256(self.basis)
+
+    def project(self, x: torch.Tensor, axis: int) -> torch.Tensor:
+        """Project along `axis` (the one of length d) onto span(U)."""
+        u = self.basis.to(x.dtype)
+        if axis == x.dim() - 1 or axis == -1:
+            return (x @ u) @ u.T
+        if axis == 0:
+            return u @ (u.T @ x)
+        raise ValueError(f"unsupported projection axis {axis}")
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: (B, H, S, hd); rotates interleaved pairs."""
+    seq = x.shape[-2]
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    c, s = cos[:seq].to(x.dtype), sin[:seq].to(x.dtype)
+    return torch.stack((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1).flatten(-2)
+
+
+class Attention(nn.Module):
+    def __init__(self, shape: ModelShape):
+        super().__init__()
+        self.n_heads, self.n_kv_heads = shape.n_heads, shape.n_kv_heads
+        self.head_dim = shape.d_model // shape.n_heads
+        self.wq = nn.Linear(shape.d_model, shape.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(shape.d_model, shape.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(shape.d_model, shape.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(shape.n_heads * self.head_dim, shape.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        q = self.wq(x).view(batch, seq, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(batch, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(batch, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.n_kv_heads != self.n_heads:
+            repeat = self.n_heads // self.n_kv_heads
+            k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, shape: ModelShape):
+        super().__init__()
+        self.w1 = nn.Linear(shape.d_model, shape.d_ff, bias=False)
+        self.w3 = nn.Linear(shape.d_model, shape.d_ff, bias=False)
+        self.w2 = nn.Linear(shape.d_ff, shape.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, shape: ModelShape):
+        super().__init__()
+        self.attn_norm = RMSNorm(shape.d_model, shape.norm_eps)
+        self.attn = Attention(shape)
+        self.mlp_norm = RMSNorm(shape.d_model, shape.norm_eps)
+        self.mlp = SwiGLU(shape)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+@dataclass(frozen=True)
+class ConstrainedParameter:
+    name: str
+    param: nn.Parameter
+    axis: int  # the axis of length d that must lie in span(U)
+
+
+def _seeded(seed: int, *salt: int) -> torch.Generator:
+    digest = hashlib.sha256(repr((seed, *salt)).encode()).digest()
+    generator = torch.Generator()
+    generator.manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+    return generator
+
+
+def _init_block(block: Block, seed: int, layer: int, n_layers: int) -> None:
+    """Per-layer seeded init, so a layer starts the same whatever the stage split."""
+    generator = _seeded(seed, 1, layer)
+    for name, param in sorted(block.named_parameters()):
+        if name.endswith("norm.weight"):
+            continue
+        std = 0.02 / math.sqrt(2 * n_layers) if name in ("attn.wo.weight", "mlp.w2.weight") else 0.02
+        with torch.no_grad():
+            param.copy_(torch.randn(param.shape, generator=generator) * std)
+
+
+class PipelineStage(nn.Module):
+    """The layers of one stage, plus the embedding (head) or the norm, LM head and loss (tail)."""
+
+    def __init__(self, manifest: Manifest, index: int):
+        super().__init__()
+        if not 0 <= index < manifest.num_stages:
+            raise ValueError(f"stage {index} out of range: the run has {manifest.num_stages} stages")
+        self.manifest, self.index = manifest, index
+        shape = manifest.model
+        self.is_head, self.is_tail = index == 0, index == manifest.num_stages - 1
+        self.subspace = SubspaceState(manifest)
+        layers = manifest.layers_of(index)
+        self.first_layer = layers.start
+        self.layers = nn.ModuleList(Block(shape) for _ in layers)
+        for layer, block in zip(layers, self.layers, strict=True):
+            _init_block(block, manifest.seed, layer, shape.n_layers)
+        cos, sin = rope_tables(shape.d_model // shape.n_heads, shape.max_seq_len, shape.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        if self.is_head:
+            self.t_s = nn.Parameter(torch.randn(shape.vocab_size, shape.d_model, generator=_seeded(manifest.seed, 2)) * 0.02)
+        if self.is_tail:
+            self.final_norm = RMSNorm(shape.d_model, shape.norm_eps)
+            self.lm_head = nn.Linear(shape.d_model, shape.vocab_size, bias=False)
+            with torch.no_grad():
+                self.lm_head.weight.copy_(torch.randn(self.lm_head.weight.shape, generator=_seeded(manifest.seed, 3)) * 0.02)
+        self.constrained = self._constrained_parameters()
+        with torch.no_grad():
+            for item in self.constrained:
+                item.param.copy_(self.subspace.project(item.param, item.axis))
+        for item in self.constrained:
+            item.param.register_hook(self._projector(item.axis))
+
+    def _constrained_parameters(self) -> list[ConstrainedParameter]:
+        mode = self.manifest.compression
+        if mode == "none" or self.manifest.num_stages == 1:
+            return []
+        found = []
+        if self.is_head:
+            found.append(ConstrainedParameter("t_s", self.t_s, axis=1))
+        if mode == "subspace" and not self.is_tail:
+            for i, block in enumerate(self.layers):
+                found.append(ConstrainedParameter(f"layers.{i}.attn.wo.weight", block.attn.wo.weight, axis=0))
+                found.append(ConstrainedParameter(f"layers.{i}.mlp.w2.weight", block.mlp.w2.weight, axis=0))
+        return found
+
+    def _projector(self, axis: int):
+        return lambda grad: self.subspace.project(grad, axis)
+
+    @property
+    def projects_boundary(self) -> bool:
+        return self.manifest.compression == "boundary" and not self.is_tail
+
+    def forward(self, hidden: torch.Tensor | None, tokens: torch.Tensor) -> torch.Tensor:
+        """Head: tokens → residual. Middle: residual → residual. Tail: residual → logits."""
+        if self.is_head:
+            hidden = self.subspace.t_fixed[tokens] + self.t_s[tokens]
+        elif hidden is None:
+            raise ValueError(f"stage {self.index} needs the residual stream of stage {self.index - 1}")
+        for block in self.layers:
+            hidden = block(hidden, self.rope_cos, self.rope_sin)
+        if self.projects_boundary:
+            anchor = self.subspace.t_fixed[tokens]
+            hidden = anchor + self.subspace.project(hidden - anchor, axis=-1)
+        if self.is_tail:
+            return self.lm_head(self.final_norm(hidden))
+        return hidden
+
+    def reproject_(self) -> None:
+        """Wash out float drift: W ← P W for every constrained tensor."""
+        with torch.no_grad():
+            for item in self.constrained:
+                item.param.copy_(self.subspace.project(item.param, item.axis))
+
+    def subspace_residual(self) -> float:
+        """max ‖W − PW‖/‖W‖ over constrained tensors (0 when none)."""
+        worst = 0.0
+        with torch.no_grad():
+            for item in self.constrained:
+                w = item.param
+                worst = max(worst, ((w - self.subspace.project(w, item.axis)).norm() / w.norm().clamp_min(1e-30)).item())
+        return worst
+
+
+def next_token_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of predicting tokens[:, 1:] from logits[:, :-1]."""
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), tokens[:, 1:].reshape(-1))
+
+
+def build_stages(manifest: Manifest) -> list[PipelineStage]:
+    return [PipelineStage(manifest, i) for i in range(manifest.num_stages)]

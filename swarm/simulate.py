@@ -1,0 +1,148 @@
+"""All stages in one process, every boundary through the real wire codec.
+
+This is the proof of the method before any networking: the same `PipelineStage`, `BoundaryCodec`
+and optimizer that peers use, chained in a loop. `run_trip` is also how tests compare the
+pipeline with and without the wire in between.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from swarm.boundary import BoundaryCodec
+from swarm.data import load_splits
+from swarm.manifest import Manifest
+from swarm.model import PipelineStage, build_stages, next_token_loss
+from swarm.optim import clip_grad_norm, lr_at, make_optimizer
+from swarm.subspace import relative_error
+
+
+@dataclass
+class TripStats:
+    loss: float
+    forward_bytes: int = 0  # summed over boundaries
+    backward_bytes: int = 0
+    max_reconstruction_error: float = 0.0
+    boundaries: int = 0
+
+
+def run_trip(stages: list[PipelineStage], tokens: torch.Tensor, use_wire: bool = True, loss_scale: float = 1.0,
+             backward: bool = True) -> TripStats:
+    """One microbatch forward through every stage and (optionally) backward, like a swarm trip."""
+    codecs = [BoundaryCodec(stage.manifest, stage.subspace) for stage in stages]
+    inputs: list[torch.Tensor | None] = []
+    outputs: list[torch.Tensor] = []
+    stats = TripStats(loss=0.0)
+    hidden = None
+    trip_id = uuid.uuid4().hex
+    grad_mode = torch.enable_grad() if backward else torch.no_grad()
+    with grad_mode:
+        for i, stage in enumerate(stages):
+            if i > 0 and use_wire:
+                blob = codecs[i - 1].encode_forward(hidden, tokens, trip_id, to_stage=i)
+                stats.forward_bytes += len(blob)
+                _, received, _ = codecs[i].decode_forward(blob, stage=i)
+                stats.max_reconstruction_error = max(stats.max_reconstruction_error, relative_error(received, hidden))
+                stats.boundaries += 1
+                hidden = received.requires_grad_(backward)
+            inputs.append(hidden)
+            hidden = stage(hidden, tokens)
+            outputs.append(hidden)
+        loss = next_token_loss(hidden, tokens)
+    stats.loss = loss.item()
+    if not backward:
+        return stats
+    (loss * loss_scale).backward()
+    if not use_wire:
+        return stats
+    for i in range(len(stages) - 1, 0, -1):
+        blob = codecs[i].encode_backward(inputs[i].grad, trip_id, to_stage=i - 1, loss=stats.loss)
+        stats.backward_bytes += len(blob)
+        _, grad = codecs[i - 1].decode_backward(blob, stage=i - 1)
+        outputs[i - 1].backward(grad)
+    return stats
+
+
+@dataclass
+class SimulationResult:
+    run_id: str
+    compression: str
+    steps: int
+    tokens: int
+    train_loss: list[float] = field(default_factory=list)
+    val_loss_first: float = 0.0
+    val_loss_last: float = 0.0
+    wire_bytes_per_token: float = 0.0
+    wire_bytes_per_token_forward: float = 0.0
+    wire_bytes_per_token_backward: float = 0.0
+    dense_wire_bytes_per_token: float = 0.0
+    max_reconstruction_error: float = 0.0
+    max_subspace_residual: float = 0.0
+    seconds: float = 0.0
+    step_seconds: float = 0.0
+    optimizer_seconds: float = 0.0
+
+
+def evaluate(stages: list[PipelineStage], batches: list[torch.Tensor]) -> float:
+    for stage in stages:
+        stage.eval()
+    losses = [run_trip(stages, batch, backward=False).loss for batch in batches]
+    for stage in stages:
+        stage.train()
+    return sum(losses) / len(losses)
+
+
+def simulate(manifest: Manifest, steps: int, data: str | None = None, seed: int = 0, val_batches: int = 8,
+             on_step: Callable[[int, float], None] | None = None) -> SimulationResult:
+    torch.manual_seed(seed)
+    stages = build_stages(manifest)
+    optimizers = [make_optimizer(stage) for stage in stages]
+    train, held_out = load_splits(manifest, data, seed=seed)
+    batch = manifest.batch
+    micro_per_step = max(1, batch.target_batch_size // batch.microbatch_size)
+    validation = held_out.fixed_batches(batch.microbatch_size, val_batches)
+    result = SimulationResult(run_id=manifest.run_id, compression=manifest.compression, steps=steps, tokens=0)
+    result.val_loss_first = evaluate(stages, validation)
+    forward_bytes = backward_bytes = boundary_tokens = 0
+    started = time.perf_counter()
+    optimizer_time = 0.0
+    for step in range(steps):
+        losses = []
+        for _ in range(micro_per_step):
+            tokens = train.batch(batch.microbatch_size)
+            stats = run_trip(stages, tokens, loss_scale=1.0 / micro_per_step)
+            losses.append(stats.loss)
+            result.tokens += tokens.numel()
+            result.max_reconstruction_error = max(result.max_reconstruction_error, stats.max_reconstruction_error)
+            if stats.boundaries:
+                forward_bytes += stats.forward_bytes / stats.boundaries
+                backward_bytes += stats.backward_bytes / stats.boundaries
+                boundary_tokens += tokens.numel()
+        tick = time.perf_counter()
+        for stage, optimizer in zip(stages, optimizers, strict=True):
+            clip_grad_norm(stage.parameters(), manifest.optimizer.grad_clip)
+            for group in optimizer.param_groups:
+                group["lr"] = lr_at(step, manifest.optimizer.lr, manifest.optimizer.warmup_steps)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        optimizer_time += time.perf_counter() - tick
+        result.train_loss.append(sum(losses) / len(losses))
+        if on_step:
+            on_step(step, result.train_loss[-1])
+    elapsed = time.perf_counter() - started
+    result.val_loss_last = evaluate(stages, validation)
+    result.max_subspace_residual = max(stage.subspace_residual() for stage in stages)
+    if boundary_tokens:
+        result.wire_bytes_per_token_forward = forward_bytes / boundary_tokens
+        result.wire_bytes_per_token_backward = backward_bytes / boundary_tokens
+        result.wire_bytes_per_token = result.wire_bytes_per_token_forward + result.wire_bytes_per_token_backward
+    result.dense_wire_bytes_per_token = 2 * manifest.dense_bytes_per_token()
+    result.seconds = elapsed
+    result.step_seconds = elapsed / max(steps, 1)
+    result.optimizer_seconds = optimizer_time / max(steps, 1)
+    return result

@@ -1,0 +1,216 @@
+"""Wire format of boundary messages, and their validation before any work is done.
+
+A message is `MAGIC | u32 header length | header JSON | payload | token ids`, little-endian.
+The header says what the receiver must already agree with (run, `U` version, `T_fixed` hash,
+stage) and the payload's shape and dtype; `decode` checks every claim against the receiver's
+expectations and the byte count against the shape before it allocates a tensor, so whatever a
+remote peer sends ends as a `WireError` with a precise code, never as a crash.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import math
+import struct
+from dataclasses import asdict, dataclass, field
+from typing import Literal
+
+import torch
+
+from swarm.manifest import Manifest, WireDType, token_id_itemsize, wire_itemsize
+
+MAGIC = b"PSW1"
+MAX_HEADER_BYTES = 4096
+Kind = Literal["forward", "backward"]
+
+_TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_TOKEN_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+
+
+class ErrorCode(str, enum.Enum):
+    MALFORMED = "malformed"
+    TOO_LARGE = "too_large"
+    WRONG_RUN = "wrong_run"
+    WRONG_VERSION = "wrong_u_version"
+    WRONG_HASH = "wrong_t_fixed_hash"
+    WRONG_STAGE = "wrong_stage"
+    WRONG_KIND = "wrong_kind"
+    WRONG_SHAPE = "wrong_shape"
+    WRONG_DTYPE = "wrong_dtype"
+    BAD_TOKENS = "bad_tokens"
+    NOT_FINITE = "not_finite"
+    UNKNOWN_TRIP = "unknown_trip"
+    OVERLOADED = "overloaded"
+    LEAVING = "leaving"
+    NO_PEER = "no_peer"
+    TIMEOUT = "timeout"
+    INTERNAL = "internal"
+
+
+class WireError(Exception):
+    def __init__(self, code: ErrorCode, message: str):
+        super().__init__(f"{code.value}: {message}")
+        self.code, self.message = code, message
+
+
+@dataclass(frozen=True)
+class Header:
+    run_id: str
+    u_version: int
+    t_fixed_sha256: str
+    trip_id: str
+    stage: int  # the stage that receives this message
+    kind: Kind
+    dtype: WireDType
+    shape: tuple[int, int, int]  # batch, sequence, width (k compressed, d dense)
+    has_tokens: bool
+    loss: float | None = None  # the tail's loss, carried back to the driver
+    extra: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Expectation:
+    """What a receiver accepts; built from its manifest and its current `U` version."""
+
+    run_id: str
+    u_version: int
+    t_fixed_sha256: str
+    stage: int
+    kind: Kind
+    dtype: WireDType
+    width: int
+    vocab_size: int
+    max_batch: int
+    max_seq: int
+    needs_tokens: bool
+
+    @property
+    def max_bytes(self) -> int:
+        cells = self.max_batch * self.max_seq
+        return len(MAGIC) + 4 + MAX_HEADER_BYTES + cells * (self.width * wire_itemsize(self.dtype) + 4)
+
+
+def expectation_for(manifest: Manifest, stage: int, kind: Kind, u_version: int, t_fixed_sha256: str) -> Expectation:
+    compressed = manifest.compression != "none"
+    return Expectation(
+        run_id=manifest.run_id,
+        u_version=u_version,
+        t_fixed_sha256=t_fixed_sha256,
+        stage=stage,
+        kind=kind,
+        dtype=manifest.wire_dtype,
+        width=manifest.k if compressed else manifest.model.d_model,
+        vocab_size=manifest.model.vocab_size,
+        max_batch=manifest.batch.microbatch_size,
+        max_seq=manifest.model.max_seq_len,
+        needs_tokens=kind == "forward",
+    )
+
+
+def encode(header: Header, payload: torch.Tensor, tokens: torch.Tensor | None, vocab_size: int) -> bytes:
+    if tuple(payload.shape) != tuple(header.shape):
+        raise ValueError(f"payload shape {tuple(payload.shape)} differs from header shape {header.shape}")
+    head = json.dumps(asdict(header), separators=(",", ":")).encode()
+    data = payload.detach().to(_TORCH_DTYPES[header.dtype]).contiguous().cpu()
+    if data.dtype != torch.float32:
+        data = data.view(torch.int16)
+    parts = [MAGIC, struct.pack("<I", len(head)), head, data.numpy().tobytes()]
+    if tokens is not None:
+        token_dtype = _TOKEN_DTYPES[token_id_itemsize(vocab_size)]
+        parts.append(tokens.detach().to(token_dtype).contiguous().cpu().numpy().tobytes())
+    return b"".join(parts)
+
+
+def _parse_header(blob: bytes) -> Header:
+    if len(blob) < len(MAGIC) + 4 or blob[: len(MAGIC)] != MAGIC:
+        raise WireError(ErrorCode.MALFORMED, "message does not start with the protocol magic")
+    (length,) = struct.unpack_from("<I", blob, len(MAGIC))
+    if length > MAX_HEADER_BYTES or len(MAGIC) + 4 + length > len(blob):
+        raise WireError(ErrorCode.MALFORMED, f"header length {length} is out of bounds")
+    try:
+        raw = json.loads(blob[len(MAGIC) + 4 : len(MAGIC) + 4 + length])
+        raw["shape"] = tuple(raw["shape"])
+        header = Header(**raw)
+    except (ValueError, TypeError, KeyError) as exc:
+        raise WireError(ErrorCode.MALFORMED, f"header is not valid: {exc}") from None
+    types_ok = (
+        isinstance(header.run_id, str)
+        and isinstance(header.trip_id, str)
+        and len(header.trip_id) <= 128
+        and isinstance(header.t_fixed_sha256, str)
+        and all(isinstance(v, int) and not isinstance(v, bool) for v in (header.u_version, header.stage))
+        and len(header.shape) == 3
+        and all(isinstance(v, int) and not isinstance(v, bool) for v in header.shape)
+        and isinstance(header.has_tokens, bool)
+        and isinstance(header.extra, dict)
+        and (header.loss is None or isinstance(header.loss, (int, float)))
+    )
+    if not types_ok:
+        raise WireError(ErrorCode.MALFORMED, "header fields have the wrong types")
+    return header
+
+
+def peek_header(blob: bytes) -> Header:
+    """The header alone, validated for form only: lets a router read a trip id cheaply."""
+    return _parse_header(blob)
+
+
+def decode(blob: bytes, expect: Expectation) -> tuple[Header, torch.Tensor, torch.Tensor | None]:
+    """Validate everything, then build tensors. Raises WireError; never anything else."""
+    if len(blob) > expect.max_bytes:
+        raise WireError(ErrorCode.TOO_LARGE, f"{len(blob)} bytes exceed the limit of {expect.max_bytes}")
+    header = _parse_header(blob)
+    if header.run_id != expect.run_id:
+        raise WireError(ErrorCode.WRONG_RUN, f"message is for run {header.run_id!r}, this peer serves {expect.run_id!r}")
+    if header.t_fixed_sha256 != expect.t_fixed_sha256:
+        raise WireError(
+            ErrorCode.WRONG_HASH,
+            f"sender's T_fixed hash {header.t_fixed_sha256[:16]} differs from ours {expect.t_fixed_sha256[:16]}",
+        )
+    if header.u_version != expect.u_version:
+        raise WireError(
+            ErrorCode.WRONG_VERSION, f"sender uses U version {header.u_version}, this peer uses {expect.u_version}"
+        )
+    if header.stage != expect.stage:
+        raise WireError(ErrorCode.WRONG_STAGE, f"message is for stage {header.stage}, this peer serves {expect.stage}")
+    if header.kind != expect.kind:
+        raise WireError(ErrorCode.WRONG_KIND, f"expected a {expect.kind} message, got {header.kind!r}")
+    if header.dtype != expect.dtype:
+        raise WireError(ErrorCode.WRONG_DTYPE, f"payload dtype {header.dtype!r}, the run uses {expect.dtype!r}")
+    batch, seq, width = header.shape
+    if width != expect.width:
+        raise WireError(ErrorCode.WRONG_SHAPE, f"payload width {width}, expected {expect.width}")
+    if not (1 <= batch <= expect.max_batch and 2 <= seq <= expect.max_seq):
+        raise WireError(
+            ErrorCode.WRONG_SHAPE,
+            f"batch {batch} × sequence {seq} outside 1..{expect.max_batch} × 2..{expect.max_seq}",
+        )
+    if header.has_tokens != expect.needs_tokens:
+        raise WireError(ErrorCode.MALFORMED, f"{header.kind} messages {'need' if expect.needs_tokens else 'carry no'} token ids")
+    if header.loss is not None and not math.isfinite(header.loss):
+        raise WireError(ErrorCode.NOT_FINITE, "reported loss is not finite")
+    token_bytes = token_id_itemsize(expect.vocab_size)
+    payload_bytes = batch * seq * width * wire_itemsize(header.dtype)
+    start = len(MAGIC) + 4 + struct.unpack_from("<I", blob, len(MAGIC))[0]
+    expected_len = start + payload_bytes + (batch * seq * token_bytes if header.has_tokens else 0)
+    if len(blob) != expected_len:
+        raise WireError(ErrorCode.MALFORMED, f"message has {len(blob)} bytes, its header implies {expected_len}")
+    raw = torch.frombuffer(bytearray(blob[start : start + payload_bytes]), dtype=torch.uint8)
+    if header.dtype == "fp32":
+        payload = raw.view(torch.float32)
+    else:
+        payload = raw.view(torch.int16).view(_TORCH_DTYPES[header.dtype])
+    payload = payload.reshape(batch, seq, width)
+    if not torch.isfinite(payload).all():
+        raise WireError(ErrorCode.NOT_FINITE, "payload holds NaN or infinite values")
+    tokens = None
+    if header.has_tokens:
+        raw_tokens = torch.frombuffer(bytearray(blob[start + payload_bytes :]), dtype=torch.uint8)
+        tokens = raw_tokens.view(_TOKEN_DTYPES[token_bytes]).to(torch.int64)
+        if token_bytes == 2:
+            tokens = tokens & 0xFFFF  # stored as int16; ids are unsigned
+        tokens = tokens.reshape(batch, seq)
+        if tokens.min().item() < 0 or tokens.max().item() >= expect.vocab_size:
+            raise WireError(ErrorCode.BAD_TOKENS, f"token ids must lie in [0, {expect.vocab_size})")
+    return header, payload, tokens

@@ -7,6 +7,7 @@ import json
 import sys
 from dataclasses import asdict
 
+from swarm.data import DataError
 from swarm.manifest import ManifestError, load_manifest, save_manifest
 from swarm.presets import PRESETS, preset
 
@@ -108,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except ManifestError as exc:
+    except (ManifestError, DataError) as exc:
         print(f"protocol-swarm: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

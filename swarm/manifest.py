@@ -218,6 +218,8 @@ def load_manifest(path: str | Path) -> Manifest:
         raise ManifestError(f"manifest file not found: {path}") from None
     except json.JSONDecodeError as exc:
         raise ManifestError(f"manifest file {path} is not valid JSON: {exc}") from None
+    except (OSError, UnicodeDecodeError) as exc:  # a directory, no permission, binary bytes
+        raise ManifestError(f"manifest file {path} cannot be read: {exc}") from None
     if not isinstance(data, dict):
         raise ManifestError(f"manifest file {path} must hold a JSON object")
     return parse_manifest(data)

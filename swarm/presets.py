@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
-from swarm.manifest import BatchSpec, Manifest, ManifestError, ModelShape, OptimizerSpec, even_stages
+from swarm.manifest import (
+    BatchSpec,
+    Manifest,
+    ManifestError,
+    ModelShape,
+    OptimizerSpec,
+    even_stages,
+    parse_manifest,
+)
 from swarm.subspace import initial_basis, t_fixed_sha256, tensor_sha256
 
 _SHAPES: dict[str, dict] = {
@@ -56,7 +64,7 @@ def preset(name: str, **overrides) -> Manifest:
     fields.update({key: value for key, value in overrides.items() if value is not None})
     if isinstance(fields["stages"], int):
         fields["stages"] = even_stages(fields["model"].n_layers, fields["stages"])
-    manifest = Manifest.model_validate({**fields, "model": fields["model"].model_dump(),
+    manifest = parse_manifest({**fields, "model": fields["model"].model_dump(),
                                         "batch": fields["batch"].model_dump(),
                                         "optimizer": fields["optimizer"].model_dump(),
                                         "stages": [s.model_dump() for s in fields["stages"]]})

@@ -132,7 +132,7 @@ def _parse_header(blob: bytes) -> Header:
         raw = json.loads(blob[len(MAGIC) + 4 : len(MAGIC) + 4 + length])
         raw["shape"] = tuple(raw["shape"])
         header = Header(**raw)
-    except (ValueError, TypeError, KeyError) as exc:
+    except (ValueError, TypeError, KeyError, RecursionError) as exc:  # deep nesting raises RecursionError
         raise WireError(ErrorCode.MALFORMED, f"header is not valid: {exc}") from None
     types_ok = (
         isinstance(header.run_id, str)

@@ -1,0 +1,362 @@
+"""The run manifest: every rule refuses a bad manifest with a message naming the field and the rule;
+hashes of the seed-derived tensors are stable across processes and change with the seed."""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from swarm.manifest import (
+    ManifestError,
+    even_stages,
+    load_manifest,
+    parse_manifest,
+    save_manifest,
+)
+from swarm.presets import PRESETS, preset, verify_hashes
+from swarm.subspace import initial_basis, t_fixed_sha256, t_fixed_table, tensor_sha256
+
+
+@pytest.fixture(scope="module")
+def tiny_dict() -> dict:
+    return preset("tiny").model_dump(mode="json")
+
+
+def _refused(data: dict, *fragments: str) -> str:
+    with pytest.raises(ManifestError) as info:
+        parse_manifest(data)
+    message = str(info.value)
+    for fragment in fragments:
+        assert fragment in message, f"{fragment!r} not in {message!r}"
+    return message
+
+
+def _with(base: dict, path: str, value) -> dict:
+    data = copy.deepcopy(base)
+    *parents, leaf = path.split(".")
+    node = data
+    for key in parents:
+        node = node[key]
+    node[leaf] = value
+    return data
+
+
+# --- the valid case, so the refusals below are refusals of one broken rule --------------------------
+
+def test_tiny_dict_round_trips(tiny_dict):
+    manifest = parse_manifest(tiny_dict)
+    assert manifest == preset("tiny")
+    assert manifest.run_id == preset("tiny").run_id
+    assert manifest.num_stages == 2
+    assert [list(manifest.layers_of(i)) for i in range(2)] == [[0, 1], [2, 3]]
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_every_preset_is_valid(name):
+    # hashing the large presets' V×d tables takes seconds, so validate their fields without hashes
+    manifest = parse_manifest(_no_hash_preset(name))
+    assert 1 <= manifest.k < manifest.model.d_model
+    assert manifest.stages[-1].end_layer == manifest.model.n_layers
+
+
+def _no_hash_preset(name: str) -> dict:
+    # the 1b/8b presets hash a V×d table (up to 128256×4096 floats): validate their shape only
+    from swarm import presets
+
+    fields = dict(presets._SHAPES[name], name=name, seed=0)
+    fields["stages"] = [s.model_dump() for s in even_stages(fields["model"].n_layers, fields["stages"])]
+    for key in ("model", "batch", "optimizer"):
+        fields[key] = fields[key].model_dump()
+    return fields
+
+
+def test_paper_preset_shape():
+    data = _no_hash_preset("8b")
+    assert data["model"]["d_model"] == 4096 and data["k"] == 40
+
+
+# --- one test per rule ------------------------------------------------------------------------------
+
+def test_k_not_smaller_than_d(tiny_dict):
+    _refused(_with(tiny_dict, "k", 256), "k (256)", "smaller than model.d_model (256)")
+    _refused(_with(tiny_dict, "k", 300), "k (300)", "model.d_model")
+
+
+@pytest.mark.parametrize("k", [0, -3])
+def test_k_below_one(tiny_dict, k):
+    _refused(_with(tiny_dict, "k", k), "k:", "at least 1")
+
+
+def test_stage_gap(tiny_dict):
+    stages = [{"first_layer": 0, "end_layer": 1}, {"first_layer": 2, "end_layer": 4}]
+    _refused(_with(tiny_dict, "stages", stages), "stages[1].first_layer", "without gaps or overlaps")
+
+
+def test_stage_overlap(tiny_dict):
+    stages = [{"first_layer": 0, "end_layer": 3}, {"first_layer": 2, "end_layer": 4}]
+    _refused(_with(tiny_dict, "stages", stages), "stages[1].first_layer is 2 but must be 3")
+
+
+def test_stages_not_starting_at_zero(tiny_dict):
+    stages = [{"first_layer": 1, "end_layer": 4}]
+    _refused(_with(tiny_dict, "stages", stages), "stages[0].first_layer", "cover the layers exactly")
+
+
+def test_stages_not_covering_all_layers(tiny_dict):
+    stages = [{"first_layer": 0, "end_layer": 2}, {"first_layer": 2, "end_layer": 3}]
+    _refused(_with(tiny_dict, "stages", stages), "stages end at layer 3", "model.n_layers is 4")
+
+
+def test_stages_beyond_last_layer(tiny_dict):
+    stages = [{"first_layer": 0, "end_layer": 2}, {"first_layer": 2, "end_layer": 5}]
+    _refused(_with(tiny_dict, "stages", stages), "stages end at layer 5", "model.n_layers is 4")
+
+
+def test_empty_stage(tiny_dict):
+    stages = [{"first_layer": 0, "end_layer": 2}, {"first_layer": 2, "end_layer": 2},
+              {"first_layer": 2, "end_layer": 4}]
+    _refused(_with(tiny_dict, "stages", stages), "stages[1]", "at least one layer")
+
+
+def test_no_stages(tiny_dict):
+    _refused(_with(tiny_dict, "stages", []), "stages", "at least one stage")
+
+
+def test_negative_layer_index(tiny_dict):
+    stages = [{"first_layer": -1, "end_layer": 4}]
+    _refused(_with(tiny_dict, "stages", stages), "stages.0.first_layer", "greater than or equal to 0")
+
+
+def test_unknown_wire_dtype(tiny_dict):
+    _refused(_with(tiny_dict, "wire_dtype", "fp8"), "wire_dtype", "'fp32'", "'bf16'", "'fp16'")
+
+
+def test_unknown_compression(tiny_dict):
+    _refused(_with(tiny_dict, "compression", "zip"), "compression", "'subspace'")
+
+
+def test_vocab_too_small_for_bytes(tiny_dict):
+    _refused(_with(tiny_dict, "model.vocab_size", 100), "model.vocab_size (100)", ">= 256", "byte tokenizer")
+
+
+def test_vocab_below_two(tiny_dict):
+    data = _with(_with(tiny_dict, "model.vocab_size", 1), "tokenizer", "hf:gpt2")
+    _refused(data, "model.vocab_size", "greater than or equal to 2")
+
+
+def test_small_vocab_allowed_for_other_tokenizers(tiny_dict):
+    data = _with(_with(tiny_dict, "model.vocab_size", 100), "tokenizer", "hf:gpt2")
+    assert parse_manifest(data).model.vocab_size == 100
+
+
+def test_heads_do_not_divide_d(tiny_dict):
+    _refused(_with(tiny_dict, "model.n_heads", 3), "model.d_model (256)", "divisible by model.n_heads (3)")
+
+
+def test_kv_heads_do_not_divide_heads(tiny_dict):
+    data = _with(tiny_dict, "model.n_kv_heads", 3)
+    _refused(data, "model.n_heads (4)", "divisible by model.n_kv_heads (3)")
+
+
+def test_odd_head_dim(tiny_dict):
+    data = _with(_with(tiny_dict, "model.n_heads", 256), "model.n_kv_heads", 256)
+    _refused(data, "model.d_model / model.n_heads", "even")
+
+
+def test_seq_len_exceeds_max(tiny_dict):
+    _refused(_with(tiny_dict, "batch.seq_len", 512), "batch.seq_len (512)", "model.max_seq_len (256)")
+
+
+def test_unknown_tokenizer(tiny_dict):
+    _refused(_with(tiny_dict, "tokenizer", "sentencepiece"), "tokenizer", "'bytes' or 'hf:<name>'")
+
+
+def test_extra_unknown_field(tiny_dict):
+    _refused({**tiny_dict, "bogus": 1}, "bogus", "Extra inputs are not permitted")
+    _refused(_with(tiny_dict, "model.dropout", 0.1), "model.dropout", "Extra inputs are not permitted")
+
+
+def test_missing_field(tiny_dict):
+    data = copy.deepcopy(tiny_dict)
+    del data["seed"]
+    _refused(data, "seed", "Field required")
+
+
+def test_bad_hash_format(tiny_dict):
+    _refused(_with(tiny_dict, "u_sha256", "XYZ"), "u_sha256", "64 lowercase hex digits")
+
+
+def test_several_problems_reported_together(tiny_dict):
+    data = _with(_with(tiny_dict, "wire_dtype", "fp8"), "tokenizer", "nope")
+    _refused(data, "wire_dtype", "tokenizer")
+
+
+def test_preset_overrides_are_validated():
+    with pytest.raises(ManifestError, match=r"k \(256\)"):
+        preset("tiny", k=256)
+    with pytest.raises(ManifestError, match="stages must be between 1"):
+        preset("tiny", stages=5)
+    with pytest.raises(ManifestError, match="unknown preset"):
+        preset("huge")
+
+
+def test_even_stages():
+    assert [(s.first_layer, s.end_layer) for s in even_stages(5, 2)] == [(0, 3), (3, 5)]
+    assert [(s.first_layer, s.end_layer) for s in even_stages(4, 4)] == [(0, 1), (1, 2), (2, 3), (3, 4)]
+    with pytest.raises(ManifestError):
+        even_stages(4, 0)
+
+
+# --- files ------------------------------------------------------------------------------------------
+
+def test_load_missing_file(tmp_path):
+    with pytest.raises(ManifestError, match="not found"):
+        load_manifest(tmp_path / "absent.json")
+
+
+def test_load_bad_json(tmp_path):
+    path = tmp_path / "bad.json"
+    path.write_text("{not json")
+    with pytest.raises(ManifestError, match="not valid JSON"):
+        load_manifest(path)
+
+
+def test_load_not_an_object(tmp_path):
+    path = tmp_path / "list.json"
+    path.write_text("[1, 2]")
+    with pytest.raises(ManifestError, match="JSON object"):
+        load_manifest(path)
+
+
+def test_load_unreadable(tmp_path):
+    with pytest.raises(ManifestError, match="cannot be read"):
+        load_manifest(tmp_path)  # a directory
+    binary = tmp_path / "binary.json"
+    binary.write_bytes(b"\xff\xfe\x00\x01")
+    with pytest.raises(ManifestError, match="cannot be read"):
+        load_manifest(binary)
+
+
+def test_load_invalid_manifest_names_field(tmp_path, tiny_dict):
+    path = tmp_path / "m.json"
+    path.write_text(json.dumps(_with(tiny_dict, "k", 0)))
+    with pytest.raises(ManifestError, match="k: "):
+        load_manifest(path)
+
+
+def test_save_load_round_trip(tmp_path):
+    manifest = preset("tiny", compression="boundary", seed=7)
+    save_manifest(manifest, tmp_path / "m.json")
+    loaded = load_manifest(tmp_path / "m.json")
+    assert loaded == manifest
+    assert loaded.canonical_json() == manifest.canonical_json()
+    assert loaded.run_id == manifest.run_id
+
+
+# --- run id and hashes ------------------------------------------------------------------------------
+
+def test_run_id_depends_on_every_field():
+    base = preset("tiny")
+    assert base.run_id.startswith("tiny-") and len(base.run_id) == len("tiny-") + 12
+    others = [preset("tiny", seed=1), preset("tiny", k=8), preset("tiny", compression="none"),
+              preset("tiny", wire_dtype="fp32"), preset("tiny", stages=4)]
+    ids = {m.run_id for m in others}
+    assert base.run_id not in ids and len(ids) == len(others)
+
+
+def test_streamed_t_fixed_hash_matches_table():
+    table = t_fixed_table(3, 300, 16)
+    assert table.shape == (300, 16) and table.dtype == torch.float32
+    assert t_fixed_sha256(3, 300, 16) == tensor_sha256(table)
+    # more rows than one streaming chunk
+    assert t_fixed_sha256(3, 5000, 4) == tensor_sha256(t_fixed_table(3, 5000, 4))
+
+
+def test_t_fixed_is_full_rank_and_scaled():
+    table = t_fixed_table(0, 256, 64).double()
+    assert torch.linalg.matrix_rank(table).item() == 64
+    assert 0.015 < table.std().item() < 0.025
+
+
+def test_preset_hashes_match_derived_tensors():
+    manifest = preset("tiny")
+    assert manifest.t_fixed_sha256 == tensor_sha256(t_fixed_table(0, 256, 256))
+    assert manifest.u_sha256 == tensor_sha256(initial_basis(0, 256, 4))
+
+
+_HASH_SCRIPT = """
+import json, sys
+from swarm.presets import preset
+from swarm.subspace import initial_basis, t_fixed_table, tensor_sha256
+seed = int(sys.argv[1])
+m = preset("tiny", seed=seed)
+print(json.dumps([tensor_sha256(t_fixed_table(seed, 256, 64)), tensor_sha256(initial_basis(seed, 64, 4)),
+                  m.t_fixed_sha256, m.u_sha256, m.run_id]))
+"""
+
+
+def _hashes_in_subprocess(seed: int) -> list[str]:
+    out = subprocess.run([sys.executable, "-c", _HASH_SCRIPT, str(seed)], capture_output=True, text=True,
+                         check=True, timeout=120)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_hashes_identical_across_processes_and_change_with_seed():
+    first, second, other_seed = _hashes_in_subprocess(0), _hashes_in_subprocess(0), _hashes_in_subprocess(1)
+    assert first == second
+    # and identical to this process too
+    here = preset("tiny", seed=0)
+    assert first[2:] == [here.t_fixed_sha256, here.u_sha256, here.run_id]
+    assert first[0] == tensor_sha256(t_fixed_table(0, 256, 64))
+    for a, b in zip(first, other_seed, strict=True):
+        assert a != b
+    assert all(len(h) == 64 for h in first[:4])
+
+
+def test_verify_hashes_accepts_the_preset():
+    verify_hashes(preset("tiny"))
+    verify_hashes(preset("tiny", seed=5))
+
+
+def test_verify_hashes_refuses_wrong_t_fixed_hash():
+    manifest = preset("tiny")
+    wrong = "0" * 64
+    forged = manifest.model_copy(update={"t_fixed_sha256": wrong})
+    with pytest.raises(ManifestError) as info:
+        verify_hashes(forged)
+    message = str(info.value)
+    assert "T_fixed" in message and wrong in message and manifest.t_fixed_sha256 in message
+
+
+def test_verify_hashes_refuses_wrong_u_hash():
+    manifest = preset("tiny")
+    other = preset("tiny", seed=1).u_sha256
+    forged = manifest.model_copy(update={"u_sha256": other})
+    with pytest.raises(ManifestError) as info:
+        verify_hashes(forged)
+    message = str(info.value)
+    assert "U v0" in message and other in message and manifest.u_sha256 in message
+
+
+def test_verify_hashes_refuses_missing_hash():
+    forged = preset("tiny").model_copy(update={"u_sha256": ""})
+    with pytest.raises(ManifestError, match="none"):
+        verify_hashes(forged)
+
+
+def test_seed_changes_hashes_in_manifest():
+    a, b = preset("tiny", seed=0), preset("tiny", seed=1)
+    assert a.t_fixed_sha256 != b.t_fixed_sha256 and a.u_sha256 != b.u_sha256
+
+
+def test_compression_ratio_fields():
+    manifest = preset("tiny")
+    assert manifest.dense_bytes_per_token() == 256 * 2
+    assert manifest.compressed_bytes_per_token() == 4 * 2 + 1
+    assert preset("tiny", compression="none").compressed_bytes_per_token() == 512
+    assert preset("tiny", wire_dtype="fp32").dense_bytes_per_token() == 1024

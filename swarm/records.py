@@ -51,6 +51,7 @@ class StagePeerRecord(pydantic.BaseModel):
     errors: _Count
     loss: Optional[pydantic.confloat(strict=True, allow_inf_nan=False)]
     optimizer_epoch: _Count
+    state_sha256: _Hash = ""  # hash of the stage's parameters at optimizer_epoch: peers of a stage agree
 
     class Config:
         extra = pydantic.Extra.forbid

@@ -151,6 +151,26 @@ def _parse_header(blob: bytes) -> Header:
     return header
 
 
+ERROR_MAGIC = b"PSWE"
+
+
+def encode_error(code: ErrorCode, message: str) -> bytes:
+    """A refusal: the reply a peer sends instead of a message, with a precise code."""
+    return ERROR_MAGIC + json.dumps({"code": code.value, "message": message[:1000]}).encode()
+
+
+def raise_if_error(blob: bytes) -> None:
+    """Turn an error reply from a remote peer into a WireError (unknown codes become MALFORMED)."""
+    if not blob.startswith(ERROR_MAGIC):
+        return
+    try:
+        body = json.loads(blob[len(ERROR_MAGIC) : len(ERROR_MAGIC) + 4096])
+        code, message = ErrorCode(body["code"]), str(body["message"])
+    except (ValueError, KeyError, TypeError):
+        raise WireError(ErrorCode.MALFORMED, "remote peer sent an unreadable error reply") from None
+    raise WireError(code, f"remote: {message}")
+
+
 def peek_header(blob: bytes) -> Header:
     """The header alone, validated for form only: lets a router read a trip id cheaply."""
     return _parse_header(blob)

@@ -300,14 +300,20 @@ print(json.dumps([tensor_sha256(t_fixed_table(seed, 256, 64)), tensor_sha256(ini
 """
 
 
-def _hashes_in_subprocess(seed: int) -> list[str]:
-    out = subprocess.run([sys.executable, "-c", _HASH_SCRIPT, str(seed)], capture_output=True, text=True,
-                         check=True, timeout=120)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+def _hashes_in_subprocesses(*seeds: int) -> list[list[str]]:
+    """Each seed in its own fresh interpreter, all started at once."""
+    procs = [subprocess.Popen([sys.executable, "-c", _HASH_SCRIPT, str(seed)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for seed in seeds]
+    results = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    return results
 
 
 def test_hashes_identical_across_processes_and_change_with_seed():
-    first, second, other_seed = _hashes_in_subprocess(0), _hashes_in_subprocess(0), _hashes_in_subprocess(1)
+    first, second, other_seed = _hashes_in_subprocesses(0, 0, 1)
     assert first == second
     # and identical to this process too
     here = preset("tiny", seed=0)

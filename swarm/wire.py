@@ -44,6 +44,7 @@ class ErrorCode(str, enum.Enum):
     OVERLOADED = "overloaded"
     LEAVING = "leaving"
     NO_PEER = "no_peer"
+    UNREACHABLE = "unreachable"
     TIMEOUT = "timeout"
     INTERNAL = "internal"
 
@@ -166,7 +167,7 @@ def raise_if_error(blob: bytes) -> None:
     try:
         body = json.loads(blob[len(ERROR_MAGIC) : len(ERROR_MAGIC) + 4096])
         code, message = ErrorCode(body["code"]), str(body["message"])
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, RecursionError):
         raise WireError(ErrorCode.MALFORMED, "remote peer sent an unreadable error reply") from None
     raise WireError(code, f"remote: {message}")
 

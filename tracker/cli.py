@@ -1,0 +1,235 @@
+"""`protocol-tracker`: the run's front door (manifest, bootstrap) and its status page.
+
+Every flag can also come from the environment as PROTOCOL_TRACKER_<FLAG> (dashes become
+underscores, e.g. PROTOCOL_TRACKER_INITIAL_PEERS); a flag on the command line wins. List
+values in the environment are separated by spaces or commas.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Sequence
+
+from swarm.manifest import ManifestError, load_manifest
+from tracker.summary import DEFAULT_STALE_AFTER
+
+logger = logging.getLogger("tracker")
+ENV_PREFIX = "PROTOCOL_TRACKER_"
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def _env(name: str, default=None, is_list: bool = False):
+    value = os.environ.get(ENV_PREFIX + name.upper().replace("-", "_"))
+    if value is None or value.strip() == "":
+        return default
+    return value.replace(",", " ").split() if is_list else value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="protocol-tracker",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    manifest = _env("manifest")
+    p.add_argument("--manifest", default=manifest, required=manifest is None, help="the run manifest (JSON)")
+    p.add_argument("--host", default=_env("host", "127.0.0.1"), help="HTTP bind address (default 127.0.0.1)")
+    p.add_argument(
+        "--port", type=int, default=int(_env("port", "8000")), help="HTTP port; 0 picks a free one"
+    )
+    p.add_argument(
+        "--db", default=_env("db", "tracker-history.sqlite"), help="SQLite file for loss/throughput history"
+    )
+    p.add_argument(
+        "--identity",
+        default=_env("identity"),
+        help="libp2p identity file (created if missing); keeps the bootstrap address stable across restarts",
+    )
+    p.add_argument(
+        "--initial-peers",
+        nargs="*",
+        default=_env("initial-peers", [], True),
+        help="multiaddrs of other DHT nodes of the run (e.g. another tracker)",
+    )
+    p.add_argument(
+        "--host-maddrs",
+        nargs="*",
+        default=_env("host-maddrs", None, True),
+        help="where the DHT node listens (default: loopback when --host is loopback, else all interfaces; "
+        "pin a port, e.g. /ip4/0.0.0.0/tcp/31337, for an address that survives restarts)",
+    )
+    p.add_argument(
+        "--announce-maddrs",
+        nargs="*",
+        default=_env("announce-maddrs", None, True),
+        help="public multiaddrs to hand out (behind NAT or a port forward)",
+    )
+    p.add_argument(
+        "--poll-interval",
+        type=float,
+        default=float(_env("poll-interval", "5")),
+        help="seconds between DHT reads (default 5)",
+    )
+    p.add_argument(
+        "--stale-after",
+        type=float,
+        default=float(_env("stale-after", str(DEFAULT_STALE_AFTER))),
+        help=f"warn about a peer whose record is not refreshed for this long ({DEFAULT_STALE_AFTER:g}s)",
+    )
+    p.add_argument("--log-level", default=_env("log-level", "INFO"), help="DEBUG, INFO, WARNING, ERROR")
+    return p
+
+
+def default_host_maddrs(host: str) -> list[str]:
+    """A tracker that serves HTTP only locally keeps its DHT local too; a public one listens everywhere."""
+    if host in ("127.0.0.1", "localhost"):
+        return ["/ip4/127.0.0.1/tcp/0"]
+    if host == "::1":
+        return ["/ip6/::1/tcp/0"]
+    return ["/ip4/0.0.0.0/tcp/0"]
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """Bind before starting anything else: a taken port fails fast, and port 0 tells us its number."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(128)
+    sock.set_inheritable(True)
+    return sock
+
+
+def _display_url(host: str, port: int) -> str:
+    shown = {"0.0.0.0": "127.0.0.1", "::": "[::1]", "": "127.0.0.1"}.get(
+        host, f"[{host}]" if ":" in host else host
+    )
+    return f"http://{shown}:{port}"
+
+
+def _raise_exit(signum, frame) -> None:
+    raise SystemExit(128 + signum)
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from tracker.app import create_app
+    from tracker.history import History
+    from tracker.service import SwarmMonitor, dht_fetch, start_dht
+
+    try:
+        manifest = load_manifest(args.manifest)
+    except ManifestError as exc:
+        logger.error("%s", exc)
+        return 2
+    if not manifest.t_fixed_sha256 or not manifest.u_sha256:
+        logger.warning(
+            "manifest records no T_fixed/U hashes: peers cannot verify them (use a preset or "
+            "`protocol-swarm inspect --write`)"
+        )
+    if args.poll_interval <= 0 or args.stale_after <= 0:
+        logger.error("--poll-interval and --stale-after must be positive")
+        return 2
+    try:
+        sock = _listen(args.host, args.port)
+    except OSError as exc:
+        logger.error("cannot listen on %s:%s: %s", args.host, args.port, exc)
+        return 2
+    port = sock.getsockname()[1]
+    url = _display_url(args.host, port)
+    if args.identity is None:
+        logger.warning(
+            "no --identity: the DHT peer id (and so the bootstrap address) changes on every restart"
+        )
+    elif os.path.dirname(os.path.abspath(args.identity)):
+        os.makedirs(os.path.dirname(os.path.abspath(args.identity)), exist_ok=True)
+
+    dht = history = monitor = None
+    signal.signal(signal.SIGTERM, _raise_exit)  # so a SIGTERM still runs the cleanup below
+    try:
+        history = History(args.db)
+        logger.info("history in %s (%d samples)", args.db, history.count())
+        try:
+            dht = start_dht(
+                manifest,
+                identity=args.identity,
+                initial_peers=args.initial_peers,
+                host_maddrs=args.host_maddrs or default_host_maddrs(args.host),
+                announce_maddrs=args.announce_maddrs,
+            )
+        except Exception as exc:
+            logger.error("cannot start the DHT node: %s: %s", type(exc).__name__, exc)
+            return 1
+        maddrs = [str(a) for a in dht.get_visible_maddrs()]
+        logger.info("DHT node %s listening on %s", dht.peer_id, " ".join(maddrs))
+        monitor = SwarmMonitor(
+            manifest,
+            history,
+            dht_fetch(dht, manifest),
+            bootstrap=dht.get_visible_maddrs,
+            poll_interval=args.poll_interval,
+            stale_after=args.stale_after,
+        )
+        monitor.poll_once()
+        monitor.start()
+        config = uvicorn.Config(
+            create_app(monitor),
+            log_level="warning",
+            access_log=False,
+            lifespan="off",
+            timeout_graceful_shutdown=5,
+        )
+        server = uvicorn.Server(config)
+
+        def announce_ready() -> None:
+            while not server.started and not server.should_exit:
+                time.sleep(0.05)
+            if server.started:
+                logger.info(
+                    "tracker ready at %s/ (run %s, %d stages, bootstrap %s)",
+                    url,
+                    manifest.run_id,
+                    manifest.num_stages,
+                    " ".join(maddrs),
+                )
+
+        threading.Thread(target=announce_ready, name="tracker-ready", daemon=True).start()
+        server.run(sockets=[sock])
+        return 0
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        logger.info("tracker stopping")
+        if monitor is not None:
+            monitor.stop()
+        if dht is not None:
+            dht.shutdown()
+        if history is not None:
+            history.close()
+        sock.close()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    level = getattr(logging, str(args.log_level).upper(), None)
+    if not isinstance(level, int):
+        print(f"protocol-tracker: invalid --log-level {args.log_level!r}", file=sys.stderr)
+        return 2
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(LOG_FORMAT))
+    logger.addHandler(handler)
+    logger.setLevel(level)
+    logger.propagate = False
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,91 @@
+"""Loss and throughput history in SQLite, so the charts survive a tracker restart.
+
+One row per poll. The table is capped (oldest rows go first) and reads are downsampled in
+SQL, so neither the file nor a response grows with the run's age.
+"""
+
+from __future__ import annotations
+
+import math
+import sqlite3
+import threading
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+DEFAULT_MAX_ROWS = 200_000  # ~11 days at one poll every 5 s
+_COLUMNS = ("time", "loss", "capacity", "tokens", "peers", "bytes_sent")
+
+
+class History:
+    """A thread-safe store; the poller writes, request handlers read."""
+
+    def __init__(self, path: str | Path, max_rows: int = DEFAULT_MAX_ROWS) -> None:
+        self.path = str(path)
+        if self.path != ":memory:":
+            Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+        self.max_rows = max_rows
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(self.path, check_same_thread=False)
+        with self._lock, self._db:
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute(
+                "CREATE TABLE IF NOT EXISTS samples (id INTEGER PRIMARY KEY AUTOINCREMENT, "
+                "time REAL NOT NULL, "
+                "loss REAL, capacity REAL NOT NULL, tokens INTEGER NOT NULL, peers INTEGER NOT NULL, "
+                "bytes_sent INTEGER NOT NULL)"
+            )
+            self._db.execute("CREATE INDEX IF NOT EXISTS samples_time ON samples(time)")
+        self._inserts = 0
+
+    def add(self, sample: Mapping[str, Any]) -> None:
+        with self._lock, self._db:
+            self._db.execute(
+                f"INSERT INTO samples ({', '.join(_COLUMNS)}) VALUES ({', '.join('?' * len(_COLUMNS))})",
+                [sample[c] for c in _COLUMNS],
+            )
+            self._inserts += 1
+            if self._inserts % 1000 == 1:
+                self._db.execute(
+                    "DELETE FROM samples WHERE id <= (SELECT MAX(id) FROM samples) - ?", (self.max_rows,)
+                )
+
+    def count(self) -> int:
+        with self._lock:
+            return self._db.execute("SELECT COUNT(*) FROM samples").fetchone()[0]
+
+    def read(self, points: int, since: float = 0.0) -> list[dict[str, Any]]:
+        """At most `points` evenly spaced samples from `since` on, always ending with the newest."""
+        if points <= 0:
+            return []
+        with self._lock:
+            last, count = self._db.execute(
+                "SELECT MAX(id), COUNT(*) FROM samples WHERE time >= ?", (since,)
+            ).fetchone()
+            if not count:
+                return []
+            step = max(1, math.ceil(count / points))
+            rows = self._db.execute(
+                f"SELECT {', '.join(_COLUMNS)} FROM samples WHERE time >= ? AND ((? - id) % ? = 0) "
+                "ORDER BY id DESC LIMIT ?",
+                (since, last, step, points),
+            ).fetchall()
+        return with_rates([dict(zip(_COLUMNS, row, strict=True)) for row in reversed(rows)])
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+
+def with_rates(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Add `rate` (tokens/s trained) from consecutive samples; a counter reset gives no rate."""
+    previous = None
+    for sample in samples:
+        rate = None
+        if previous is not None:
+            dt, dtokens = sample["time"] - previous["time"], sample["tokens"] - previous["tokens"]
+            if dt > 0 and dtokens >= 0:
+                rate = dtokens / dt
+        sample["rate"] = rate
+        previous = sample
+    return samples

@@ -1,0 +1,267 @@
+"""Pure logic of the tracker: turn fetched DHT records into the swarm summary.
+
+Nothing here touches the network, a clock or a database, so every rule (what counts as online,
+when the swarm is healthy, how much traffic compression saved) is unit-tested on plain
+records. The service layer (`tracker.service`) fetches records, keeps last-seen times and
+history, and hands everything to `summarize`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from swarm.manifest import Manifest
+from swarm.records import RECORD_TTL, SOFTWARE_VERSION, PeerEntry, StagePeerRecord
+
+# A peer re-announces every RECORD_TTL / 3; missing two and a half of those means it is in trouble
+# (its record is still alive, but it may be about to vanish).
+DEFAULT_STALE_AFTER = RECORD_TTL / 3 * 2.5
+# Bounds on what one response may hold, whatever peers publish into the DHT.
+MAX_PEERS_PER_STAGE = 256
+MAX_WARNINGS = 200
+
+
+@dataclass(frozen=True)
+class PeerView:
+    """A peer record as the tracker saw it: the record plus when the tracker last saw it refreshed."""
+
+    record: StagePeerRecord
+    expiration: float
+    owner: bytes
+    last_seen: float
+
+    @property
+    def key(self) -> str:
+        """A short stable id derived from the owner's signing key (the record's `peer_id` is only a claim)."""
+        return owner_fingerprint(self.owner)
+
+
+def owner_fingerprint(owner: bytes) -> str:
+    return hashlib.sha256(owner).hexdigest()[:16]
+
+
+def current_u_version(stages: Mapping[int, Sequence[PeerView | PeerEntry]]) -> int:
+    """The highest U version any online peer runs; 0 when nobody is online (the manifest's v0)."""
+    versions = [e.record.u_version for peers in stages.values() for e in peers if e.record.state == "online"]
+    return max(versions, default=0)
+
+
+def is_serving(record: StagePeerRecord, manifest: Manifest) -> bool:
+    """Online and computing the run's function: a peer with another T_fixed cannot serve this run."""
+    return record.state == "online" and (
+        not manifest.t_fixed_sha256 or record.t_fixed_sha256 == manifest.t_fixed_sha256
+    )
+
+
+def boundary_directions(stage: int, num_stages: int) -> int:
+    """How many boundary messages a stage sends per token: activations forward, gradients back."""
+    return int(stage < num_stages - 1) + int(stage > 0)
+
+
+def peer_warnings(
+    view: PeerView, manifest: Manifest, u_version: int, now: float, stale_after: float
+) -> list[dict[str, Any]]:
+    """What is wrong with one peer, judged against the manifest and the swarm's current U version."""
+    record, out = view.record, []
+    where = dict(stage=record.stage, peer=view.key)
+    if manifest.t_fixed_sha256 and record.t_fixed_sha256 != manifest.t_fixed_sha256:
+        out.append(
+            dict(
+                level="error",
+                code="t_fixed_mismatch",
+                **where,
+                message="T_fixed hash differs from the manifest: this peer computes another function",
+            )
+        )
+    if record.u_version == 0 and manifest.u_sha256 and record.u_sha256 != manifest.u_sha256:
+        out.append(
+            dict(
+                level="error", code="u_hash_mismatch", **where, message="U v0 hash differs from the manifest"
+            )
+        )
+    if record.state == "online" and record.u_version < u_version:
+        out.append(
+            dict(
+                level="warning",
+                code="u_version_behind",
+                **where,
+                message=f"runs U v{record.u_version}, the swarm is at v{u_version}",
+            )
+        )
+    if record.software_version != SOFTWARE_VERSION:
+        out.append(
+            dict(
+                level="info",
+                code="software_version",
+                **where,
+                message=f"software version differs from the tracker's {SOFTWARE_VERSION}",
+            )
+        )
+    if now - view.last_seen > stale_after:
+        out.append(
+            dict(
+                level="warning",
+                code="stale_peer",
+                **where,
+                message=f"record not refreshed for {now - view.last_seen:.0f}s",
+            )
+        )
+    return out
+
+
+def peer_summary(view: PeerView, now: float) -> dict[str, Any]:
+    r = view.record
+    return dict(
+        key=view.key,
+        peer_id=r.peer_id,
+        public_name=r.public_name,
+        state=r.state,
+        throughput=r.throughput,
+        load=r.load,
+        u_version=r.u_version,
+        u_sha256=r.u_sha256,
+        t_fixed_sha256=r.t_fixed_sha256,
+        software_version=r.software_version,
+        trips=r.trips,
+        tokens=r.tokens,
+        bytes_in=r.bytes_in,
+        bytes_out=r.bytes_out,
+        errors=r.errors,
+        loss=r.loss,
+        optimizer_epoch=r.optimizer_epoch,
+        last_seen=view.last_seen,
+        seconds_since_seen=max(0.0, now - view.last_seen),
+        expires_in=max(0.0, view.expiration - now),
+    )
+
+
+def summarize(
+    manifest: Manifest,
+    stages: Mapping[int, Sequence[PeerView]],
+    now: float,
+    *,
+    stale_after: float = DEFAULT_STALE_AFTER,
+    polled: bool = True,
+) -> dict[str, Any]:
+    """The swarm summary served by `/api/v1/swarm` (minus history), the page and `/metrics`.
+
+    `healthy` holds only when every stage has a serving peer (online, right T_fixed): a trip
+    needs every stage, so one empty stage stops training for the whole swarm.
+    Totals: `capacity_tokens_per_s` is the pipeline's bottleneck (the weakest stage's summed
+    throughput); `tokens_trained` sums the stage-0 drivers' counters (every trip starts there);
+    `dense_equivalent_bytes` is what the same tokens would have cost uncompressed across the same
+    boundaries, so `bytes_sent / dense_equivalent_bytes` is the achieved compression.
+    """
+    u_version = current_u_version(stages)
+    warnings: list[dict[str, Any]] = []
+    if not polled:
+        warnings.append(
+            dict(
+                level="warning",
+                code="no_data",
+                stage=None,
+                peer=None,
+                message="the tracker has not read the DHT yet",
+            )
+        )
+    dense_per_token = manifest.dense_bytes_per_token()
+    stage_rows, bytes_sent, dense_bytes, capacity = [], 0, 0, []
+    tokens_trained, losses = 0, []
+    for i in range(manifest.num_stages):
+        views = sorted(
+            stages.get(i, ()), key=lambda v: (v.record.state != "online", -v.record.throughput, v.key)
+        )
+        serving = [v for v in views if is_serving(v.record, manifest)]
+        online = [v for v in views if v.record.state == "online"]
+        stage_capacity = sum(v.record.throughput for v in serving)
+        capacity.append(stage_capacity)
+        directions = boundary_directions(i, manifest.num_stages)
+        for v in views:
+            bytes_sent += v.record.bytes_out
+            dense_bytes += v.record.tokens * dense_per_token * directions
+            warnings.extend(peer_warnings(v, manifest, u_version, now, stale_after))
+            if i == 0:
+                tokens_trained += v.record.tokens
+                if v.record.loss is not None and v.record.state == "online":
+                    losses.append((v.record.loss, max(v.record.tokens, 1)))
+        if not serving:
+            warnings.append(
+                dict(
+                    level="error",
+                    code="empty_stage",
+                    stage=i,
+                    peer=None,
+                    message=f"stage {i} has no online peer: training is stalled",
+                )
+            )
+        spec = manifest.stages[i]
+        stage_rows.append(
+            dict(
+                stage=i,
+                layers=[spec.first_layer, spec.end_layer],
+                peers_total=len(views),
+                peers_online=len(online),
+                peers_serving=len(serving),
+                throughput=stage_capacity,
+                load=sum(v.record.load for v in views),
+                peers=[peer_summary(v, now) for v in views[:MAX_PEERS_PER_STAGE]],
+                peers_omitted=max(0, len(views) - MAX_PEERS_PER_STAGE),
+            )
+        )
+    healthy = polled and all(row["peers_serving"] > 0 for row in stage_rows)
+    loss = sum(value * weight for value, weight in losses) / sum(w for _, w in losses) if losses else None
+    return dict(
+        run_id=manifest.run_id,
+        time=now,
+        healthy=healthy,
+        u_version=u_version,
+        stages=stage_rows,
+        totals=dict(
+            peers=sum(r["peers_total"] for r in stage_rows),
+            peers_online=sum(r["peers_online"] for r in stage_rows),
+            capacity_tokens_per_s=min(capacity) if capacity else 0.0,
+            tokens_trained=tokens_trained,
+            bytes_sent=bytes_sent,
+            dense_equivalent_bytes=dense_bytes,
+            compression_ratio=(bytes_sent / dense_bytes) if dense_bytes else None,
+            manifest_bytes_ratio=manifest.compressed_bytes_per_token() / dense_per_token,
+            loss=loss,
+        ),
+        warnings=warnings[:MAX_WARNINGS],
+        warnings_omitted=max(0, len(warnings) - MAX_WARNINGS),
+    )
+
+
+def track_last_seen(
+    previous: Mapping[bytes, tuple[float, float]], entries: Iterable[PeerEntry], now: float
+) -> dict[bytes, tuple[float, float]]:
+    """Update {owner: (expiration, last_seen)}: a record counts as seen when its expiration moved.
+
+    A peer refreshes its record by re-announcing with a new expiration, so an unchanged
+    expiration means no news from that peer since the last poll. Owners whose records vanished
+    are dropped, which keeps the map as small as the swarm.
+    """
+    out = {}
+    for entry in entries:
+        old = previous.get(entry.owner)
+        if old is not None and old[0] == entry.expiration:
+            out[entry.owner] = old
+        else:
+            out[entry.owner] = (entry.expiration, now)
+    return out
+
+
+def history_sample(summary: Mapping[str, Any]) -> dict[str, Any]:
+    """The row a poll adds to the history: what the charts plot over time."""
+    totals = summary["totals"]
+    return dict(
+        time=summary["time"],
+        loss=totals["loss"],
+        capacity=totals["capacity_tokens_per_s"],
+        tokens=totals["tokens_trained"],
+        peers=totals["peers_online"],
+        bytes_sent=totals["bytes_sent"],
+    )

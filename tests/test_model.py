@@ -1,0 +1,197 @@
+"""The LLaMA-style stages: which tensors are constrained in each mode, shapes, causality, and that
+splitting the model into stages does not change the function it computes."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from swarm.manifest import BatchSpec, ModelShape
+from swarm.model import (
+    PipelineStage,
+    apply_rope,
+    build_stages,
+    next_token_loss,
+    rope_tables,
+)
+from swarm.presets import preset
+from swarm.subspace import initial_basis, relative_error, tensor_sha256
+
+D, K, V, SEQ = 64, 4, 256, 32
+
+
+def small(compression: str = "subspace", n_layers: int = 2, stages: int = 2, **overrides):
+    shape = ModelShape(d_model=D, n_layers=n_layers, n_heads=4, n_kv_heads=2, d_ff=128, vocab_size=V,
+                       max_seq_len=64)
+    return preset("tiny", model=shape, k=K, stages=stages, compression=compression, wire_dtype="fp32",
+                  batch=BatchSpec(microbatch_size=2, seq_len=SEQ, target_batch_size=2), **overrides)
+
+
+def tokens(batch: int = 2, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, V, (batch, SEQ), generator=torch.Generator().manual_seed(seed))
+
+
+def chain(stages, toks):
+    hidden = None
+    for stage in stages:
+        hidden = stage(hidden, toks)
+    return hidden
+
+
+def _names(stage: PipelineStage) -> set[str]:
+    return {item.name for item in stage.constrained}
+
+
+def test_constrained_tensors_subspace_mode():
+    stages = build_stages(small("subspace", n_layers=3, stages=3))
+    assert _names(stages[0]) == {"t_s", "layers.0.attn.wo.weight", "layers.0.mlp.w2.weight"}
+    assert _names(stages[1]) == {"layers.0.attn.wo.weight", "layers.0.mlp.w2.weight"}
+    assert _names(stages[2]) == set()  # the tail writes into a stream that never leaves the peer
+    axes = {item.name: item.axis for item in stages[0].constrained}
+    assert axes == {"t_s": 1, "layers.0.attn.wo.weight": 0, "layers.0.mlp.w2.weight": 0}
+    for stage in stages:
+        assert not stage.projects_boundary
+
+
+def test_constrained_tensors_boundary_mode():
+    stages = build_stages(small("boundary", n_layers=3, stages=3))
+    assert [_names(s) for s in stages] == [{"t_s"}, set(), set()]
+    assert [s.projects_boundary for s in stages] == [True, True, False]
+
+
+def test_nothing_constrained_in_dense_mode_or_single_stage():
+    assert all(not s.constrained for s in build_stages(small("none")))
+    assert not PipelineStage(small("subspace", stages=1), 0).constrained
+
+
+def test_constrained_tensors_start_in_span():
+    for stage in build_stages(small("subspace", n_layers=3, stages=3))[:2]:
+        assert stage.subspace_residual() < 1e-6
+        for item in stage.constrained:
+            assert item.param.norm() > 0
+
+
+def test_stage_shapes_and_roles():
+    manifest = small("subspace", n_layers=3, stages=3)
+    head, middle, tail = build_stages(manifest)
+    assert (head.is_head, head.is_tail, tail.is_head, tail.is_tail) == (True, False, False, True)
+    assert hasattr(head, "t_s") and not hasattr(middle, "t_s") and hasattr(tail, "lm_head")
+    toks = tokens()
+    hidden = head(None, toks)
+    assert hidden.shape == (2, SEQ, D)
+    hidden = middle(hidden, toks)
+    assert hidden.shape == (2, SEQ, D)
+    assert tail(hidden, toks).shape == (2, SEQ, V)
+    with pytest.raises(ValueError, match="needs the residual stream"):
+        middle(None, toks)
+    with pytest.raises(ValueError, match="out of range"):
+        PipelineStage(manifest, 3)
+
+
+def test_initial_loss_is_near_uniform():
+    loss = next_token_loss(chain(build_stages(small()), tokens()), tokens()).item()
+    assert abs(loss - math.log(V)) < 0.3
+
+
+def test_next_token_loss_shifts_targets():
+    toks = torch.tensor([[1, 2, 3]])
+    logits = torch.full((1, 3, 5), -1e4)
+    logits[0, 0, 2] = logits[0, 1, 3] = 0.0  # predicts the next token perfectly
+    assert next_token_loss(logits, toks).item() < 1e-3
+    logits[0, 2, 0] = 50.0  # the last position's prediction has no target
+    assert next_token_loss(logits, toks).item() < 1e-3
+
+
+def test_attention_is_causal():
+    stages = build_stages(small("none"))
+    toks = tokens(1)
+    changed = toks.clone()
+    changed[0, 20:] = (changed[0, 20:] + 1) % V
+    with torch.no_grad():
+        a, b = chain(stages, toks), chain(stages, changed)
+    assert torch.allclose(a[:, :20], b[:, :20], atol=1e-5)
+    assert not torch.allclose(a[:, 20:], b[:, 20:], atol=1e-3)
+
+
+def test_rope_is_a_rotation():
+    cos, sin = rope_tables(16, 64, 10000.0)
+    x = torch.randn(2, 3, 10, 16)
+    rotated = apply_rope(x, cos, sin)
+    assert torch.allclose(rotated.norm(dim=-1), x.norm(dim=-1), atol=1e-5)
+    assert torch.allclose(rotated[..., 0, :], x[..., 0, :])  # position 0 is not rotated
+    assert not torch.allclose(rotated[..., 5, :], x[..., 5, :])
+
+
+def test_split_does_not_change_the_function():
+    """Per-layer seeded init: in dense mode the same layers give the same logits whatever the split."""
+    toks = tokens()
+    whole = build_stages(small("none", stages=1))
+    split = build_stages(small("none", stages=2))
+    with torch.no_grad():
+        assert relative_error(chain(split, toks), chain(whole, toks)) < 1e-5
+    assert torch.equal(whole[0].layers[1].attn.wq.weight, split[1].layers[0].attn.wq.weight)
+
+
+def test_boundary_mode_projects_residual():
+    stage = build_stages(small("boundary"))[0]
+    with torch.no_grad():
+        for block in stage.layers:  # full-rank weights that write well outside span(U)
+            block.mlp.w2.weight.mul_(30)
+        toks = tokens()
+        r = stage(None, toks) - stage.subspace.t_fixed[toks]
+        basis = stage.subspace.basis
+        assert r.norm() > 0
+        assert relative_error((r @ basis) @ basis.T, r) < 1e-5
+
+
+def test_gradient_hooks_project_constrained_gradients():
+    stages = build_stages(small("subspace"))
+    toks = tokens()
+    next_token_loss(chain(stages, toks), toks).backward()
+    basis = stages[0].subspace.basis
+    for item in stages[0].constrained:
+        grad = item.param.grad
+        assert grad is not None and grad.norm() > 0
+        projected = stages[0].subspace.project(grad, item.axis)
+        assert relative_error(projected, grad) < 1e-5
+    # unconstrained tensors keep their full gradient
+    wq = stages[0].layers[0].attn.wq.weight.grad
+    assert relative_error(basis @ (basis.T @ wq), wq) > 0.5
+
+
+def test_subspace_state_hashes_and_basis_update():
+    manifest = small()
+    stage = PipelineStage(manifest, 0)
+    state = stage.subspace
+    assert state.version == 0
+    assert state.basis_sha256 == tensor_sha256(initial_basis(manifest.seed, D, K)) == manifest.u_sha256
+    assert state.t_fixed_sha256 == manifest.t_fixed_sha256
+    new = initial_basis(9, D, K)
+    state.set_basis(new, 1)
+    assert state.version == 1 and torch.equal(state.basis, new)
+    assert state.basis_sha256 == tensor_sha256(new) != manifest.u_sha256
+    x = torch.randn(3, D)
+    assert torch.allclose(state.project(x, -1), (x @ new) @ new.T)
+    w = torch.randn(D, 7)
+    assert torch.allclose(state.project(w, 0), new @ (new.T @ w))
+    with pytest.raises(ValueError):
+        state.project(torch.randn(2, D, 3), 1)
+
+
+def test_reproject_washes_out_drift():
+    stage = PipelineStage(small(), 0)
+    with torch.no_grad():
+        stage.t_s.add_(torch.randn_like(stage.t_s) * 0.01)
+    assert stage.subspace_residual() > 1e-2
+    stage.reproject_()
+    assert stage.subspace_residual() < 1e-6
+
+
+def test_same_manifest_same_weights():
+    a, b = PipelineStage(small(), 0), PipelineStage(small(), 0)
+    for (name, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters(), strict=True):
+        assert torch.equal(pa, pb), name
+    c = PipelineStage(small(seed=1), 0)
+    assert not torch.equal(a.t_s, c.t_s)

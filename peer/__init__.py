@@ -1,0 +1,1 @@
+"""protocol-peer: the volunteer daemon."""

@@ -1,0 +1,162 @@
+"""`protocol-peer`: the daemon a volunteer runs. Every flag can also come from an environment
+variable (PROTOCOL_PEER_<FLAG>, e.g. PROTOCOL_PEER_STAGE=auto) so a container is configured with -e.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import shlex
+import sys
+
+from peer.daemon import PeerDaemon, PeerOptions
+from swarm.manifest import Manifest, ManifestError, load_manifest, parse_manifest
+from swarm.presets import verify_hashes
+
+ENV_PREFIX = "PROTOCOL_PEER_"
+
+
+class StartupError(Exception):
+    """A reason not to start, printed as one line."""
+
+
+def _env(flag: str) -> str:
+    return ENV_PREFIX + flag.lstrip("-").replace("-", "_").upper()
+
+
+class _EnvDefaults(argparse.ArgumentParser):
+    """Fills defaults from PROTOCOL_PEER_* variables; command-line flags still win."""
+
+    def add_argument(self, *args, **kwargs):
+        flag = next((a for a in args if a.startswith("--")), None)
+        if flag and flag != "--help":
+            name = _env(flag)
+            kwargs["help"] = (kwargs.get("help", "") + f" [env {name}]") if kwargs.get("help") != argparse.SUPPRESS else kwargs["help"]
+            if name in os.environ:
+                raw = os.environ[name]
+                if kwargs.get("action") == "store_true":
+                    kwargs["default"] = raw.strip().lower() in ("1", "true", "yes", "on")
+                elif kwargs.get("nargs") in ("*", "+"):
+                    kwargs["default"] = shlex.split(raw)
+                else:
+                    kwargs["default"] = raw
+        return super().add_argument(*args, **kwargs)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _EnvDefaults(prog="protocol-peer", description=__doc__,
+                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--stage", default="auto",
+                        help="stage to serve: a number, or 'auto' to join the stage that needs help most "
+                             "(an empty one first, else the weakest by throughput) and move later if that "
+                             "clearly helps the swarm")
+    parser.add_argument("--tracker", help="tracker URL: the manifest and bootstrap addresses come from it")
+    parser.add_argument("--initial-peers", nargs="*", default=[], metavar="MADDR",
+                        help="multiaddrs of peers already in the swarm (with /p2p/<id>)")
+    parser.add_argument("--new-swarm", action="store_true",
+                        help="start a new run as its first peer (needs --manifest)")
+    parser.add_argument("--manifest", help="run manifest JSON file (with --new-swarm, or to join without a tracker)")
+    parser.add_argument("--host-maddrs", nargs="*", default=["/ip4/0.0.0.0/tcp/0"], metavar="MADDR",
+                        help="addresses to listen on, e.g. /ip4/0.0.0.0/tcp/31337 to pin the P2P port")
+    parser.add_argument("--announce-maddrs", nargs="*", default=[], metavar="MADDR",
+                        help="addresses other peers should dial, e.g. your public IP and forwarded port behind NAT")
+    parser.add_argument("--identity", help="file with this peer's private key; created if missing, keeps the "
+                                           "peer id (and record ownership) across restarts")
+    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="where the stage runs")
+    parser.add_argument("--public-name", default="", help="name shown on the tracker page (max 64 chars)")
+    parser.add_argument("--checkpoint-dir", help="save the stage here periodically and on exit; resume an "
+                                                 "empty stage from here")
+    parser.add_argument("--max-inflight", type=int, default=4, help="trips a driver (stage 0) keeps in flight")
+    parser.add_argument("--data", help="text file or directory for drivers (default: the manifest's dataset)")
+    parser.add_argument("--trip-timeout", type=float, default=60.0, help="seconds to wait for the next hop")
+    parser.add_argument("--rebalance-interval", type=float, default=60.0,
+                        help="seconds between placement re-checks with --stage auto")
+    parser.add_argument("--placement-delay", type=float, default=3.0,
+                        help="maximum random delay before choosing a stage (avoids a herd)")
+    parser.add_argument("--log-interval", type=float, default=5.0, help="seconds between progress log lines")
+    parser.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    parser.add_argument("--fault-t-fixed-seed", type=int, help=argparse.SUPPRESS)  # fault injection for tests
+    return parser
+
+
+def _from_tracker(url: str) -> tuple[Manifest, list[str]]:
+    import httpx
+
+    base = url.rstrip("/")
+    try:
+        run = httpx.get(f"{base}/api/v1/run", timeout=10).raise_for_status().json()
+        bootstrap = httpx.get(f"{base}/api/v1/bootstrap", timeout=10).raise_for_status().json()
+    except (httpx.HTTPError, ValueError) as exc:
+        raise StartupError(f"cannot reach the tracker at {base}: {exc}") from None
+    manifest = parse_manifest(run["manifest"])
+    if run.get("run_id") != manifest.run_id:
+        raise StartupError(f"tracker's run_id {run.get('run_id')!r} does not match its manifest ({manifest.run_id})")
+    return manifest, list(bootstrap.get("initial_peers", []))
+
+
+def resolve(args: argparse.Namespace) -> tuple[Manifest, list[str]]:
+    initial_peers = list(args.initial_peers)
+    if args.tracker:
+        manifest, from_tracker = _from_tracker(args.tracker)
+        initial_peers = initial_peers or from_tracker
+    elif args.manifest:
+        manifest = load_manifest(args.manifest)
+    else:
+        raise StartupError("need --tracker URL, or --manifest FILE (with --initial-peers, or --new-swarm)")
+    if not args.new_swarm and not initial_peers:
+        raise StartupError("no initial peers: pass --initial-peers, --tracker, or --new-swarm to start a run")
+    if args.fault_t_fixed_seed is None:
+        verify_hashes(manifest)
+    if args.stage != "auto":
+        try:
+            stage = int(args.stage)
+        except ValueError:
+            raise StartupError(f"--stage must be 'auto' or a number, got {args.stage!r}") from None
+        if not 0 <= stage < manifest.num_stages:
+            raise StartupError(f"--stage {stage} is out of range: the run has stages 0..{manifest.num_stages - 1}")
+    if args.max_inflight < 1:
+        raise StartupError("--max-inflight must be at least 1")
+    return manifest, initial_peers
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for noisy in ("hivemind", "asyncio"):
+        logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLogger().level))
+    try:
+        manifest, initial_peers = resolve(args)
+        options = PeerOptions(
+            stage=str(args.stage), initial_peers=initial_peers, host_maddrs=args.host_maddrs,
+            announce_maddrs=args.announce_maddrs, identity=args.identity, device=args.device,
+            public_name=args.public_name, checkpoint_dir=args.checkpoint_dir, max_inflight=int(args.max_inflight),
+            data=args.data, trip_timeout=float(args.trip_timeout), placement_delay=float(args.placement_delay),
+            rebalance_interval=float(args.rebalance_interval), log_interval=float(args.log_interval),
+            fault_t_fixed_seed=args.fault_t_fixed_seed,
+        )
+        daemon = PeerDaemon(manifest, options)
+        try:
+            daemon.start_dht()
+        except Exception as exc:  # noqa: BLE001 - hivemind raises bare errors for unreachable peers
+            raise StartupError(f"could not join the DHT via {' '.join(initial_peers) or 'a new swarm'}: "
+                               f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
+    except (StartupError, ManifestError) as exc:
+        print(f"protocol-peer: error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    try:
+        asyncio.run(daemon.main())
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,377 @@
+"""The peer's lifecycle: join the DHT, claim a stage, serve trips, announce, rebalance, leave.
+
+A trip is one nested call chain: stage i receives a forward message, runs its layers, calls a
+peer of stage i+1 and awaits its reply (the compressed input gradient), runs backward and
+answers with its own input gradient. The trip's activations therefore live exactly as long as
+the handler coroutine; when the caller goes away libp2p closes the stream, the coroutine is
+cancelled and the state is released. A failed next hop is retried on another peer of the
+same stage while this hop still holds its activations.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import signal
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+from hivemind.dht import DHT
+from hivemind.p2p import PeerID
+
+from peer.placement import choose_stage, should_move
+from peer.routing import Router
+from peer.runtime import StageRuntime, pick_device
+from peer.transport import TripServicer, send_trip
+from swarm.manifest import Manifest
+from swarm.records import (
+    RECORD_TTL,
+    SOFTWARE_VERSION,
+    StagePeerRecord,
+    announce,
+    fetch_stages,
+    load_or_create_rsa_key,
+    make_validators,
+)
+from swarm.wire import ErrorCode, WireError, encode_error, expectation_for, raise_if_error
+
+logger = logging.getLogger("peer")
+
+
+@dataclass
+class PeerOptions:
+    stage: str = "auto"
+    initial_peers: list[str] = field(default_factory=list)
+    host_maddrs: list[str] = field(default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"])
+    announce_maddrs: list[str] = field(default_factory=list)
+    identity: str | None = None
+    device: str = "auto"
+    public_name: str = ""
+    checkpoint_dir: str | None = None
+    max_inflight: int = 4
+    data: str | None = None
+    trip_timeout: float = 60.0
+    placement_delay: float = 3.0
+    rebalance_interval: float = 60.0
+    drain_timeout: float = 30.0
+    log_interval: float = 5.0
+    fault_t_fixed_seed: int | None = None
+
+
+@dataclass
+class Stats:
+    trips: int = 0
+    tokens: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    errors: Counter = field(default_factory=Counter)
+    losses: list[float] = field(default_factory=list)
+    last_loss: float | None = None
+
+    def error(self, code: ErrorCode) -> None:
+        self.errors[code.value] += 1
+
+
+class StageMove(Exception):
+    def __init__(self, target: int):
+        super().__init__(f"moving to stage {target}")
+        self.target = target
+
+
+class PeerDaemon:
+    def __init__(self, manifest: Manifest, options: PeerOptions):
+        self.manifest, self.options = manifest, options
+        self.stats = Stats()
+        self.runtime: StageRuntime | None = None
+        self.index: int | None = None
+        self.state = "joining"
+        self.load = 0
+        self.throughput = 0.0
+        self.stopping = asyncio.Event()
+        self.dht: DHT | None = None
+        self.p2p = None
+        self.router: Router | None = None
+        self.rng = random.Random()
+
+    # --- identity and logging -------------------------------------------------------------------
+
+    @property
+    def peer_id(self) -> str:
+        return str(self.dht.peer_id)
+
+    @property
+    def label(self) -> str:
+        name = self.options.public_name or self.peer_id[-6:]
+        return f"[{name} stage {self.index if self.index is not None else '?'}]"
+
+    # --- start-up ---------------------------------------------------------------------------------
+
+    def start_dht(self) -> None:
+        rsa_key = load_or_create_rsa_key(self.options.identity + ".rsa" if self.options.identity else None)
+        self.signer, validators = make_validators(self.manifest, rsa_key)
+        kwargs = dict(start=True, record_validators=validators, host_maddrs=self.options.host_maddrs,
+                      initial_peers=self.options.initial_peers)
+        if self.options.announce_maddrs:
+            kwargs["announce_maddrs"] = self.options.announce_maddrs
+        if self.options.identity:
+            kwargs["identity_path"] = self.options.identity
+        self.dht = DHT(**kwargs)
+
+    async def _fetch(self) -> dict:
+        return await asyncio.to_thread(fetch_stages, self.dht, self.manifest)
+
+    def _online_loads(self, stages: dict, t_fixed: str) -> dict[int, list[float]]:
+        return {
+            stage: [e.record.throughput for e in entries
+                    if e.record.state == "online" and e.record.t_fixed_sha256 == t_fixed and e.record.peer_id != self.peer_id]
+            for stage, entries in stages.items()
+        }
+
+    async def pick_stage(self) -> int:
+        if self.options.stage != "auto":
+            return int(self.options.stage)
+        await asyncio.sleep(self.rng.uniform(0, self.options.placement_delay))  # against a herd of newcomers
+        stages = await self._fetch()
+        loads = self._online_loads(stages, self.manifest.t_fixed_sha256)
+        stage = choose_stage(loads, self.manifest.num_stages, self.rng)
+        logger.info("%s placement: stage totals %s -> stage %d", self.label,
+                    {s: round(sum(v), 1) for s, v in loads.items()}, stage)
+        return stage
+
+    # --- the trip service -------------------------------------------------------------------------
+
+    def info(self) -> dict:
+        runtime = self.runtime
+        return {"run_id": self.manifest.run_id, "stage": self.index, "state": self.state, "load": self.load,
+                "u_version": runtime.stage.subspace.version if runtime else None,
+                "t_fixed_sha256": runtime.stage.subspace.t_fixed_sha256 if runtime else None}
+
+    async def handle_trip(self, blob: bytes, remote: PeerID) -> bytes:
+        self.stats.bytes_in += len(blob)
+        reply = await self._serve_trip(blob)
+        self.stats.bytes_out += len(reply)
+        return reply
+
+    async def _serve_trip(self, blob: bytes) -> bytes:
+        runtime = self.runtime
+        if runtime is None or self.state != "online":
+            self.stats.error(ErrorCode.LEAVING)
+            return encode_error(ErrorCode.LEAVING, f"peer is {self.state}, not serving")
+        if runtime.stage.is_head:
+            self.stats.error(ErrorCode.WRONG_STAGE)
+            return encode_error(ErrorCode.WRONG_STAGE, "stage 0 drives trips and accepts none")
+        if self.load >= 4 * max(self.options.max_inflight, 1) * self.manifest.num_stages:
+            self.stats.error(ErrorCode.OVERLOADED)
+            return encode_error(ErrorCode.OVERLOADED, f"{self.load} trips in flight")
+        try:
+            header, hidden, tokens = runtime.codec.decode_forward(blob, stage=self.index)
+        except WireError as exc:
+            self.stats.error(exc.code)
+            logger.info("%s refused a trip: %s", self.label, exc)
+            return encode_error(exc.code, exc.message)
+        self.load += 1
+        try:
+            leaf, output = await runtime.run(runtime.forward, hidden, tokens)
+            if runtime.stage.is_tail:
+                grad, loss = await runtime.run(runtime.backward, leaf, output, None, tokens, tokens.shape[0])
+            else:
+                message = await runtime.run(runtime.codec.encode_forward, output, tokens, header.trip_id, self.index + 1)
+                reply = await self.forward_to_next(message)
+                reply_header, grad_in = runtime.codec.decode_backward(reply, stage=self.index)
+                loss = reply_header.loss
+                grad, _ = await runtime.run(runtime.backward, leaf, output, grad_in, tokens, tokens.shape[0])
+            self.stats.trips += 1
+            self.stats.tokens += tokens.numel()
+            return runtime.codec.encode_backward(grad, header.trip_id, to_stage=self.index - 1, loss=loss)
+        except WireError as exc:
+            self.stats.error(exc.code)
+            return encode_error(exc.code, exc.message)
+        except Exception as exc:  # noqa: BLE001 - a trip must never take the peer down
+            logger.exception("%s trip %s failed", self.label, header.trip_id[:8])
+            self.stats.error(ErrorCode.INTERNAL)
+            return encode_error(ErrorCode.INTERNAL, f"{type(exc).__name__}")
+        finally:
+            self.load -= 1
+
+    async def forward_to_next(self, message: bytes) -> bytes:
+        """Send to the best peer of the next stage; on failure ban it and try the next one."""
+        target = self.index + 1
+        expect = expectation_for(self.manifest, self.index, "backward", 0, "")
+        tried = 0
+        while tried < 8:
+            candidates = self.router.candidates(target)
+            if not candidates:
+                self.router.update(await self._fetch())
+                candidates = self.router.candidates(target)
+            if not candidates:
+                raise WireError(ErrorCode.NO_PEER, f"stage {target} has no live compatible peer")
+            peer_id = candidates[0].record.peer_id
+            tried += 1
+            self.router.inflight[peer_id] = self.router.inflight.get(peer_id, 0) + 1
+            try:
+                reply = await send_trip(self.p2p, PeerID.from_base58(peer_id), self.manifest.run_id, message,
+                                        timeout=self.options.trip_timeout, max_reply=expect.max_bytes)
+                raise_if_error(reply)
+                self.router.forgive(peer_id)
+                return reply
+            except WireError as exc:
+                self.stats.error(exc.code)
+                if exc.code == ErrorCode.NO_PEER:  # the stage behind it is empty: another peer won't help
+                    raise
+                seconds = self.router.ban(peer_id)
+                logger.warning("%s next hop %s failed (%s); banned %.0fs, failing over", self.label,
+                               peer_id[-6:], exc, seconds)
+            finally:
+                self.router.inflight[peer_id] -= 1
+        raise WireError(ErrorCode.NO_PEER, f"no peer of stage {target} answered after {tried} attempts")
+
+    # --- announcing, routing and rebalancing --------------------------------------------------------
+
+    def record(self) -> StagePeerRecord:
+        runtime = self.runtime
+        subspace = runtime.stage.subspace
+        losses = self.stats.losses
+        loss = sum(losses) / len(losses) if losses else self.stats.last_loss
+        self.stats.last_loss, self.stats.losses = loss, []
+        return StagePeerRecord(
+            peer_id=self.peer_id, state=self.state, stage=self.index, throughput=float(self.throughput),
+            load=self.load, u_version=subspace.version, u_sha256=subspace.basis_sha256,
+            t_fixed_sha256=subspace.t_fixed_sha256, software_version=SOFTWARE_VERSION,
+            public_name=self.options.public_name[:64],
+            addrs=[str(a) for a in self.dht.get_visible_maddrs()][:8],
+            trips=self.stats.trips, tokens=self.stats.tokens, bytes_in=self.stats.bytes_in,
+            bytes_out=self.stats.bytes_out, errors=sum(self.stats.errors.values()),
+            loss=None if loss is None else float(loss), optimizer_epoch=runtime.epoch,
+            state_sha256=runtime.state_sha256,
+        )
+
+    async def announce_now(self) -> None:
+        record = self.record()
+        try:
+            await asyncio.to_thread(announce, self.dht, self.manifest, self.signer, record)
+        except Exception as exc:  # noqa: BLE001 - the DHT may be briefly unreachable; retry next round
+            logger.warning("%s announce failed: %s", self.label, exc)
+
+    async def announce_loop(self) -> None:
+        while True:
+            await self.announce_now()
+            await asyncio.sleep(RECORD_TTL / 3)
+
+    async def refresh_loop(self) -> None:
+        while True:
+            try:
+                self.router.update(await self._fetch())
+            except Exception as exc:  # noqa: BLE001
+                logger.warning("%s could not read the DHT: %s", self.label, exc)
+            await asyncio.sleep(3.0)
+
+    async def rebalance_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.options.rebalance_interval * self.rng.uniform(0.8, 1.2))
+            stages = await self._fetch()
+            loads = self._online_loads(stages, self.runtime.stage.subspace.t_fixed_sha256)
+            loads.setdefault(self.index, []).append(self.throughput)
+            target = should_move(loads, self.manifest.num_stages, self.index, self.throughput)
+            if target is not None:
+                logger.info("%s rebalancing: moving to stage %d", self.label, target)
+                raise StageMove(target)
+
+    async def log_loop(self) -> None:
+        last_tokens, last_time = self.stats.tokens, time.monotonic()
+        while True:
+            await asyncio.sleep(self.options.log_interval)
+            now, tokens = time.monotonic(), self.stats.tokens
+            rate = (tokens - last_tokens) / max(now - last_time, 1e-9)
+            per_token = (self.stats.bytes_in + self.stats.bytes_out) / max(tokens, 1)
+            loss = f"{self.stats.last_loss:.3f}" if self.stats.last_loss is not None else "-"
+            logger.info("%s %.0f tokens/s, loss %s, %.1f wire bytes/token, epoch %d, trips %d, in flight %d, errors %s",
+                        self.label, rate, loss, per_token, self.runtime.epoch, self.stats.trips, self.load,
+                        dict(self.stats.errors) or 0)
+            last_tokens, last_time = tokens, now
+
+    # --- serving one stage -------------------------------------------------------------------------
+
+    async def serve(self, index: int) -> int | None:
+        """Serve `index` until stopped (returns None) or a rebalance says move (returns the target)."""
+        self.index, self.state = index, "joining"
+        device = pick_device(self.options.device)
+        runtime = StageRuntime(self.manifest, index, self.dht, device, self.label, self.options.checkpoint_dir,
+                               self.options.fault_t_fixed_seed)
+        self.runtime = runtime
+        subspace = runtime.stage.subspace
+        self.router = Router(subspace.t_fixed_sha256, subspace.version, self.peer_id)
+        self.throughput = await runtime.run(runtime.measure_throughput)
+        await self.announce_now()
+        stages = await self._fetch()
+        peers_here = [e for e in stages.get(index, []) if e.record.peer_id != self.peer_id
+                      and e.record.state == "online" and e.record.t_fixed_sha256 == subspace.t_fixed_sha256]
+        if peers_here:
+            loaded = await runtime.run(runtime.load_from_peers)
+            logger.info("%s %s state from %d peer(s) of the stage (epoch %d)", self.label,
+                        "loaded" if loaded else "could not load", len(peers_here), runtime.epoch)
+        elif not await runtime.run(runtime.load_checkpoint):
+            logger.info("%s starting stage %d from the seed", self.label, index)
+        self.router.update(stages)
+        self.state = "online"
+        await self.announce_now()
+        logger.info("%s online: %.0f tokens/s measured, layers %s", self.label, self.throughput,
+                    list(self.manifest.layers_of(index)))
+        tasks = [asyncio.create_task(coro) for coro in
+                 (self.announce_loop(), self.refresh_loop(), self.log_loop())]
+        if self.options.stage == "auto":
+            tasks.append(asyncio.create_task(self.rebalance_loop()))
+        driver = None
+        if runtime.stage.is_head:
+            from peer.driver import Driver
+
+            driver = Driver(self)
+            tasks.append(asyncio.create_task(driver.run()))
+        stop = asyncio.create_task(self.stopping.wait())
+        target = None
+        try:
+            done, _ = await asyncio.wait([stop, *tasks], return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                if task is not stop and task.exception() is not None:
+                    if isinstance(task.exception(), StageMove):
+                        target = task.exception().target
+                    else:
+                        raise task.exception()
+        finally:
+            await self.leave(tasks + [stop], driver)
+        return target
+
+    async def leave(self, tasks: list[asyncio.Task], driver) -> None:
+        """Announce LEAVING, stop driving, let trips in flight finish, checkpoint, release the stage."""
+        self.state = "leaving"
+        if driver is not None:
+            driver.stop()
+        await self.announce_now()
+        deadline = time.monotonic() + self.options.drain_timeout
+        while (self.load > 0 or (driver is not None and driver.inflight > 0)) and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        runtime, self.runtime = self.runtime, None
+        if runtime is not None:
+            await asyncio.to_thread(runtime.save_checkpoint)
+            runtime.shutdown()
+        logger.info("%s left the stage (trips %d, tokens %d, errors %s)", self.label, self.stats.trips,
+                    self.stats.tokens, dict(self.stats.errors) or 0)
+
+    async def main(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.stopping.set)
+        self.p2p = await self.dht.replicate_p2p()
+        servicer = TripServicer(self.handle_trip, self.info,
+                                max_bytes=expectation_for(self.manifest, 0, "forward", 0, "").max_bytes)
+        await servicer.add_p2p_handlers(self.p2p, namespace=self.manifest.run_id)
+        logger.info("peer %s joined run %s; visible at %s", self.peer_id, self.manifest.run_id,
+                    " ".join(str(a) for a in self.dht.get_visible_maddrs()))
+        index = await self.pick_stage()
+        while index is not None and not self.stopping.is_set():
+            index = await self.serve(index)
+        self.dht.shutdown()

@@ -1,0 +1,79 @@
+"""The driver: stage-0 peers own the data and keep several trips in flight (pipelining)."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import uuid
+
+from swarm.data import load_splits
+from swarm.wire import WireError
+
+logger = logging.getLogger("peer.driver")
+
+
+class Driver:
+    def __init__(self, daemon):
+        self.daemon = daemon
+        self.inflight = 0
+        self._stopped = False
+        self._failures = 0
+
+    def stop(self) -> None:
+        self._stopped = True
+
+    async def run(self) -> None:
+        daemon = self.daemon
+        # every driver reads its own random windows of the corpus
+        seed = int.from_bytes(hashlib.sha256(daemon.peer_id.encode()).digest()[:4], "little")
+        train, _ = await asyncio.to_thread(load_splits, daemon.manifest, daemon.options.data, seed)
+        slots = asyncio.Semaphore(max(daemon.options.max_inflight, 1))
+        pending: set[asyncio.Task] = set()
+        try:
+            while not self._stopped:
+                await slots.acquire()
+                if self._stopped:
+                    break
+                tokens = train.batch(daemon.manifest.batch.microbatch_size)
+                task = asyncio.create_task(self._trip(tokens))
+                pending.add(task)
+                task.add_done_callback(lambda t: (pending.discard(t), slots.release()))
+                if self._failures:  # back off while the pipeline is broken, instead of spinning
+                    await asyncio.sleep(min(0.2 * 2 ** min(self._failures, 5), 5.0))
+        finally:
+            self._stopped = True
+            if pending:
+                await asyncio.wait(pending, timeout=daemon.options.drain_timeout)
+
+    async def _trip(self, tokens) -> None:
+        daemon = self.daemon
+        runtime = daemon.runtime
+        self.inflight += 1
+        try:
+            leaf, output = await runtime.run(runtime.forward, None, tokens)
+            if runtime.stage.is_tail:  # a one-stage run: the driver is also the tail
+                _, loss = await runtime.run(runtime.backward, None, output, None, tokens, tokens.shape[0])
+            else:
+                trip_id = uuid.uuid4().hex
+                message = await runtime.run(runtime.codec.encode_forward, output, tokens, trip_id, 1)
+                daemon.stats.bytes_out += len(message)
+                reply = await daemon.forward_to_next(message)
+                daemon.stats.bytes_in += len(reply)
+                header, grad = runtime.codec.decode_backward(reply, stage=0)
+                loss = header.loss
+                await runtime.run(runtime.backward, None, output, grad, tokens, tokens.shape[0])
+            daemon.stats.trips += 1
+            daemon.stats.tokens += tokens.numel()
+            if loss is not None:
+                daemon.stats.losses.append(loss)
+                daemon.stats.last_loss = loss
+            self._failures = 0
+        except WireError as exc:
+            self._failures += 1
+            logger.warning("%s trip dropped: %s", daemon.label, exc)
+        except Exception:  # noqa: BLE001 - one bad trip must not stop the driver
+            self._failures += 1
+            logger.exception("%s trip failed", daemon.label)
+        finally:
+            self.inflight -= 1

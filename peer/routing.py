@@ -1,0 +1,65 @@
+"""Choosing the next hop: which peer of a stage gets a trip.
+
+Like SWARM's balancer: the least expected queue (trips in flight over throughput), random
+tie-break, and a peer that failed is banned for a while (doubling on repeated failures) so a
+dead peer costs one timeout, not one per trip. Peers whose `T_fixed` hash or `U` version differ
+from ours are never chosen: they could not decode what we send.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+
+from swarm.records import PeerEntry
+
+
+@dataclass
+class Ban:
+    until: float
+    strikes: int
+
+
+@dataclass
+class Router:
+    t_fixed_sha256: str
+    u_version: int
+    own_peer_id: str
+    base_ban: float = 5.0
+    max_ban: float = 60.0
+    stages: dict[int, list[PeerEntry]] = field(default_factory=dict)
+    bans: dict[str, Ban] = field(default_factory=dict)
+    inflight: dict[str, int] = field(default_factory=dict)
+    rng: random.Random = field(default_factory=random.Random)
+
+    def update(self, stages: dict[int, list[PeerEntry]]) -> None:
+        self.stages = stages
+
+    def compatible(self, entry: PeerEntry) -> bool:
+        record = entry.record
+        return (record.state == "online" and record.t_fixed_sha256 == self.t_fixed_sha256
+                and record.u_version == self.u_version and record.peer_id != self.own_peer_id)
+
+    def candidates(self, stage: int, now: float | None = None) -> list[PeerEntry]:
+        """Compatible, unbanned peers of `stage`, best first."""
+        now = time.monotonic() if now is None else now
+        usable = [e for e in self.stages.get(stage, []) if self.compatible(e)
+                  and self.bans.get(e.record.peer_id, Ban(0, 0)).until <= now]
+
+        def expected_wait(entry: PeerEntry) -> tuple[float, float]:
+            load = entry.record.load + self.inflight.get(entry.record.peer_id, 0) + 1
+            return load / max(entry.record.throughput, 1e-3), self.rng.random()
+
+        return sorted(usable, key=expected_wait)
+
+    def ban(self, peer_id: str, now: float | None = None) -> float:
+        now = time.monotonic() if now is None else now
+        previous = self.bans.get(peer_id)
+        strikes = previous.strikes + 1 if previous else 1
+        seconds = min(self.base_ban * 2 ** (strikes - 1), self.max_ban)
+        self.bans[peer_id] = Ban(until=now + seconds, strikes=strikes)
+        return seconds
+
+    def forgive(self, peer_id: str) -> None:
+        self.bans.pop(peer_id, None)

@@ -1,0 +1,199 @@
+"""The stage a peer serves: its layers, its hivemind optimizer, its checkpoints.
+
+All torch work of a stage runs on one worker thread, so concurrent trips never interleave their
+backward passes with an optimizer step (each microbatch is: backward, clip, `opt.step`,
+`zero_grad`). The event loop only awaits that thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+from hivemind.optim.optimizer import Optimizer
+
+from swarm.boundary import BoundaryCodec
+from swarm.manifest import Manifest
+from swarm.model import PipelineStage, next_token_loss
+from swarm.optim import SubspaceAdamW, clip_grad_norm, lr_at, parameter_groups
+from swarm.subspace import t_fixed_table, tensor_sha256
+
+logger = logging.getLogger("peer.runtime")
+
+
+def pick_device(requested: str) -> torch.device:
+    if requested == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("--device cuda was requested but no CUDA device is available")
+    return torch.device(requested)
+
+
+def parameters_sha256(stage: PipelineStage) -> str:
+    flat = torch.cat([p.detach().float().flatten().cpu() for p in stage.parameters()])
+    return tensor_sha256(flat)
+
+
+class StageRuntime:
+    def __init__(self, manifest: Manifest, index: int, dht, device: torch.device, label: str,
+                 checkpoint_dir: str | None = None, fault_t_fixed_seed: int | None = None,
+                 matchmaking_time: float = 3.0, averaging_timeout: float = 30.0):
+        self.manifest, self.index, self.device, self.label = manifest, index, device, label
+        self.stage = PipelineStage(manifest, index).to(device)
+        if fault_t_fixed_seed is not None:  # fault injection: a peer whose T_fixed bytes differ
+            table = t_fixed_table(fault_t_fixed_seed, manifest.model.vocab_size, manifest.model.d_model)
+            self.stage.subspace.t_fixed = table.to(device)
+            self.stage.subspace.t_fixed_sha256 = tensor_sha256(table)
+        self.codec = BoundaryCodec(manifest, self.stage.subspace)
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"stage{index}")
+        spec = manifest.optimizer
+        self.optimizer = Optimizer(
+            dht=dht,
+            run_id=f"{manifest.optimizer_prefix}_stage{index}",
+            target_batch_size=manifest.batch.target_batch_size,
+            batch_size_per_step=manifest.batch.microbatch_size,
+            optimizer=lambda params: SubspaceAdamW(
+                params, projector=self.stage.subspace.project, lr=spec.lr,
+                betas=(spec.beta1, spec.beta2), eps=spec.eps, weight_decay=spec.weight_decay),
+            params=parameter_groups(self.stage),
+            scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(
+                opt, lambda epoch: lr_at(epoch, spec.lr, spec.warmup_steps) / spec.lr),
+            matchmaking_time=matchmaking_time,
+            averaging_timeout=averaging_timeout,
+            averager_opts=dict(request_timeout=1.0),
+            verbose=False,
+        )
+        self.checkpoint_dir = Path(checkpoint_dir) / manifest.run_id if checkpoint_dir else None
+        self.state_sha256 = parameters_sha256(self.stage)
+        self._hashed_epoch = -1
+
+    @property
+    def epoch(self) -> int:
+        return self.optimizer.local_epoch
+
+    async def run(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    # --- work done on the stage thread -------------------------------------------------------
+
+    def forward(self, hidden: torch.Tensor | None, tokens: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Run the layers keeping the autograd graph; returns (input leaf, output)."""
+        tokens = tokens.to(self.device)
+        leaf = None
+        if hidden is not None:
+            leaf = hidden.to(self.device).requires_grad_(True)
+        with torch.enable_grad():
+            output = self.stage(leaf, tokens)
+        return leaf, output
+
+    def backward(self, leaf: torch.Tensor | None, output: torch.Tensor, grad: torch.Tensor | None,
+                 tokens: torch.Tensor, batch_size: int) -> tuple[torch.Tensor | None, float | None]:
+        """Backward from the incoming gradient (or from the loss on the tail), then an optimizer step.
+
+        If an optimizer epoch ended while this trip was in flight, the saved graph refers to
+        weights that have since changed and autograd refuses it; the forward is then recomputed
+        with the current weights (a rare, bounded cost: once per in-flight trip per epoch).
+        """
+        try:
+            result = self._backward_once(leaf, output, grad, tokens)
+        except RuntimeError as exc:
+            if "modified by an inplace operation" not in str(exc):
+                raise
+            self.stage.zero_grad(set_to_none=True)
+            hidden = leaf.detach() if leaf is not None else None
+            leaf, output = self.forward(hidden, tokens)
+            result = self._backward_once(leaf, output, grad, tokens)
+        self._step(batch_size)
+        return result
+
+    def _backward_once(self, leaf, output, grad, tokens) -> tuple[torch.Tensor | None, float | None]:
+        loss_value = None
+        if self.stage.is_tail:
+            loss = next_token_loss(output, tokens.to(self.device))
+            loss.backward()
+            loss_value = float(loss.item())
+        else:
+            output.backward(grad.to(self.device, output.dtype))
+        input_grad = leaf.grad.detach().cpu() if leaf is not None else None
+        return input_grad, loss_value
+
+    def _step(self, batch_size: int) -> None:
+        clip_grad_norm(self.stage.parameters(), self.manifest.optimizer.grad_clip)
+        self.optimizer.step(batch_size=batch_size)
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.epoch != self._hashed_epoch:
+            self._hashed_epoch = self.epoch
+            self.state_sha256 = parameters_sha256(self.stage)
+            if self.checkpoint_dir and self.epoch and self.epoch % 50 == 0:
+                self.save_checkpoint()
+
+    def measure_throughput(self, repeats: int = 2) -> float:
+        """Tokens/s of forward + backward on one microbatch (no optimizer step)."""
+        batch = self.manifest.batch
+        tokens = torch.randint(0, self.manifest.model.vocab_size, (batch.microbatch_size, batch.seq_len))
+        hidden = None
+        if not self.stage.is_head:
+            hidden = self.stage.subspace.t_fixed[tokens.to(self.device)].detach().clone()
+        best = float("inf")
+        for _ in range(repeats):
+            started = time.perf_counter()
+            leaf, output = self.forward(hidden, tokens)
+            output.float().pow(2).mean().backward()
+            best = min(best, time.perf_counter() - started)
+        self.stage.zero_grad(set_to_none=True)
+        return tokens.numel() / best
+
+    def load_from_peers(self) -> bool:
+        try:
+            self.optimizer.load_state_from_peers()
+        except Exception as exc:  # noqa: BLE001 - a failed download must not kill the peer
+            logger.warning("%s could not load state from peers: %s", self.label, exc)
+            return False
+        self.stage.reproject_()
+        self.state_sha256 = parameters_sha256(self.stage)
+        self._hashed_epoch = self.epoch
+        return True
+
+    # --- checkpoints ---------------------------------------------------------------------------
+
+    @property
+    def checkpoint_path(self) -> Path | None:
+        return self.checkpoint_dir / f"stage{self.index}.pt" if self.checkpoint_dir else None
+
+    def save_checkpoint(self) -> Path | None:
+        path = self.checkpoint_path
+        if path is None:
+            return None
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        torch.save({"run_id": self.manifest.run_id, "stage": self.index, "epoch": self.epoch,
+                    "model": self.stage.state_dict(), "optimizer": self.optimizer.state_dict()}, tmp)
+        tmp.replace(path)
+        logger.info("%s checkpoint saved: %s (epoch %d)", self.label, path, self.epoch)
+        return path
+
+    def load_checkpoint(self) -> bool:
+        path = self.checkpoint_path
+        if path is None or not path.exists():
+            return False
+        try:
+            state = torch.load(path, map_location=self.device, weights_only=False)
+            if state.get("run_id") != self.manifest.run_id or state.get("stage") != self.index:
+                raise ValueError("checkpoint belongs to another run or stage")
+            self.stage.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
+        except Exception as exc:  # noqa: BLE001 - a bad file must not stop a peer from starting fresh
+            logger.warning("%s ignoring unreadable checkpoint %s: %s", self.label, path, exc)
+            return False
+        self.stage.reproject_()
+        self.state_sha256 = parameters_sha256(self.stage)
+        logger.info("%s resumed from checkpoint %s (epoch %d)", self.label, path, self.epoch)
+        return True
+
+    def shutdown(self) -> None:
+        self.optimizer.shutdown()
+        self.executor.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,1 @@
+"""The protocol itself: no daemons, no networking policy."""

@@ -37,9 +37,23 @@ XSS_IMG = "<img src=x onerror=window.__xss=1>"
 
 def record(stage: int, name: str = "peer", **changes) -> StagePeerRecord:
     fields = dict(
-        peer_id=f"12D3Koo-{stage}-{name}", state="online", stage=stage, throughput=100.0, load=0, u_version=0,
-        u_sha256=MANIFEST.u_sha256, t_fixed_sha256=MANIFEST.t_fixed_sha256, software_version=SOFTWARE_VERSION,
-        public_name=name, addrs=[], trips=0, tokens=0, bytes_in=0, bytes_out=0, errors=0, loss=None,
+        peer_id=f"12D3Koo-{stage}-{name}",
+        state="online",
+        stage=stage,
+        throughput=100.0,
+        load=0,
+        u_version=0,
+        u_sha256=MANIFEST.u_sha256,
+        t_fixed_sha256=MANIFEST.t_fixed_sha256,
+        software_version=SOFTWARE_VERSION,
+        public_name=name,
+        addrs=[],
+        trips=0,
+        tokens=0,
+        bytes_in=0,
+        bytes_out=0,
+        errors=0,
+        loss=None,
         optimizer_epoch=0,
     )
     fields.update(changes)
@@ -59,6 +73,7 @@ def codes(summary: dict) -> list[tuple[str, int | None]]:
 
 
 # --- summary rules ---
+
 
 def test_empty_swarm_is_unhealthy_with_one_warning_per_stage():
     s = summarize(MANIFEST, {}, NOW)
@@ -129,8 +144,11 @@ def test_software_version_difference_is_informational():
 def test_traffic_totals_compare_with_dense_per_boundary_direction():
     assert [boundary_directions(i, 3) for i in range(3)] == [1, 2, 1]
     assert boundary_directions(0, 1) == 0
-    stages = full_swarm(s0={"tokens": 1000, "bytes_out": 5000}, s1={"tokens": 1000, "bytes_out": 9000},
-                        s2={"tokens": 1000, "bytes_out": 4000})
+    stages = full_swarm(
+        s0={"tokens": 1000, "bytes_out": 5000},
+        s1={"tokens": 1000, "bytes_out": 9000},
+        s2={"tokens": 1000, "bytes_out": 4000},
+    )
     s = summarize(MANIFEST, stages, NOW)
     dense = MANIFEST.dense_bytes_per_token()
     assert s["totals"]["bytes_sent"] == 18000
@@ -176,6 +194,7 @@ def test_last_seen_moves_only_when_a_record_is_refreshed():
 
 # --- history ---
 
+
 def sample(t: float, tokens: int = 0, loss: float | None = 3.0) -> dict:
     return dict(time=t, loss=loss, capacity=10.0, tokens=tokens, peers=3, bytes_sent=0)
 
@@ -214,6 +233,7 @@ def test_rates_skip_counter_resets():
 
 # --- metrics ---
 
+
 def test_metrics_are_prometheus_text_with_bounded_labels():
     stages = full_swarm(s0={"public_name": XSS_SCRIPT, "loss": 2.0})
     s = summarize(MANIFEST, stages, NOW)
@@ -230,6 +250,7 @@ def test_metrics_are_prometheus_text_with_bounded_labels():
 
 
 # --- CLI ---
+
 
 def test_cli_flags_come_from_env_and_the_command_line_wins(monkeypatch):
     monkeypatch.setenv("PROTOCOL_TRACKER_MANIFEST", "/m.json")
@@ -256,6 +277,7 @@ def test_dht_listens_where_http_does_by_default():
 
 
 # --- HTTP layer on a real app ---
+
 
 @pytest.fixture
 def app_client(tmp_path):

@@ -164,6 +164,7 @@ def run(args: argparse.Namespace) -> int:
                 initial_peers=args.initial_peers,
                 host_maddrs=args.host_maddrs or default_host_maddrs(args.host),
                 announce_maddrs=args.announce_maddrs,
+                remembered=history.remembered_peers(),
             )
         except Exception as exc:
             logger.error("cannot start the DHT node: %s: %s", type(exc).__name__, exc)
@@ -177,6 +178,7 @@ def run(args: argparse.Namespace) -> int:
             bootstrap=dht.get_visible_maddrs,
             poll_interval=args.poll_interval,
             stale_after=args.stale_after,
+            own_peer_id=str(dht.peer_id),
         )
         monitor.poll_once()
         monitor.start()
@@ -207,7 +209,7 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         return 130
     finally:
-        logger.info("tracker stopping")
+        stopping = time.monotonic()
         if monitor is not None:
             monitor.stop()
         if dht is not None:
@@ -215,6 +217,7 @@ def run(args: argparse.Namespace) -> int:
         if history is not None:
             history.close()
         sock.close()
+        logger.info("tracker stopped (cleanup took %.1fs)", time.monotonic() - stopping)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

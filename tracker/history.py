@@ -1,7 +1,9 @@
 """Loss and throughput history in SQLite, so the charts survive a tracker restart.
 
 One row per poll. The table is capped (oldest rows go first) and reads are downsampled in
-SQL, so neither the file nor a response grows with the run's age.
+SQL, so neither the file nor a response grows with the run's age. The same file remembers
+the DHT addresses peers published, so a restarted tracker can rejoin the swarm by itself
+(otherwise its fresh DHT node knows nobody, and nobody knows to tell it anything).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 DEFAULT_MAX_ROWS = 200_000  # ~11 days at one poll every 5 s
+MAX_REMEMBERED_PEERS = 256
 _COLUMNS = ("time", "loss", "capacity", "tokens", "peers", "bytes_sent")
 
 
@@ -36,6 +39,9 @@ class History:
                 "bytes_sent INTEGER NOT NULL)"
             )
             self._db.execute("CREATE INDEX IF NOT EXISTS samples_time ON samples(time)")
+            self._db.execute(
+                "CREATE TABLE IF NOT EXISTS dht_peers (maddr TEXT PRIMARY KEY, last_seen REAL NOT NULL)"
+            )
         self._inserts = 0
 
     def add(self, sample: Mapping[str, Any]) -> None:
@@ -71,6 +77,25 @@ class History:
                 (since, last, step, points),
             ).fetchall()
         return with_rates([dict(zip(_COLUMNS, row, strict=True)) for row in reversed(rows)])
+
+    def remember_peers(self, maddrs: list[str], now: float) -> None:
+        """Keep the most recently seen peer multiaddrs (bounded) for rejoining after a restart."""
+        with self._lock, self._db:
+            self._db.executemany(
+                "INSERT INTO dht_peers (maddr, last_seen) VALUES (?, ?) "
+                "ON CONFLICT(maddr) DO UPDATE SET last_seen = excluded.last_seen",
+                [(m, now) for m in maddrs],
+            )
+            self._db.execute(
+                "DELETE FROM dht_peers WHERE maddr NOT IN "
+                "(SELECT maddr FROM dht_peers ORDER BY last_seen DESC LIMIT ?)",
+                (MAX_REMEMBERED_PEERS,),
+            )
+
+    def remembered_peers(self, limit: int = 16) -> list[str]:
+        with self._lock:
+            rows = self._db.execute("SELECT maddr FROM dht_peers ORDER BY last_seen DESC LIMIT ?", (limit,))
+            return [row[0] for row in rows.fetchall()]
 
     def close(self) -> None:
         with self._lock:

@@ -21,6 +21,7 @@ from tracker.history import History
 from tracker.summary import (
     DEFAULT_STALE_AFTER,
     PeerView,
+    dialable_addrs,
     history_sample,
     owner_fingerprint,
     summarize,
@@ -48,6 +49,7 @@ class SwarmMonitor:
         bootstrap: Callable[[], list[str]] = list,
         poll_interval: float = 5.0,
         stale_after: float = DEFAULT_STALE_AFTER,
+        own_peer_id: str = "",
     ) -> None:
         self.manifest = manifest
         self.history = history
@@ -61,6 +63,9 @@ class SwarmMonitor:
         self._bootstrap_source = bootstrap
         self._bootstrap: list[str] = []
         self._bootstrap_at = 0.0
+        self._own_peer_id = own_peer_id
+        self._remembered: set[str] = set()
+        self._remembered_at = 0.0
         self._last_seen: dict[bytes, tuple[float, float]] = {}
         self._lock = threading.Lock()
         self._summary = summarize(manifest, {}, get_dht_time(), stale_after=stale_after, polled=False)
@@ -135,6 +140,10 @@ class SwarmMonitor:
             )
         try:
             self.history.add(history_sample(summary))
+            addrs = dialable_addrs(fetched, self._own_peer_id)
+            if set(addrs) != self._remembered or now - self._remembered_at > 60:
+                self._remembered, self._remembered_at = set(addrs), now
+                self.history.remember_peers(addrs, now)
         except Exception as exc:  # a full disk must not stop the status page
             logger.warning("history write failed: %s: %s", type(exc).__name__, exc)
         return summary
@@ -186,24 +195,41 @@ def start_dht(
     initial_peers: Sequence[str],
     host_maddrs: Sequence[str],
     announce_maddrs: Sequence[str] | None,
+    remembered: Sequence[str] = (),
 ):
     """A DHT node that validates the run's records like every peer does (schema + owner signatures).
 
     The tracker never writes peer records, so its RSA signing key is throwaway; its libp2p
     identity (`identity`) is what must persist, because the peer id is part of the bootstrap
-    address volunteers paste.
+    address volunteers paste. `remembered` are peer addresses from before a restart: a fresh
+    node that dials nobody would never hear of the running swarm again (peers drop an
+    unreachable node from their routing tables), so it dials them first, and starts alone only
+    when none answers.
     """
     from hivemind.dht import DHT
 
     _, validators = make_validators(manifest, load_or_create_rsa_key(None))
-    return DHT(
-        start=True,
-        initial_peers=list(initial_peers),
+    common = dict(
         host_maddrs=list(host_maddrs),
         announce_maddrs=list(announce_maddrs) if announce_maddrs else None,
         identity_path=identity,
         record_validators=validators,
     )
+    if remembered:
+        try:
+            dht = DHT(
+                start=True,
+                initial_peers=[*initial_peers, *remembered],
+                ensure_bootstrap_success=False,
+                **common,
+            )
+            logger.info("rejoined the swarm through %d remembered peer addresses", len(remembered))
+            return dht
+        except Exception as exc:  # p2pd refuses to start when no bootstrap peer answers
+            logger.info(
+                "no remembered peer answered (%s); starting from the given initial peers", type(exc).__name__
+            )
+    return DHT(start=True, initial_peers=list(initial_peers), **common)
 
 
 def dht_fetch(dht, manifest: Manifest) -> Fetch:

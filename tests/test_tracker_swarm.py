@@ -1,0 +1,353 @@
+"""The real tracker (`python -m tracker`, a subprocess) against a real local swarm of DHT nodes.
+
+Every "peer" is a separate hivemind DHT node that bootstraps from the tracker's
+`/api/v1/bootstrap` and announces real owner-signed `StagePeerRecord`s with
+`swarm.records.announce`. Two of them publish hostile public names. Tests run in file order
+on one swarm: listing, metrics, the page in Chromium, a tracker restart, and last a stage
+losing its only peer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+from hivemind.dht import DHT
+from prometheus_client.parser import text_string_to_metric_families
+
+from swarm.manifest import save_manifest
+from swarm.presets import preset
+from swarm.records import SOFTWARE_VERSION, StagePeerRecord, announce, load_or_create_rsa_key, make_validators
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+
+REPO = Path(__file__).resolve().parents[1]
+ARTIFACTS = REPO / "test-artifacts"
+MANIFEST = preset("tiny", stages=3)
+XSS_SCRIPT = "<script>window.__xss=1</script>"
+XSS_IMG = "<img src=x onerror=window.__xss=1>"
+CHROMIUM = "/usr/bin/chromium"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def get_json(url: str) -> dict:
+    status, body = get(url)
+    assert status == 200, (url, status, body[:300])
+    return json.loads(body)
+
+
+def wait_for(predicate, timeout: float, what: str, interval: float = 0.25):
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        last = predicate()
+        if last:
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}; last: {last!r}")
+
+
+class Tracker:
+    """`python -m tracker` in its own process group, so its DHT process and p2pd die with it."""
+
+    def __init__(self, workdir: Path, dht_port: int) -> None:
+        self.workdir, self.dht_port = workdir, dht_port
+        self.proc: subprocess.Popen | None = None
+        self.url = ""
+        self.starts = 0
+
+    def start(self) -> None:
+        self.starts += 1
+        self.log = self.workdir / f"tracker-{self.starts}.log"
+        cmd = [
+            sys.executable,
+            "-m",
+            "tracker",
+            "--manifest",
+            str(self.workdir / "manifest.json"),
+            "--port",
+            "0",
+            "--db",
+            str(self.workdir / "history.sqlite"),
+            "--identity",
+            str(self.workdir / "tracker.id"),
+            "--host-maddrs",
+            f"/ip4/127.0.0.1/tcp/{self.dht_port}",
+            "--poll-interval",
+            "0.5",
+        ]
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen(
+                cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+
+        def ready():
+            if self.proc.poll() is not None:
+                raise AssertionError(f"tracker exited with {self.proc.returncode}:\n{self.log.read_text()}")
+            found = re.search(r"tracker ready at (http://127\.0\.0\.1:\d+)/", self.log.read_text())
+            return found.group(1) if found else None
+
+        self.url = wait_for(ready, 60, "the tracker's ready line")
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        proc, self.proc = self.proc, None
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                pass
+        try:  # whatever is left in its group (DHT child, p2pd) goes too
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        proc.wait(timeout=10)
+
+
+class FakePeer:
+    """A real DHT node that announces one signed stage record every second, like a peer daemon."""
+
+    def __init__(self, initial_peers: list[str], stage: int, name: str, ttl: float, **fields) -> None:
+        self.signer, validators = make_validators(MANIFEST, load_or_create_rsa_key(None))
+        self.dht = DHT(
+            start=True,
+            initial_peers=initial_peers,
+            host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+            record_validators=validators,
+        )
+        self.stage, self.name, self.ttl, self.fields = stage, name, ttl, fields
+        self.addrs = [str(a) for a in self.dht.get_visible_maddrs()]
+        self.announcing = threading.Event()
+        self.announcing.set()
+        self.closed = threading.Event()
+        self.count = 0
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+
+    def record(self) -> StagePeerRecord:
+        fields = dict(
+            peer_id=str(self.dht.peer_id),
+            state="online",
+            stage=self.stage,
+            throughput=100.0 + 10 * self.stage,
+            load=1,
+            u_version=0,
+            u_sha256=MANIFEST.u_sha256,
+            t_fixed_sha256=MANIFEST.t_fixed_sha256,
+            software_version=SOFTWARE_VERSION,
+            public_name=self.name,
+            addrs=self.addrs,
+            trips=self.count,
+            tokens=1024 * self.count,
+            bytes_in=0,
+            bytes_out=100 * self.count,
+            errors=0,
+            loss=(5.0 / (1 + 0.1 * self.count)) if self.stage == 0 else None,
+            optimizer_epoch=0,
+        )
+        fields.update(self.fields)
+        return StagePeerRecord(**fields)
+
+    def _loop(self) -> None:
+        while not self.closed.is_set():
+            if self.announcing.is_set():
+                try:
+                    announce(self.dht, MANIFEST, self.signer, self.record(), ttl=self.ttl)
+                    self.count += 1
+                except Exception:  # a failed store is retried on the next beat, like a real peer
+                    pass
+            self.closed.wait(1.0)
+
+    def close(self) -> None:
+        self.closed.set()
+        if self.thread.is_alive():
+            self.thread.join(timeout=10)
+        self.dht.shutdown()
+
+
+def close_all(peers) -> None:
+    """Shut peers down side by side: each DHT shutdown may wait seconds for its process."""
+    threads = [threading.Thread(target=peer.close) for peer in peers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def swarm(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("tracker")
+    save_manifest(MANIFEST, workdir / "manifest.json")
+    tracker = Tracker(workdir, free_port())
+    peers: dict[str, FakePeer] = {}
+    try:
+        tracker.start()
+        bootstrap = get_json(tracker.url + "/api/v1/bootstrap")["initial_peers"]
+        specs = [
+            ("script", 0, XSS_SCRIPT, 8.0),
+            ("img", 1, XSS_IMG, 8.0),
+            ("plain", 1, "plain peer", 8.0),
+            ("last", 2, "only last stage", 3.0),
+        ]
+
+        def make(key, stage, name, ttl):
+            peers[key] = FakePeer(bootstrap, stage, name, ttl)
+
+        starting = [threading.Thread(target=make, args=spec) for spec in specs]
+        for t in starting:
+            t.start()
+        for t in starting:
+            t.join(timeout=60)
+        assert sorted(peers) == sorted(spec[0] for spec in specs), "a peer's DHT node did not start"
+        for peer in peers.values():
+            peer.thread.start()
+        yield tracker, peers
+    finally:
+        close_all(peers.values())
+        tracker.stop()
+
+
+def stage_counts(url: str) -> list[int]:
+    return [row["peers_total"] for row in get_json(url + "/api/v1/swarm")["stages"]]
+
+
+def test_swarm_lists_every_stage_with_its_peers(swarm):
+    tracker, peers = swarm
+    wait_for(lambda: stage_counts(tracker.url) == [1, 2, 1], 30, "peers in every stage")
+    body = wait_for(
+        lambda: (b := get_json(tracker.url + "/api/v1/swarm?history=50"))["healthy"] and b, 10, "healthy"
+    )
+    names = [sorted(p["public_name"] for p in row["peers"]) for row in body["stages"]]
+    assert names == [[XSS_SCRIPT], sorted([XSS_IMG, "plain peer"]), ["only last stage"]]
+    ids = {p["peer_id"] for row in body["stages"] for p in row["peers"]}
+    assert ids == {str(peer.dht.peer_id) for peer in peers.values()}
+    assert all(p["state"] == "online" and p["u_version"] == 0 for row in body["stages"] for p in row["peers"])
+    assert body["totals"]["capacity_tokens_per_s"] == 100.0
+    assert body["history"] and body["totals"]["loss"] is not None
+
+    run = get_json(tracker.url + "/api/v1/run")
+    assert run["manifest"] == MANIFEST.model_dump(mode="json") and run["run_id"] == MANIFEST.run_id
+    assert run["u_sha256"] == MANIFEST.u_sha256 and run["u_version"] == 0
+    assert get_json(tracker.url + "/healthz")["ok"] is True
+    assert get(tracker.url + "/api/v1/swarm?history=-1")[0] == 422
+    assert get(tracker.url + "/no/such/page")[0] == 404
+
+
+def test_metrics_parse_as_prometheus_text(swarm):
+    tracker, _ = swarm
+    status, body = get(tracker.url + "/metrics")
+    assert status == 200
+    families = {f.name: f for f in text_string_to_metric_families(body.decode())}
+    assert families["protocol_swarm_healthy"].samples[0].value == 1
+    online = {
+        s.labels["stage"]: s.value
+        for s in families["protocol_swarm_stage_peers"].samples
+        if s.labels["state"] == "online"
+    }
+    assert online == {"0": 1, "1": 2, "2": 1}
+    assert families["protocol_tracker_polls"].samples[0].value >= 1
+
+
+@pytest.mark.browser
+def test_page_in_chromium_shows_stages_chart_and_escapes_names(swarm):
+    if not os.path.exists(CHROMIUM):
+        pytest.skip("Debian chromium is not installed")
+    from playwright.sync_api import sync_playwright
+
+    tracker, _ = swarm
+    wait_for(lambda: len(get_json(tracker.url + "/api/v1/swarm")["history"]) >= 3, 20, "a few history points")
+    ARTIFACTS.mkdir(exist_ok=True)
+    with sync_playwright() as p:
+        browser = p.chromium.launch(
+            executable_path=CHROMIUM,
+            headless=True,
+            args=["--no-sandbox", "--disable-background-networking", "--disable-gpu"],
+        )
+        try:
+            page = browser.new_page(viewport={"width": 1200, "height": 1400})
+            errors: list[str] = []
+            page.on("pageerror", lambda exc: errors.append(str(exc)))
+            page.goto(tracker.url + "/")
+            page.wait_for_selector("body[data-rendered='1']", timeout=15000)
+            rows = page.locator("#stage-table tbody tr")
+            assert rows.count() == 3
+            assert [rows.nth(i).locator("td.peers-online").inner_text() for i in range(3)] == ["1", "2", "1"]
+            assert page.locator("#verdict").inner_text() == "healthy"
+            assert page.locator("#loss-chart svg path.series").count() == 1
+            assert page.locator("#throughput-chart svg path.series").count() >= 1
+            names = page.locator("#peer-table td.peer-name").all_inner_texts()
+            assert XSS_SCRIPT in names and XSS_IMG in names
+            assert page.evaluate("typeof window.__xss") == "undefined"
+            assert page.locator("#peer-table img, #peer-table script").count() == 0
+            assert errors == []
+            page.screenshot(path=str(ARTIFACTS / "tracker-page.png"), full_page=True)
+
+            phone = browser.new_page(
+                viewport={"width": 390, "height": 844}, device_scale_factor=2, is_mobile=True
+            )
+            phone.goto(tracker.url + "/")
+            phone.wait_for_selector("body[data-rendered='1']", timeout=15000)
+            # readable on a phone: the page itself does not scroll sideways (wide tables scroll in their box)
+            assert phone.evaluate("document.documentElement.scrollWidth <= window.innerWidth + 1")
+            phone.screenshot(path=str(ARTIFACTS / "tracker-page-phone.png"), full_page=True)
+            assert phone.evaluate("typeof window.__xss") == "undefined"
+        finally:
+            browser.close()
+
+
+def test_history_and_bootstrap_address_survive_a_restart(swarm):
+    tracker, _ = swarm
+    before = get_json(tracker.url + "/api/v1/swarm?history=2000")["history"]
+    bootstrap = get_json(tracker.url + "/api/v1/bootstrap")["initial_peers"]
+    assert len(before) >= 2
+    tracker.stop()
+    tracker.start()
+    after = get_json(tracker.url + "/api/v1/swarm?history=2000")["history"]
+    assert after[0]["time"] == before[0]["time"] and len(after) >= len(before)
+    assert get_json(tracker.url + "/api/v1/bootstrap")["initial_peers"] == bootstrap
+    # the peers still know the tracker's (unchanged) address and find it again
+    wait_for(lambda: stage_counts(tracker.url) == [1, 2, 1], 30, "peers back after the restart")
+
+
+def test_swarm_goes_unhealthy_when_a_stage_loses_its_only_peer(swarm):
+    tracker, peers = swarm
+    wait_for(lambda: get_json(tracker.url + "/api/v1/swarm")["healthy"], 20, "a healthy swarm first")
+    peers["last"].announcing.clear()  # the peer dies: no more announcements, its 3 s record expires
+
+    def unhealthy():
+        body = get_json(tracker.url + "/api/v1/swarm")
+        return (not body["healthy"]) and body
+
+    body = wait_for(unhealthy, 20, "the verdict to turn unhealthy")
+    assert [row["peers_total"] for row in body["stages"]] == [1, 2, 0]
+    assert {"code": "empty_stage", "stage": 2} in [
+        {"code": w["code"], "stage": w["stage"]} for w in body["warnings"]
+    ]
+    families = {f.name: f for f in text_string_to_metric_families(get(tracker.url + "/metrics")[1].decode())}
+    assert families["protocol_swarm_healthy"].samples[0].value == 0
+    assert get_json(tracker.url + "/healthz")["swarm_healthy"] is False

@@ -227,8 +227,14 @@ def test_history_is_capped(tmp_path):
 
 
 def test_rates_skip_counter_resets():
-    rows = with_rates([sample(0, 0), sample(10, 100), sample(20, 5), sample(20, 6)])
+    rows = with_rates([sample(0, 0), sample(10, 100), sample(20, 5), sample(20, 6)], window=0)
     assert [r["rate"] for r in rows] == [None, 10.0, None, None]
+
+
+def test_rates_are_smoothed_over_the_window():
+    # counters move every 2 s, polls come every 1 s: consecutive deltas would read 0, 100, 0, 100...
+    rows = with_rates([sample(t, 100 * (t // 2)) for t in range(40)], window=10)
+    assert all(r["rate"] == pytest.approx(50, abs=6) for r in rows[11:])
 
 
 # --- metrics ---

@@ -17,6 +17,7 @@ from typing import Any
 
 DEFAULT_MAX_ROWS = 200_000  # ~11 days at one poll every 5 s
 MAX_REMEMBERED_PEERS = 256
+RATE_WINDOW = 30.0  # seconds; about three peer announce periods
 _COLUMNS = ("time", "loss", "capacity", "tokens", "peers", "bytes_sent")
 
 
@@ -102,15 +103,23 @@ class History:
             self._db.close()
 
 
-def with_rates(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Add `rate` (tokens/s trained) from consecutive samples; a counter reset gives no rate."""
-    previous = None
-    for sample in samples:
+def with_rates(samples: list[dict[str, Any]], window: float = RATE_WINDOW) -> list[dict[str, Any]]:
+    """Add `rate` (tokens/s trained), measured over about `window` seconds.
+
+    Peers refresh their counters only every ~10 s while the tracker polls more often, so a
+    rate between consecutive polls would alternate between zero and a spike. Each rate is
+    taken from the oldest sample inside the window (or the previous one when samples are
+    sparser); a drop of the counter (a driver left) gives no rate rather than a negative one.
+    """
+    start = 0
+    for i, sample in enumerate(samples):
+        while start < i - 1 and sample["time"] - samples[start]["time"] > window:
+            start += 1
         rate = None
-        if previous is not None:
-            dt, dtokens = sample["time"] - previous["time"], sample["tokens"] - previous["tokens"]
+        if i > 0:
+            first = samples[min(start, i - 1)]
+            dt, dtokens = sample["time"] - first["time"], sample["tokens"] - first["tokens"]
             if dt > 0 and dtokens >= 0:
                 rate = dtokens / dt
         sample["rate"] = rate
-        previous = sample
     return samples

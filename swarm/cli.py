@@ -49,12 +49,16 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from swarm.simulate import simulate
 
     manifest = _manifest_from(args)
-    bar = None if args.json else tqdm(total=args.steps, desc=f"simulate {manifest.compression}", unit="step")
+    bar = None
 
     def on_step(step: int, loss: float) -> None:
-        if bar is not None:
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss:.3f}")
+        nonlocal bar
+        if args.json:
+            return
+        if bar is None:  # opened at the first step, so a refused --data or manifest leaves stderr one line
+            bar = tqdm(total=args.steps, desc=f"simulate {manifest.compression}", unit="step")
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss:.3f}")
 
     result = simulate(manifest, args.steps, data=args.data, seed=args.seed or 0, on_step=on_step)
     if bar is not None:

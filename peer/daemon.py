@@ -27,7 +27,7 @@ from peer.runtime import StageRuntime, pick_device
 from peer.transport import TripServicer, send_trip
 from swarm.manifest import Manifest
 from swarm.records import (
-    RECORD_TTL,
+    ANNOUNCE_INTERVAL,
     SOFTWARE_VERSION,
     StagePeerRecord,
     announce,
@@ -257,7 +257,7 @@ class PeerDaemon:
     async def announce_loop(self) -> None:
         while True:
             await self.announce_now()
-            await asyncio.sleep(RECORD_TTL / 3)
+            await asyncio.sleep(ANNOUNCE_INTERVAL)
 
     async def refresh_loop(self) -> None:
         while True:

@@ -22,7 +22,8 @@ from hivemind.utils.timed_storage import get_dht_time
 from swarm.manifest import Manifest
 
 PEER_STATES = ("joining", "online", "leaving")
-RECORD_TTL = 30.0  # seconds; peers re-announce every RECORD_TTL / 3
+RECORD_TTL = 30.0  # seconds a record lives unless re-announced
+ANNOUNCE_INTERVAL = 5.0
 SOFTWARE_VERSION = "0.1.0"
 
 _Count = pydantic.conint(strict=True, ge=0)

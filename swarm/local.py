@@ -1,0 +1,289 @@
+"""`protocol-swarm local`: a whole swarm on this machine, the first thing a newcomer runs.
+
+It starts a bootstrap DHT node in this process (which also watches the peers' records), a
+tracker, and one `protocol-peer` process per slot, all on loopback; it stops when the slowest
+stage has made `--steps` optimizer steps, and always stops every child (process groups, so
+hivemind's DHT processes and p2pd daemons go too) and removes its temporary directory.
+Peers are separate programs, started as commands: `swarm` never imports `peer` or `tracker`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from swarm.manifest import Manifest, save_manifest
+from swarm.presets import PRESETS, preset
+from swarm.records import PeerEntry, fetch_stages, load_or_create_rsa_key, make_validators
+
+
+class LocalSwarmError(RuntimeError):
+    pass
+
+
+@dataclass
+class Child:
+    name: str
+    process: subprocess.Popen
+    log: Path
+
+
+@dataclass
+class Progress:
+    started: float = field(default_factory=time.monotonic)
+    online_at: float | None = None
+    loss_first: float | None = None
+    loss_last: float | None = None
+    loss_history: list[float] = field(default_factory=list)
+    entries: dict[str, PeerEntry] = field(default_factory=dict)  # peer_id → latest record
+    token_marks: list[tuple[float, int]] = field(default_factory=list)  # (when, driver tokens) at each change
+
+    def observe(self, stages: dict[int, list[PeerEntry]]) -> None:
+        for entries in stages.values():
+            for entry in entries:
+                self.entries[entry.record.peer_id] = entry
+        tokens = self.driver_tokens()
+        if tokens and (not self.token_marks or tokens != self.token_marks[-1][1]):
+            self.token_marks.append((time.monotonic(), tokens))
+        losses = [e.record.loss for e in stages.get(0, []) if e.record.loss is not None]
+        if losses:
+            loss = sum(losses) / len(losses)
+            if not self.loss_history or loss != self.loss_history[-1]:
+                self.loss_history.append(loss)
+            if self.loss_first is None:
+                self.loss_first = loss
+            self.loss_last = loss
+
+    def slowest_epoch(self, stages: dict[int, list[PeerEntry]], num_stages: int) -> int:
+        per_stage = [max((e.record.optimizer_epoch for e in stages.get(s, [])), default=0) for s in range(num_stages)]
+        return min(per_stage)
+
+    def driver_tokens(self) -> int:
+        return sum(e.record.tokens for e in self.entries.values() if e.record.stage == 0)
+
+    def tokens_per_second(self) -> float:
+        """From the first to the last change of the drivers' counters: records are a few seconds stale."""
+        if len(self.token_marks) < 2:
+            return 0.0
+        (t0, n0), (t1, n1) = self.token_marks[0], self.token_marks[-1]
+        return (n1 - n0) / max(t1 - t0, 1e-9)
+
+    def wire_bytes_per_token(self) -> float:
+        """Bytes through one boundary (both directions) per token, as the drivers counted them."""
+        drivers = [e.record for e in self.entries.values() if e.record.stage == 0 and e.record.tokens]
+        return sum(r.bytes_in + r.bytes_out for r in drivers) / max(sum(r.tokens for r in drivers), 1)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class LocalSwarm:
+    def __init__(self, manifest: Manifest, peers_per_stage: int, workdir: Path, max_inflight: int,
+                 with_tracker: bool = True, extra_peer_args: list[str] | None = None):
+        self.manifest, self.peers_per_stage, self.workdir = manifest, peers_per_stage, workdir
+        self.max_inflight, self.with_tracker = max_inflight, with_tracker
+        self.extra_peer_args = extra_peer_args or []
+        self.children: list[Child] = []
+        self.dht = None
+        self.tracker_url: str | None = None
+        self.manifest_path = workdir / "manifest.json"
+
+    def _spawn(self, name: str, argv: list[str]) -> Child:
+        log = self.workdir / f"{name}.log"
+        handle = log.open("wb")
+        process = subprocess.Popen(argv, stdout=handle, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                   start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        handle.close()
+        child = Child(name, process, log)
+        self.children.append(child)
+        return child
+
+    def start(self) -> None:
+        from hivemind.dht import DHT
+
+        save_manifest(self.manifest, self.manifest_path)
+        _, validators = make_validators(self.manifest, load_or_create_rsa_key(None))
+        self.dht = DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], record_validators=validators)
+        bootstrap = self.bootstrap
+        tracker = shutil.which("protocol-tracker")
+        if self.with_tracker and tracker:
+            port = free_port()
+            self._spawn("tracker", [tracker, "--manifest", str(self.manifest_path), "--host", "127.0.0.1",
+                                    "--port", str(port), "--db", str(self.workdir / "tracker.sqlite"),
+                                    "--identity", str(self.workdir / "tracker.id"), "--initial-peers", *bootstrap])
+            self.tracker_url = f"http://127.0.0.1:{port}"
+        for stage in range(self.manifest.num_stages):
+            for slot in range(self.peers_per_stage):
+                self.spawn_peer(f"stage{stage}-peer{slot}", str(stage))
+
+    @property
+    def bootstrap(self) -> list[str]:
+        return [str(a) for a in self.dht.get_visible_maddrs()]
+
+    def spawn_peer(self, name: str, stage: str, extra_args: list[str] | None = None) -> Child:
+        peer = shutil.which("protocol-peer")
+        if peer is None:
+            raise LocalSwarmError("protocol-peer is not installed (pip install -e .)")
+        return self._spawn(name, [peer, "--manifest", str(self.manifest_path), "--initial-peers", *self.bootstrap,
+                                  "--stage", stage, "--host-maddrs", "/ip4/127.0.0.1/tcp/0",
+                                  "--public-name", name, "--max-inflight", str(self.max_inflight),
+                                  "--device", "cpu", "--checkpoint-dir", str(self.workdir / "checkpoints" / name),
+                                  *self.extra_peer_args, *(extra_args or [])])
+
+    def check_children(self) -> None:
+        """A dead peer ends the run; a dead tracker only costs the status page."""
+        for child in self.children:
+            code = child.process.poll()
+            if code is not None and child.name == "tracker":
+                if self.tracker_url:
+                    print(f"warning: the tracker exited with code {code}; see {child.log}", file=sys.stderr)
+                    self.tracker_url = None
+            elif code is not None:
+                tail = child.log.read_text(errors="replace")[-2000:]
+                raise LocalSwarmError(f"{child.name} exited with code {code}; its log ends:\n{tail}")
+
+    def poll(self) -> dict[int, list[PeerEntry]]:
+        return fetch_stages(self.dht, self.manifest)
+
+    def stop(self) -> None:
+        for child in self.children:
+            if child.process.poll() is None:
+                _signal_group(child.process, signal.SIGTERM)
+        deadline = time.monotonic() + 20
+        for child in self.children:
+            try:
+                child.process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        for child in self.children:  # the group too: hivemind's DHT process and p2pd may outlive their parent
+            _signal_group(child.process, signal.SIGKILL)
+            if child.process.poll() is None:
+                child.process.wait(timeout=5)
+        if self.dht is not None:
+            self.dht.shutdown()
+            self.dht = None
+
+
+def _signal_group(process: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(process.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def run_local(args: argparse.Namespace) -> dict:
+    manifest = preset(args.preset, stages=args.stages, compression=args.compression, seed=args.seed)
+    workdir = Path(tempfile.mkdtemp(prefix="protocol-swarm-"))
+    swarm = LocalSwarm(manifest, args.peers_per_stage, workdir, args.max_inflight)
+    progress = Progress()
+    bar = None
+    try:
+        swarm.start()
+        if swarm.tracker_url and not args.json:
+            print(f"tracker: {swarm.tracker_url}", flush=True)
+        if not args.json:
+            from tqdm import tqdm
+
+            bar = tqdm(total=args.steps, desc=f"local swarm {manifest.compression}", unit="step")
+        deadline = time.monotonic() + args.timeout
+        epoch = 0
+        while epoch < args.steps:
+            if time.monotonic() > deadline:
+                raise LocalSwarmError(f"timed out after {args.timeout:.0f}s at step {epoch} of {args.steps}")
+            swarm.check_children()
+            time.sleep(1.0)
+            stages = swarm.poll()
+            progress.observe(stages)
+            if progress.online_at is None and all(
+                any(e.record.state == "online" for e in stages.get(s, [])) for s in range(manifest.num_stages)
+            ):
+                progress.online_at = time.monotonic()
+            new_epoch = progress.slowest_epoch(stages, manifest.num_stages)
+            if bar is not None:
+                bar.update(max(0, min(new_epoch, args.steps) - epoch))
+                if progress.loss_last is not None:
+                    bar.set_postfix(loss=f"{progress.loss_last:.3f}", tokens=progress.driver_tokens())
+            epoch = max(epoch, new_epoch)
+        progress.observe(swarm.poll())
+        elapsed = time.monotonic() - (progress.online_at or progress.started)
+    finally:
+        if bar is not None:
+            bar.close()
+        swarm.stop()
+        if args.keep_logs:
+            print(f"logs kept in {workdir}", file=sys.stderr)
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
+    tokens = progress.driver_tokens()
+    return {
+        "run_id": manifest.run_id,
+        "compression": manifest.compression,
+        "stages": manifest.num_stages,
+        "peers_per_stage": args.peers_per_stage,
+        "steps": epoch,
+        "tokens": tokens,
+        "loss_first": progress.loss_first,
+        "loss_last": progress.loss_last,
+        "loss_history": progress.loss_history,
+        "tokens_per_second": progress.tokens_per_second(),
+        "wire_bytes_per_token": progress.wire_bytes_per_token(),
+        "dense_wire_bytes_per_token": 2 * manifest.dense_bytes_per_token(),
+        "seconds": elapsed,
+        "tracker": swarm.tracker_url,
+        "peers": [
+            {"peer_id": e.record.peer_id, "name": e.record.public_name, "stage": e.record.stage,
+             "trips": e.record.trips, "errors": e.record.errors, "tokens": e.record.tokens}
+            for e in sorted(progress.entries.values(), key=lambda e: (e.record.stage, e.record.public_name))
+        ],
+    }
+
+
+def cmd_local(args: argparse.Namespace) -> int:
+    try:
+        summary = run_local(args)
+    except LocalSwarmError as exc:
+        print(f"protocol-swarm local: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("protocol-swarm local: interrupted; all peers stopped", file=sys.stderr)
+        return 130
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        print(f"run {summary['run_id']} ({summary['compression']}): {summary['steps']} steps, "
+              f"{summary['tokens']} tokens in {summary['seconds']:.0f}s = {summary['tokens_per_second']:.0f} tokens/s")
+        if summary["loss_first"] is not None:
+            print(f"loss {summary['loss_first']:.3f} -> {summary['loss_last']:.3f}")
+        print(f"wire {summary['wire_bytes_per_token']:.1f} bytes/token per boundary "
+              f"(dense would send {summary['dense_wire_bytes_per_token']})")
+        for peer in summary["peers"]:
+            print(f"  stage {peer['stage']} {peer['name']:<16} trips {peer['trips']:>6} errors {peer['errors']}")
+    return 0
+
+
+def add_local_parser(sub) -> None:
+    local = sub.add_parser("local", help="run tracker, bootstrap and a peer per stage on this machine")
+    local.add_argument("--preset", default="tiny", choices=PRESETS)
+    local.add_argument("--stages", type=int, default=3, help="pipeline stages")
+    local.add_argument("--peers-per-stage", type=int, default=1)
+    local.add_argument("--steps", type=int, default=60, help="optimizer steps of the slowest stage")
+    local.add_argument("--compression", choices=("subspace", "boundary", "none"))
+    local.add_argument("--seed", type=int, default=0)
+    local.add_argument("--max-inflight", type=int, default=4, help="trips each driver keeps in flight")
+    local.add_argument("--timeout", type=float, default=900.0, help="give up after this many seconds")
+    local.add_argument("--keep-logs", action="store_true", help="keep the working directory with peer logs")
+    local.add_argument("--json", action="store_true", help="print one JSON summary as the last line")
+    local.set_defaults(func=cmd_local)

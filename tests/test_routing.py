@@ -1,0 +1,40 @@
+"""Next-hop choice: compatible peers only, least expected queue first, bans with backoff."""
+
+from peer.routing import Router
+from swarm.records import PeerEntry, StagePeerRecord
+
+
+def entry(peer_id: str, throughput: float, load: int = 0, t_fixed: str = "a" * 64, u_version: int = 0,
+          state: str = "online") -> PeerEntry:
+    record = StagePeerRecord(
+        peer_id=peer_id, state=state, stage=1, throughput=float(throughput), load=load, u_version=u_version,
+        u_sha256="b" * 64, t_fixed_sha256=t_fixed, software_version="t", public_name=peer_id, addrs=[],
+        trips=0, tokens=0, bytes_in=0, bytes_out=0, errors=0, loss=None, optimizer_epoch=0)
+    return PeerEntry(record=record, expiration=0.0, owner=b"")
+
+
+def router(*entries: PeerEntry) -> Router:
+    r = Router(t_fixed_sha256="a" * 64, u_version=0, own_peer_id="me")
+    r.update({1: list(entries)})
+    return r
+
+
+def test_incompatible_peers_are_never_chosen():
+    r = router(entry("bad-hash", 1000, t_fixed="c" * 64), entry("old-u", 1000, u_version=3),
+               entry("leaving", 1000, state="leaving"), entry("me", 1000), entry("good", 1.0))
+    assert [e.record.peer_id for e in r.candidates(1)] == ["good"]
+
+
+def test_least_expected_queue_first():
+    r = router(entry("slow", 100.0), entry("fast-busy", 1000.0, load=30), entry("fast", 1000.0, load=1))
+    assert [e.record.peer_id for e in r.candidates(1)] == ["fast", "slow", "fast-busy"]
+
+
+def test_ban_backs_off_and_expires():
+    r = router(entry("x", 10.0), entry("y", 5.0))
+    assert r.ban("x", now=0.0) == 5.0
+    assert [e.record.peer_id for e in r.candidates(1, now=1.0)] == ["y"]
+    assert [e.record.peer_id for e in r.candidates(1, now=6.0)][0] == "x"
+    assert r.ban("x", now=6.0) == 10.0
+    r.forgive("x")
+    assert r.ban("x", now=7.0) == 5.0

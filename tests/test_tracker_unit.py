@@ -21,10 +21,13 @@ from tracker.history import History, with_rates
 from tracker.metrics import make_registry, render
 from tracker.service import SwarmMonitor
 from tracker.summary import (
+    MAX_PEERS_LISTED,
     MAX_PEERS_PER_STAGE,
     PeerView,
     boundary_directions,
     current_u_version,
+    dialable_addrs,
+    peers_listed_per_stage,
     summarize,
     track_last_seen,
 )
@@ -179,6 +182,7 @@ def test_peer_lists_are_bounded():
     row = s["stages"][0]
     assert len(row["peers"]) == MAX_PEERS_PER_STAGE and row["peers_omitted"] == 44
     assert row["peers_total"] == MAX_PEERS_PER_STAGE + 44
+    assert peers_listed_per_stage(32) * 32 <= MAX_PEERS_LISTED and peers_listed_per_stage(10**6) == 8
 
 
 def test_last_seen_moves_only_when_a_record_is_refreshed():
@@ -372,3 +376,16 @@ def test_an_internal_error_is_a_503_not_a_500(app_client):
     response = client.get("/api/v1/swarm")
     assert response.status_code == 503 and response.json() == {"detail": "tracker error, try again"}
     assert client.get("/api/v1/run").status_code == 200
+
+
+def test_only_plausible_peer_addresses_are_remembered():
+    good = "/ip4/10.0.0.1/tcp/4000/p2p/12D3KooWgood"
+    addrs = [
+        good,
+        "/ip4/10.0.0.2/tcp/1",
+        "javascript:alert(1)",
+        "/ip4/1.2.3.4/tcp/1/p2p/x y",
+        "/ip4/127.0.0.1/tcp/9/p2p/QmSelf",
+    ]
+    stages = {0: [view(record(0, "a", addrs=addrs))], 1: [view(record(1, "b", addrs=[good], state="joining"))]}
+    assert dialable_addrs(stages, exclude_peer_id="QmSelf") == [good]

@@ -39,9 +39,7 @@ SECURITY_HEADERS = {
 
 
 def _templates() -> Environment:
-    return Environment(
-        loader=FileSystemLoader(HERE / "templates"), autoescape=select_autoescape(default=True)
-    )
+    return Environment(loader=FileSystemLoader(HERE / "templates"), autoescape=select_autoescape(default=True))
 
 
 def human_bytes(n: float | None) -> str:

@@ -41,12 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     manifest = _env("manifest")
     p.add_argument("--manifest", default=manifest, required=manifest is None, help="the run manifest (JSON)")
     p.add_argument("--host", default=_env("host", "127.0.0.1"), help="HTTP bind address (default 127.0.0.1)")
-    p.add_argument(
-        "--port", type=int, default=int(_env("port", "8000")), help="HTTP port; 0 picks a free one"
-    )
-    p.add_argument(
-        "--db", default=_env("db", "tracker-history.sqlite"), help="SQLite file for loss/throughput history"
-    )
+    p.add_argument("--port", type=int, default=int(_env("port", "8000")), help="HTTP port; 0 picks a free one")
+    p.add_argument("--db", default=_env("db", "tracker-history.sqlite"), help="SQLite file for loss/throughput history")
     p.add_argument(
         "--identity",
         default=_env("identity"),
@@ -108,9 +104,7 @@ def _listen(host: str, port: int) -> socket.socket:
 
 
 def _display_url(host: str, port: int) -> str:
-    shown = {"0.0.0.0": "127.0.0.1", "::": "[::1]", "": "127.0.0.1"}.get(
-        host, f"[{host}]" if ":" in host else host
-    )
+    shown = {"0.0.0.0": "127.0.0.1", "::": "[::1]", "": "127.0.0.1"}.get(host, f"[{host}]" if ":" in host else host)
     return f"http://{shown}:{port}"
 
 
@@ -146,9 +140,7 @@ def run(args: argparse.Namespace) -> int:
     port = sock.getsockname()[1]
     url = _display_url(args.host, port)
     if args.identity is None:
-        logger.warning(
-            "no --identity: the DHT peer id (and so the bootstrap address) changes on every restart"
-        )
+        logger.warning("no --identity: the DHT peer id (and so the bootstrap address) changes on every restart")
     elif os.path.dirname(os.path.abspath(args.identity)):
         os.makedirs(os.path.dirname(os.path.abspath(args.identity)), exist_ok=True)
 

@@ -40,9 +40,7 @@ class History:
                 "bytes_sent INTEGER NOT NULL)"
             )
             self._db.execute("CREATE INDEX IF NOT EXISTS samples_time ON samples(time)")
-            self._db.execute(
-                "CREATE TABLE IF NOT EXISTS dht_peers (maddr TEXT PRIMARY KEY, last_seen REAL NOT NULL)"
-            )
+            self._db.execute("CREATE TABLE IF NOT EXISTS dht_peers (maddr TEXT PRIMARY KEY, last_seen REAL NOT NULL)")
         self._inserts = 0
 
     def add(self, sample: Mapping[str, Any]) -> None:
@@ -53,9 +51,7 @@ class History:
             )
             self._inserts += 1
             if self._inserts % 1000 == 1:
-                self._db.execute(
-                    "DELETE FROM samples WHERE id <= (SELECT MAX(id) FROM samples) - ?", (self.max_rows,)
-                )
+                self._db.execute("DELETE FROM samples WHERE id <= (SELECT MAX(id) FROM samples) - ?", (self.max_rows,))
 
     def count(self) -> int:
         with self._lock:
@@ -66,9 +62,7 @@ class History:
         if points <= 0:
             return []
         with self._lock:
-            last, count = self._db.execute(
-                "SELECT MAX(id), COUNT(*) FROM samples WHERE time >= ?", (since,)
-            ).fetchone()
+            last, count = self._db.execute("SELECT MAX(id), COUNT(*) FROM samples WHERE time >= ?", (since,)).fetchone()
             if not count:
                 return []
             step = max(1, math.ceil(count / points))

@@ -18,9 +18,7 @@ from swarm.records import PEER_STATES
 
 
 class SwarmCollector(Collector):
-    def __init__(
-        self, snapshot: Callable[[], dict[str, Any]], monitor_stats: Callable[[], dict[str, float]]
-    ) -> None:
+    def __init__(self, snapshot: Callable[[], dict[str, Any]], monitor_stats: Callable[[], dict[str, float]]) -> None:
         self._snapshot = snapshot
         self._stats = monitor_stats
 
@@ -55,9 +53,7 @@ class SwarmCollector(Collector):
             yield GaugeMetricFamily(
                 "protocol_swarm_loss", "token-weighted loss reported by stage-0 drivers", value=totals["loss"]
             )
-        peers = GaugeMetricFamily(
-            "protocol_swarm_stage_peers", "peers per stage and state", labels=["stage", "state"]
-        )
+        peers = GaugeMetricFamily("protocol_swarm_stage_peers", "peers per stage and state", labels=["stage", "state"])
         throughput = GaugeMetricFamily(
             "protocol_swarm_stage_throughput_tokens_per_second",
             "summed throughput of a stage's serving peers",
@@ -95,9 +91,7 @@ class SwarmCollector(Collector):
         )
 
 
-def make_registry(
-    snapshot: Callable[[], dict[str, Any]], stats: Callable[[], dict[str, float]]
-) -> CollectorRegistry:
+def make_registry(snapshot: Callable[[], dict[str, Any]], stats: Callable[[], dict[str, float]]) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(SwarmCollector(snapshot, stats))
     return registry

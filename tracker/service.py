@@ -148,9 +148,7 @@ class SwarmMonitor:
             logger.warning("history write failed: %s: %s", type(exc).__name__, exc)
         return summary
 
-    def _log_changes(
-        self, old: Mapping[bytes, Any], new: Mapping[bytes, Any], entries: list[PeerEntry]
-    ) -> None:
+    def _log_changes(self, old: Mapping[bytes, Any], new: Mapping[bytes, Any], entries: list[PeerEntry]) -> None:
         by_owner = {e.owner: e.record for e in entries}
         for owner in new.keys() - old.keys():
             r = by_owner[owner]
@@ -226,9 +224,7 @@ def start_dht(
             logger.info("rejoined the swarm through %d remembered peer addresses", len(remembered))
             return dht
         except Exception as exc:  # p2pd refuses to start when no bootstrap peer answers
-            logger.info(
-                "no remembered peer answered (%s); starting from the given initial peers", type(exc).__name__
-            )
+            logger.info("no remembered peer answered (%s); starting from the given initial peers", type(exc).__name__)
     return DHT(start=True, initial_peers=list(initial_peers), **common)
 
 

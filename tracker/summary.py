@@ -21,6 +21,7 @@ from swarm.records import RECORD_TTL, SOFTWARE_VERSION, PeerEntry, StagePeerReco
 DEFAULT_STALE_AFTER = RECORD_TTL / 3 * 2.5
 # Bounds on what one response may hold, whatever peers publish into the DHT.
 MAX_PEERS_PER_STAGE = 256
+MAX_PEERS_LISTED = 2048  # over all stages: a 32-stage run lists up to 64 peers per stage
 MAX_WARNINGS = 200
 
 
@@ -77,11 +78,7 @@ def peer_warnings(
             )
         )
     if record.u_version == 0 and manifest.u_sha256 and record.u_sha256 != manifest.u_sha256:
-        out.append(
-            dict(
-                level="error", code="u_hash_mismatch", **where, message="U v0 hash differs from the manifest"
-            )
-        )
+        out.append(dict(level="error", code="u_hash_mismatch", **where, message="U v0 hash differs from the manifest"))
     if record.state == "online" and record.u_version < u_version:
         out.append(
             dict(
@@ -138,6 +135,11 @@ def peer_summary(view: PeerView, now: float) -> dict[str, Any]:
     )
 
 
+def peers_listed_per_stage(num_stages: int) -> int:
+    """How many peers a stage lists in full (the best first); the rest are only counted."""
+    return max(8, min(MAX_PEERS_PER_STAGE, MAX_PEERS_LISTED // max(1, num_stages)))
+
+
 def summarize(
     manifest: Manifest,
     stages: Mapping[int, Sequence[PeerView]],
@@ -170,10 +172,9 @@ def summarize(
     dense_per_token = manifest.dense_bytes_per_token()
     stage_rows, bytes_sent, dense_bytes, capacity = [], 0, 0, []
     tokens_trained, losses = 0, []
+    per_stage = peers_listed_per_stage(manifest.num_stages)
     for i in range(manifest.num_stages):
-        views = sorted(
-            stages.get(i, ()), key=lambda v: (v.record.state != "online", -v.record.throughput, v.key)
-        )
+        views = sorted(stages.get(i, ()), key=lambda v: (v.record.state != "online", -v.record.throughput, v.key))
         serving = [v for v in views if is_serving(v.record, manifest)]
         online = [v for v in views if v.record.state == "online"]
         stage_capacity = sum(v.record.throughput for v in serving)
@@ -207,8 +208,8 @@ def summarize(
                 peers_serving=len(serving),
                 throughput=stage_capacity,
                 load=sum(v.record.load for v in views),
-                peers=[peer_summary(v, now) for v in views[:MAX_PEERS_PER_STAGE]],
-                peers_omitted=max(0, len(views) - MAX_PEERS_PER_STAGE),
+                peers=[peer_summary(v, now) for v in views[:per_stage]],
+                peers_omitted=max(0, len(views) - per_stage),
             )
         )
     healthy = polled and all(row["peers_serving"] > 0 for row in stage_rows)
@@ -273,11 +274,7 @@ def dialable_addrs(
                 return out
             if entry.record.state != "online":
                 continue
-            good = [
-                a
-                for a in entry.record.addrs
-                if _plausible_maddr(a) and not a.endswith("/p2p/" + exclude_peer_id)
-            ]
+            good = [a for a in entry.record.addrs if _plausible_maddr(a) and not a.endswith("/p2p/" + exclude_peer_id)]
             out.extend(good[:per_peer])
     return out
 

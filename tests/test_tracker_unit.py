@@ -8,15 +8,17 @@ test_tracker_swarm.py).
 from __future__ import annotations
 
 import math
+import socket
 
 import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
+from swarm.manifest import save_manifest
 from swarm.presets import preset
 from swarm.records import SOFTWARE_VERSION, PeerEntry, StagePeerRecord
 from tracker.app import create_app
-from tracker.cli import build_parser, default_host_maddrs
+from tracker.cli import build_parser, default_host_maddrs, main
 from tracker.history import History, with_rates
 from tracker.metrics import make_registry, render
 from tracker.service import SwarmMonitor
@@ -389,3 +391,23 @@ def test_only_plausible_peer_addresses_are_remembered():
     ]
     stages = {0: [view(record(0, "a", addrs=addrs))], 1: [view(record(1, "b", addrs=[good], state="joining"))]}
     assert dialable_addrs(stages, exclude_peer_id="QmSelf") == [good]
+
+
+def test_cli_env_values_are_validated_like_flags(monkeypatch, capsys):
+    monkeypatch.setenv("PROTOCOL_TRACKER_PORT", "eighty")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--manifest", "m.json"])
+    assert "invalid int value: 'eighty'" in capsys.readouterr().err
+
+
+def test_cli_refuses_a_bad_manifest_or_a_taken_port_cleanly(tmp_path):
+    assert main(["--manifest", str(tmp_path / "missing.json"), "--db", str(tmp_path / "h.sqlite")]) == 2
+    (tmp_path / "bad.json").write_text('{"name": "x"}')
+    assert main(["--manifest", str(tmp_path / "bad.json")]) == 2
+    save_manifest(MANIFEST, tmp_path / "m.json")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        assert main(["--manifest", str(tmp_path / "m.json"), "--port", str(port)]) == 2
+    assert not (tmp_path / "h.sqlite").exists()

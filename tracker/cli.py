@@ -41,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     manifest = _env("manifest")
     p.add_argument("--manifest", default=manifest, required=manifest is None, help="the run manifest (JSON)")
     p.add_argument("--host", default=_env("host", "127.0.0.1"), help="HTTP bind address (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=int(_env("port", "8000")), help="HTTP port; 0 picks a free one")
+    p.add_argument("--port", type=int, default=_env("port", "8000"), help="HTTP port; 0 picks a free one")
     p.add_argument("--db", default=_env("db", "tracker-history.sqlite"), help="SQLite file for loss/throughput history")
     p.add_argument(
         "--identity",
@@ -70,13 +70,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--poll-interval",
         type=float,
-        default=float(_env("poll-interval", "5")),
+        default=_env("poll-interval", "5"),
         help="seconds between DHT reads (default 5)",
     )
     p.add_argument(
         "--stale-after",
         type=float,
-        default=float(_env("stale-after", str(DEFAULT_STALE_AFTER))),
+        default=_env("stale-after", str(DEFAULT_STALE_AFTER)),
         help=f"warn about a peer whose record is not refreshed for this long ({DEFAULT_STALE_AFTER:g}s)",
     )
     p.add_argument("--log-level", default=_env("log-level", "INFO"), help="DEBUG, INFO, WARNING, ERROR")
@@ -218,9 +218,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not isinstance(level, int):
         print(f"protocol-tracker: invalid --log-level {args.log_level!r}", file=sys.stderr)
         return 2
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter(LOG_FORMAT))
-    logger.addHandler(handler)
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter(LOG_FORMAT))
+        logger.addHandler(handler)
     logger.setLevel(level)
     logger.propagate = False
     return run(args)

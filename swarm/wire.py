@@ -145,7 +145,8 @@ def _parse_header(blob: bytes) -> Header:
         and all(isinstance(v, int) and not isinstance(v, bool) for v in header.shape)
         and isinstance(header.has_tokens, bool)
         and isinstance(header.extra, dict)
-        and (header.loss is None or isinstance(header.loss, (int, float)))
+        and (header.loss is None or isinstance(header.loss, float)
+             or isinstance(header.loss, int) and abs(header.loss) < 1e300)  # a huge int overflows float()
     )
     if not types_ok:
         raise WireError(ErrorCode.MALFORMED, "header fields have the wrong types")

@@ -206,6 +206,7 @@ def _header_dict(m, **changes) -> dict:
     {"has_tokens": 1},
     {"extra": []},
     {"loss": "low"},
+    {"loss": 10**400},  # float(loss) would overflow
     {"surprise": 1},
 ])
 def test_header_fields_with_wrong_types(m, changes):

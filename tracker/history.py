@@ -33,6 +33,7 @@ class History:
         self._db = sqlite3.connect(self.path, check_same_thread=False)
         with self._lock, self._db:
             self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=NORMAL")  # WAL stays consistent; a crash loses at most a poll
             self._db.execute(
                 "CREATE TABLE IF NOT EXISTS samples (id INTEGER PRIMARY KEY AUTOINCREMENT, "
                 "time REAL NOT NULL, "
@@ -50,7 +51,7 @@ class History:
                 [sample[c] for c in _COLUMNS],
             )
             self._inserts += 1
-            if self._inserts % 1000 == 1:
+            if self._inserts % 100 == 1:
                 self._db.execute("DELETE FROM samples WHERE id <= (SELECT MAX(id) FROM samples) - ?", (self.max_rows,))
 
     def count(self) -> int:

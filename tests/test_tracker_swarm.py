@@ -101,9 +101,7 @@ class Tracker:
             "0.5",
         ]
         with open(self.log, "wb") as log:
-            self.proc = subprocess.Popen(
-                cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-            )
+            self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
         def ready():
             if self.proc.poll() is not None:
@@ -239,9 +237,7 @@ def stage_counts(url: str) -> list[int]:
 def test_swarm_lists_every_stage_with_its_peers(swarm):
     tracker, peers = swarm
     wait_for(lambda: stage_counts(tracker.url) == [1, 2, 1], 30, "peers in every stage")
-    body = wait_for(
-        lambda: (b := get_json(tracker.url + "/api/v1/swarm?history=50"))["healthy"] and b, 10, "healthy"
-    )
+    body = wait_for(lambda: (b := get_json(tracker.url + "/api/v1/swarm?history=50"))["healthy"] and b, 10, "healthy")
     names = [sorted(p["public_name"] for p in row["peers"]) for row in body["stages"]]
     assert names == [[XSS_SCRIPT], sorted([XSS_IMG, "plain peer"]), ["only last stage"]]
     ids = {p["peer_id"] for row in body["stages"] for p in row["peers"]}
@@ -307,9 +303,7 @@ def test_page_in_chromium_shows_stages_chart_and_escapes_names(swarm):
             assert errors == []
             page.screenshot(path=str(ARTIFACTS / "tracker-page.png"), full_page=True)
 
-            phone = browser.new_page(
-                viewport={"width": 390, "height": 844}, device_scale_factor=2, is_mobile=True
-            )
+            phone = browser.new_page(viewport={"width": 390, "height": 844}, device_scale_factor=2, is_mobile=True)
             phone.goto(tracker.url + "/")
             phone.wait_for_selector("body[data-rendered='1']", timeout=15000)
             # readable on a phone: the page itself does not scroll sideways (wide tables scroll in their box)
@@ -345,9 +339,7 @@ def test_swarm_goes_unhealthy_when_a_stage_loses_its_only_peer(swarm):
 
     body = wait_for(unhealthy, 20, "the verdict to turn unhealthy")
     assert [row["peers_total"] for row in body["stages"]] == [1, 2, 0]
-    assert {"code": "empty_stage", "stage": 2} in [
-        {"code": w["code"], "stage": w["stage"]} for w in body["warnings"]
-    ]
+    assert {"code": "empty_stage", "stage": 2} in [{"code": w["code"], "stage": w["stage"]} for w in body["warnings"]]
     families = {f.name: f for f in text_string_to_metric_families(get(tracker.url + "/metrics")[1].decode())}
     assert families["protocol_swarm_healthy"].samples[0].value == 0
     assert get_json(tracker.url + "/healthz")["swarm_healthy"] is False

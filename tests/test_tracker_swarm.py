@@ -30,7 +30,7 @@ from swarm.manifest import save_manifest
 from swarm.presets import preset
 from swarm.records import SOFTWARE_VERSION, StagePeerRecord, announce, load_or_create_rsa_key, make_validators
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 REPO = Path(__file__).resolve().parents[1]
 ARTIFACTS = REPO / "test-artifacts"

@@ -92,6 +92,13 @@ class Manifest(_Strict):
     t_fixed_sha256: str = ""
     u_sha256: str = ""
 
+    @field_validator("format")
+    @classmethod
+    def _known_format(cls, value: int) -> int:
+        if value != MANIFEST_FORMAT:
+            raise ValueError(f"format must be {MANIFEST_FORMAT} (the manifest format this software reads), got {value}")
+        return value
+
     @field_validator("k")
     @classmethod
     def _k_positive(cls, k: int) -> int:

@@ -8,7 +8,6 @@ import math
 import os
 import shutil
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -162,13 +161,12 @@ def test_simulate_learns(corpus):
 
 # --- the command line -------------------------------------------------------------------------------
 
-def _cli(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "swarm.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env=ENV)
-
-
 def test_cli_simulate_tiny_json():
-    out = _cli("simulate", "--preset", "tiny", "--steps", "3", "--json")
+    """The installed console script, in its own process, as a user runs it."""
+    script = shutil.which("protocol-swarm")
+    assert script, "protocol-swarm is not installed (pip install -e .)"
+    out = subprocess.run([script, "simulate", "--preset", "tiny", "--steps", "3", "--json"], capture_output=True,
+                         text=True, timeout=400, env=ENV)
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert RESULT_KEYS <= result.keys()
@@ -184,12 +182,12 @@ def test_cli_simulate_tiny_json():
     assert "Traceback" not in out.stderr
 
 
-def test_cli_simulate_dense_from_manifest_file(tmp_path, corpus):
+def test_cli_simulate_dense_from_manifest_file(tmp_path, corpus, capsys):
     path = tmp_path / "dense.json"
     save_manifest(small("none", n_layers=2, stages=2, wire_dtype="bf16", microbatch=4, target=4), path)
-    out = _cli("simulate", "--manifest", str(path), "--steps", "2", "--data", corpus, "--json")
-    assert out.returncode == 0, out.stderr
-    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert main(["simulate", "--manifest", str(path), "--steps", "2", "--data", corpus, "--json"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert RESULT_KEYS <= result.keys()
     assert result["compression"] == "none" and result["dense_wire_bytes_per_token"] == 2 * D * 2
     assert abs(result["wire_bytes_per_token"] / result["dense_wire_bytes_per_token"] - 1) < 0.1
 
@@ -202,16 +200,13 @@ def test_cli_simulate_summary_without_json(tmp_path, corpus, capsys):
     assert "val loss" in printed and "B/token" in printed and "reconstruction error" in printed
 
 
-def test_cli_inspect_tiny():
-    script = shutil.which("protocol-swarm")  # the installed console script
-    assert script, "protocol-swarm is not installed (pip install -e .)"
-    out = subprocess.run([script, "inspect", "--preset", "tiny"], capture_output=True, text=True, timeout=120,
-                         env=ENV)
-    assert out.returncode == 0, out.stderr
+def test_cli_inspect_tiny(capsys):
+    assert main(["inspect", "--preset", "tiny"]) == 0
+    printed = capsys.readouterr().out
     tiny = preset("tiny")
     for value in (tiny.run_id, tiny.t_fixed_sha256, tiny.u_sha256):
-        assert value in out.stdout
-    assert "d/k" in out.stdout and "% of dense" in out.stdout
+        assert value in printed
+    assert "d/k               256/4 = 64.0" in printed and "% of dense" in printed
 
 
 def test_cli_inspect_overrides_and_write(tmp_path, capsys):
@@ -223,17 +218,17 @@ def test_cli_inspect_overrides_and_write(tmp_path, capsys):
     assert json.loads(path.read_text()) == expected.model_dump(mode="json")
 
 
-def test_cli_bad_manifest_file_exits_2(tmp_path):
+def test_cli_bad_manifest_file_exits_2(tmp_path, capsys):
     bad = preset("tiny").model_dump(mode="json")
     bad["k"] = 0
     path = tmp_path / "bad.json"
     path.write_text(json.dumps(bad))
-    out = _cli("simulate", "--manifest", str(path), "--steps", "1", "--json", timeout=120)
-    assert out.returncode == 2
-    lines = out.stderr.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in out.stderr
+    assert main(["simulate", "--manifest", str(path), "--steps", "1", "--json"]) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in captured.err
     assert lines[0].startswith("protocol-swarm:") and "k" in lines[0] and "at least 1" in lines[0]
-    assert out.stdout == ""
+    assert captured.out == ""
 
 
 @pytest.mark.parametrize("argv,fragment", [

@@ -37,6 +37,7 @@ from swarm.presets import preset  # noqa: E402
 from swarm.simulate import simulate  # noqa: E402
 
 MODES = ("none", "subspace", "boundary")
+BATCH_ARGS = ("seq_len", "microbatch", "microbatches", "warmup", "data")
 
 
 @dataclass(frozen=True)
@@ -138,18 +139,38 @@ class Bench:
         self.run_seconds = 0.0
         self.total_runs = 0
         self.total_steps = 0
+        self.resumed: list[Run] = []
+        if args.resume and args.json_path and Path(args.json_path).exists():
+            saved = json.loads(Path(args.json_path).read_text())
+            same = all(saved["args"].get(key) == getattr(args, key) for key in BATCH_ARGS)
+            self.resumed = [Run(**r) for r in saved["runs"]] if same else []
 
-    def plan(self, configs: list[Config]) -> None:
-        widths = {c.width for c in configs}
-        sweep_runs = len(widths) * len(MODES) * len(self.args.lrs)
+    def save(self, **extra) -> None:
+        if self.args.json_path:
+            Path(self.args.json_path).write_text(json.dumps(
+                dict(args=vars(self.args), runs=[asdict(r) for r in self.runs + self.resumed], **extra), indent=1))
+
+    def plan(self, configs: list[Config], swept_modes: int) -> None:
+        widths = {c.width for c in configs} if swept_modes else set()
+        sweep_runs = len(widths) * swept_modes * len(self.args.lrs)
         other_seeds = [s for s in self.args.seeds if s != self.args.sweep_seed]
         seeded_runs = len(configs) * len(MODES) * len(other_seeds)
-        seeded_runs += (len(configs) - len(widths)) * len(MODES) * (self.args.sweep_seed in self.args.seeds)
+        if self.args.sweep_seed in self.args.seeds:
+            seeded_runs += len(configs) * len(MODES) - len(widths) * swept_modes
         self.total_runs = sweep_runs + seeded_runs
         self.total_steps = self.total_runs * self.args.steps
 
     def run(self, config: Config, mode: str, lr: float, seed: int, purpose: str) -> Run:
         a = self.args
+        for done in self.resumed:
+            if (done.config, done.mode, done.lr, done.seed, done.steps) == (config.name, mode, lr, seed, a.steps):
+                self.resumed.remove(done)
+                done.purpose = purpose
+                self.runs.append(done)
+                self.total_steps -= a.steps
+                print(f"[{len(self.runs):>3}/{self.total_runs}] {config.name} {mode:<8} lr={lr:.0e} seed={seed} "
+                      f"({purpose}): val {done.val_loss_last:.4f} (resumed from {a.json_path})", flush=True)
+                return done
         manifest = make_manifest(config, mode, lr, seed, a.seq_len, a.microbatch, a.microbatches, a.warmup)
         tick = time.perf_counter()
         result = simulate(manifest, a.steps, data=a.data, seed=seed)
@@ -165,6 +186,7 @@ class Bench:
             max_subspace_residual=result.max_subspace_residual, seconds=result.seconds,
         )
         self.runs.append(run)
+        self.save()
         self.steps_done += a.steps
         elapsed = time.perf_counter() - self.started
         eta = self.run_seconds / self.steps_done * (self.total_steps - self.steps_done)
@@ -237,6 +259,8 @@ def markdown(rows: list[dict], sweep: dict, lrs: list[float], args: argparse.Nam
             f"| {r['step_seconds'][0]:.3f} ± {r['step_seconds'][1]:.3f} | {step_gap} "
             f"| {100 * r['optimizer_share'][0]:.1f}% ± {100 * r['optimizer_share'][1]:.1f} |"
         )
+    if not sweep:
+        return "\n".join(lines + ["", f"Learning rates fixed with --lr {' '.join(args.lr)} (no sweep in this run)."])
     lines += [
         "",
         f"Learning-rate sweep (seed {args.sweep_seed}, validation loss; best per mode in bold):",
@@ -256,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--configs", nargs="+", default=list(DEFAULT_CONFIGS), choices=sorted(CONFIGS))
-    parser.add_argument("--lrs", type=float, nargs="+", default=[2e-3, 4e-3, 8e-3],
+    parser.add_argument("--lrs", type=float, nargs="+", default=[1e-3, 2e-3, 4e-3],
                         help="learning rates swept per mode on --sweep-seed")
     parser.add_argument("--sweep-seed", type=int, default=0)
     parser.add_argument("--seq-len", type=int, default=64)
@@ -265,15 +289,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--data", default="builtin:stdlib")
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--json", dest="json_path")
+    parser.add_argument("--json", dest="json_path", help="write every run and the summary here (after each run)")
+    parser.add_argument("--resume", action="store_true", help="reuse finished runs found in the --json file")
+    parser.add_argument("--lr", nargs="+", default=[], metavar="MODE=LR",
+                        help="fix a mode's learning rate instead of sweeping it, e.g. none=1e-3")
     args = parser.parse_args(argv)
 
     torch.set_num_threads(args.threads)
     # every run reads the same corpus: read it once
     swarm.data.read_corpus = functools.lru_cache(maxsize=4)(swarm.data.read_corpus)
     configs = [CONFIGS[name] for name in args.configs]
+    fixed = {mode: float(lr) for mode, lr in (item.split("=", 1) for item in args.lr)}
+    if unknown := set(fixed) - set(MODES):
+        parser.error(f"--lr: unknown mode(s) {', '.join(sorted(unknown))}; modes are {', '.join(MODES)}")
+    swept_modes = [mode for mode in MODES if mode not in fixed]
     bench = Bench(args)
-    bench.plan(configs)
+    bench.plan(configs, len(swept_modes))
     print(f"{bench.total_runs} runs x {args.steps} steps, threads={args.threads}, data={args.data}",
           flush=True)
 
@@ -281,13 +312,15 @@ def main(argv: list[str] | None = None) -> int:
     sweep: dict[tuple[str, str], dict[float, float]] = {}
     swept_widths: set[tuple[int, int]] = set()
     for config in configs:
-        if config.width not in swept_widths:
+        for mode, lr in fixed.items():
+            best_lr[(config.width, mode)] = lr
+        if config.width not in swept_widths and swept_modes:
             swept_widths.add(config.width)
             for lr in args.lrs:
-                for mode in MODES:  # modes interleaved, so machine load affects them alike
+                for mode in swept_modes:  # modes interleaved, so machine load affects them alike
                     run = bench.run(config, mode, lr, args.sweep_seed, "sweep")
                     sweep.setdefault((config.name, mode), {})[lr] = run.val_loss_last
-            for mode in MODES:
+            for mode in swept_modes:
                 losses = sweep[(config.name, mode)]
                 best_lr[(config.width, mode)] = min(losses, key=losses.get)
         for seed in args.seeds:
@@ -301,11 +334,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(table)
     print(f"\ntotal {fmt_duration(time.perf_counter() - bench.started)}")
-    if args.json_path:
-        Path(args.json_path).write_text(json.dumps(dict(
-            args=vars(args), runs=[asdict(r) for r in bench.runs], summary=rows,
-            best_lr={f"{d}x{k}:{mode}": lr for ((d, k), mode), lr in best_lr.items()},
-        ), indent=1))
+    bench.save(summary=rows, best_lr={f"{d}x{k}:{mode}": lr for ((d, k), mode), lr in best_lr.items()})
     return 0
 
 

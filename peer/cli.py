@@ -68,6 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--public-name", default="", help="name shown on the tracker page (max 64 chars)")
     parser.add_argument("--checkpoint-dir", help="save the stage here periodically and on exit; resume an "
                                                  "empty stage from here")
+    parser.add_argument("--checkpoint-every", type=int, default=50, help="optimizer epochs between checkpoints")
     parser.add_argument("--max-inflight", type=int, default=4, help="trips a driver (stage 0) keeps in flight")
     parser.add_argument("--data", help="text file or directory for drivers (default: the manifest's dataset)")
     parser.add_argument("--trip-timeout", type=float, default=60.0, help="seconds to wait for the next hop")
@@ -131,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
         options = PeerOptions(
             stage=str(args.stage), initial_peers=initial_peers, host_maddrs=args.host_maddrs,
             announce_maddrs=args.announce_maddrs, identity=args.identity, device=args.device,
-            public_name=args.public_name, checkpoint_dir=args.checkpoint_dir, max_inflight=int(args.max_inflight),
+            public_name=args.public_name, checkpoint_dir=args.checkpoint_dir,
+            checkpoint_every=int(args.checkpoint_every), max_inflight=int(args.max_inflight),
             data=args.data, trip_timeout=float(args.trip_timeout), placement_delay=float(args.placement_delay),
             rebalance_interval=float(args.rebalance_interval), log_interval=float(args.log_interval),
             fault_t_fixed_seed=args.fault_t_fixed_seed,

@@ -58,6 +58,7 @@ class PeerOptions:
     drain_timeout: float = 30.0
     log_interval: float = 5.0
     fault_t_fixed_seed: int | None = None
+    checkpoint_every: int = 50
 
 
 @dataclass
@@ -244,7 +245,7 @@ class PeerDaemon:
             trips=self.stats.trips, tokens=self.stats.tokens, bytes_in=self.stats.bytes_in,
             bytes_out=self.stats.bytes_out, errors=sum(self.stats.errors.values()),
             loss=None if loss is None else float(loss), optimizer_epoch=runtime.epoch,
-            state_sha256=runtime.state_sha256,
+            state_sha256=runtime.state_sha256, state_hashes=list(runtime.state_hashes),
         )
 
     async def announce_now(self) -> None:
@@ -298,7 +299,7 @@ class PeerDaemon:
         self.index, self.state = index, "joining"
         device = pick_device(self.options.device)
         runtime = StageRuntime(self.manifest, index, self.dht, device, self.label, self.options.checkpoint_dir,
-                               self.options.fault_t_fixed_seed)
+                               self.options.fault_t_fixed_seed, checkpoint_every=self.options.checkpoint_every)
         self.runtime = runtime
         subspace = runtime.stage.subspace
         self.router = Router(subspace.t_fixed_sha256, subspace.version, self.peer_id)

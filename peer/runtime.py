@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -41,7 +42,7 @@ def parameters_sha256(stage: PipelineStage) -> str:
 class StageRuntime:
     def __init__(self, manifest: Manifest, index: int, dht, device: torch.device, label: str,
                  checkpoint_dir: str | None = None, fault_t_fixed_seed: int | None = None,
-                 matchmaking_time: float = 3.0, averaging_timeout: float = 30.0):
+                 matchmaking_time: float = 3.0, averaging_timeout: float = 30.0, checkpoint_every: int = 50):
         self.manifest, self.index, self.device, self.label = manifest, index, device, label
         self.stage = PipelineStage(manifest, index).to(device)
         if fault_t_fixed_seed is not None:  # fault injection: a peer whose T_fixed bytes differ
@@ -68,7 +69,9 @@ class StageRuntime:
             verbose=False,
         )
         self.checkpoint_dir = Path(checkpoint_dir) / manifest.run_id if checkpoint_dir else None
+        self.checkpoint_every = max(checkpoint_every, 1)
         self.state_sha256 = parameters_sha256(self.stage)
+        self.state_hashes: deque[str] = deque(maxlen=16)
         self._hashed_epoch = -1
 
     @property
@@ -126,10 +129,14 @@ class StageRuntime:
         self.optimizer.step(batch_size=batch_size)
         self.optimizer.zero_grad(set_to_none=True)
         if self.epoch != self._hashed_epoch:
-            self._hashed_epoch = self.epoch
-            self.state_sha256 = parameters_sha256(self.stage)
-            if self.checkpoint_dir and self.epoch and self.epoch % 50 == 0:
+            self._note_state()
+            if self.checkpoint_dir and self.epoch and self.epoch % self.checkpoint_every == 0:
                 self.save_checkpoint()
+
+    def _note_state(self) -> None:
+        self._hashed_epoch = self.epoch
+        self.state_sha256 = parameters_sha256(self.stage)
+        self.state_hashes.append(f"{self.epoch}:{self.state_sha256[:16]}")
 
     def measure_throughput(self, repeats: int = 2) -> float:
         """Tokens/s of forward + backward on one microbatch (no optimizer step)."""
@@ -154,8 +161,7 @@ class StageRuntime:
             logger.warning("%s could not load state from peers: %s", self.label, exc)
             return False
         self.stage.reproject_()
-        self.state_sha256 = parameters_sha256(self.stage)
-        self._hashed_epoch = self.epoch
+        self._note_state()
         return True
 
     # --- checkpoints ---------------------------------------------------------------------------
@@ -190,7 +196,7 @@ class StageRuntime:
             logger.warning("%s ignoring unreadable checkpoint %s: %s", self.label, path, exc)
             return False
         self.stage.reproject_()
-        self.state_sha256 = parameters_sha256(self.stage)
+        self._note_state()
         logger.info("%s resumed from checkpoint %s (epoch %d)", self.label, path, self.epoch)
         return True
 

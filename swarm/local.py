@@ -105,11 +105,16 @@ class LocalSwarm:
         log = self.workdir / f"{name}.log"
         handle = log.open("wb")
         process = subprocess.Popen(argv, stdout=handle, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                   start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                   start_new_session=True, env=self._child_env())
         handle.close()
         child = Child(name, process, log)
         self.children.append(child)
         return child
+
+    @staticmethod
+    def _child_env() -> dict[str, str]:
+        """Many processes share this machine's cores: one torch thread each avoids oversubscription."""
+        return {"OMP_NUM_THREADS": "1", **os.environ, "PYTHONUNBUFFERED": "1"}
 
     def start(self) -> None:
         from hivemind.dht import DHT
@@ -243,6 +248,7 @@ def run_local(args: argparse.Namespace) -> dict:
         "dense_wire_bytes_per_token": 2 * manifest.dense_bytes_per_token(),
         "seconds": elapsed,
         "tracker": swarm.tracker_url,
+        "workdir": str(workdir),
         "peers": [
             {"peer_id": e.record.peer_id, "name": e.record.public_name, "stage": e.record.stage,
              "trips": e.record.trips, "errors": e.record.errors, "tokens": e.record.tokens}

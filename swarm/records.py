@@ -53,6 +53,8 @@ class StagePeerRecord(pydantic.BaseModel):
     loss: Optional[pydantic.confloat(strict=True, allow_inf_nan=False)]
     optimizer_epoch: _Count
     state_sha256: _Hash = ""  # hash of the stage's parameters at optimizer_epoch: peers of a stage agree
+    # the last few "epoch:hash-prefix" pairs, so peers that announce at different moments can be compared
+    state_hashes: pydantic.conlist(pydantic.constr(strict=True, max_length=48), max_items=16) = []
 
     class Config:
         extra = pydantic.Extra.forbid

@@ -15,7 +15,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 Compression = Literal["subspace", "boundary", "none"]
-WireDType = Literal["fp32", "bf16", "fp16"]
+WireDType = Literal["fp32", "bf16", "fp16", "int8"]
 
 MANIFEST_FORMAT = 1
 
@@ -124,6 +124,11 @@ class Manifest(_Strict):
             raise ValueError(
                 f"batch.seq_len ({self.batch.seq_len}) must not exceed model.max_seq_len ({shape.max_seq_len})"
             )
+        if self.wire_dtype == "int8" and self.compression != "none":
+            raise ValueError(
+                f"wire_dtype 'int8' (dense 8-bit activations, the SWARM baseline) is only valid with "
+                f"compression 'none', got compression {self.compression!r}"
+            )
         if not self.stages:
             raise ValueError("stages must list at least one stage")
         expected = 0
@@ -171,7 +176,7 @@ class Manifest(_Strict):
 
     def dense_bytes_per_token(self) -> int:
         """What the dense baseline sends per token across one boundary in one direction."""
-        return self.model.d_model * wire_itemsize(self.wire_dtype)
+        return wire_payload_bytes(self.wire_dtype, 1, self.model.d_model)
 
     def compressed_bytes_per_token(self) -> int:
         """Payload per token and direction in compressed modes: k coefficients plus the token id."""
@@ -181,7 +186,18 @@ class Manifest(_Strict):
 
 
 def wire_itemsize(wire_dtype: WireDType) -> int:
+    if wire_dtype == "int8":
+        return 1
     return 4 if wire_dtype == "fp32" else 2
+
+
+INT8_SCALE_BYTES = 4  # int8 payloads carry one float32 absmax scale per token
+
+
+def wire_payload_bytes(wire_dtype: WireDType, cells: int, width: int) -> int:
+    """Payload bytes of `cells` tokens of `width` values (int8 adds one scale per token)."""
+    extra = INT8_SCALE_BYTES if wire_dtype == "int8" else 0
+    return cells * (width * wire_itemsize(wire_dtype) + extra)
 
 
 def token_id_itemsize(vocab_size: int) -> int:

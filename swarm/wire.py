@@ -18,7 +18,7 @@ from typing import Literal
 
 import torch
 
-from swarm.manifest import Manifest, WireDType, token_id_itemsize, wire_itemsize
+from swarm.manifest import INT8_SCALE_BYTES, Manifest, WireDType, token_id_itemsize, wire_payload_bytes
 
 MAGIC = b"PSW1"
 MAX_HEADER_BYTES = 4096
@@ -89,7 +89,7 @@ class Expectation:
     @property
     def max_bytes(self) -> int:
         cells = self.max_batch * self.max_seq
-        return len(MAGIC) + 4 + MAX_HEADER_BYTES + cells * (self.width * wire_itemsize(self.dtype) + 4)
+        return len(MAGIC) + 4 + MAX_HEADER_BYTES + wire_payload_bytes(self.dtype, cells, self.width) + cells * 4
 
 
 def expectation_for(manifest: Manifest, stage: int, kind: Kind, u_version: int, t_fixed_sha256: str) -> Expectation:
@@ -109,14 +109,52 @@ def expectation_for(manifest: Manifest, stage: int, kind: Kind, u_version: int, 
     )
 
 
+def quantize_int8(payload: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token absmax 8-bit quantisation (SWARM's dense baseline): int8 values and float32 scales > 0."""
+    data = payload.detach().float()
+    absmax = data.abs().amax(dim=-1, keepdim=True)
+    scale = torch.where(absmax > 0, absmax / 127.0, torch.ones_like(absmax))
+    scale = torch.where(torch.isfinite(absmax), scale, absmax)  # NaN/inf stay visible: the receiver refuses them
+    values = torch.round(data / scale).clamp_(-127, 127).to(torch.int8)
+    return values, scale.squeeze(-1)
+
+
+def _encode_payload(dtype: WireDType, payload: torch.Tensor) -> bytes:
+    if dtype == "int8":
+        values, scales = quantize_int8(payload)
+        return values.contiguous().cpu().numpy().tobytes() + scales.contiguous().cpu().numpy().tobytes()
+    data = payload.detach().to(_TORCH_DTYPES[dtype]).contiguous().cpu()
+    if data.dtype != torch.float32:
+        data = data.view(torch.int16)
+    return data.numpy().tobytes()
+
+
+def _decode_payload(dtype: WireDType, raw: bytes, shape: tuple[int, int, int]) -> torch.Tensor:
+    """Tensor from payload bytes whose length the caller has checked against `shape`."""
+    batch, seq, width = shape
+    buffer = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    if dtype == "int8":
+        cells = batch * seq
+        if len(raw) != cells * (width + INT8_SCALE_BYTES):
+            raise WireError(ErrorCode.MALFORMED, f"int8 payload has {len(raw)} bytes, "
+                                                 f"expected {cells * (width + INT8_SCALE_BYTES)}")
+        values = buffer[: cells * width].view(torch.int8).reshape(batch, seq, width)
+        scales = buffer[cells * width :].view(torch.float32).reshape(batch, seq, 1)
+        if not (torch.isfinite(scales).all() and (scales > 0).all()):
+            raise WireError(ErrorCode.NOT_FINITE, "int8 scales must be finite and positive")
+        return values.float() * scales
+    if dtype == "fp32":
+        payload = buffer.view(torch.float32)
+    else:
+        payload = buffer.view(torch.int16).view(_TORCH_DTYPES[dtype])
+    return payload.reshape(batch, seq, width)
+
+
 def encode(header: Header, payload: torch.Tensor, tokens: torch.Tensor | None, vocab_size: int) -> bytes:
     if tuple(payload.shape) != tuple(header.shape):
         raise ValueError(f"payload shape {tuple(payload.shape)} differs from header shape {header.shape}")
     head = json.dumps(asdict(header), separators=(",", ":")).encode()
-    data = payload.detach().to(_TORCH_DTYPES[header.dtype]).contiguous().cpu()
-    if data.dtype != torch.float32:
-        data = data.view(torch.int16)
-    parts = [MAGIC, struct.pack("<I", len(head)), head, data.numpy().tobytes()]
+    parts = [MAGIC, struct.pack("<I", len(head)), head, _encode_payload(header.dtype, payload)]
     if tokens is not None:
         token_dtype = _TOKEN_DTYPES[token_id_itemsize(vocab_size)]
         parts.append(tokens.detach().to(token_dtype).contiguous().cpu().numpy().tobytes())
@@ -213,17 +251,12 @@ def decode(blob: bytes, expect: Expectation) -> tuple[Header, torch.Tensor, torc
     if header.loss is not None and not math.isfinite(header.loss):
         raise WireError(ErrorCode.NOT_FINITE, "reported loss is not finite")
     token_bytes = token_id_itemsize(expect.vocab_size)
-    payload_bytes = batch * seq * width * wire_itemsize(header.dtype)
+    payload_bytes = wire_payload_bytes(header.dtype, batch * seq, width)
     start = len(MAGIC) + 4 + struct.unpack_from("<I", blob, len(MAGIC))[0]
     expected_len = start + payload_bytes + (batch * seq * token_bytes if header.has_tokens else 0)
     if len(blob) != expected_len:
         raise WireError(ErrorCode.MALFORMED, f"message has {len(blob)} bytes, its header implies {expected_len}")
-    raw = torch.frombuffer(bytearray(blob[start : start + payload_bytes]), dtype=torch.uint8)
-    if header.dtype == "fp32":
-        payload = raw.view(torch.float32)
-    else:
-        payload = raw.view(torch.int16).view(_TORCH_DTYPES[header.dtype])
-    payload = payload.reshape(batch, seq, width)
+    payload = _decode_payload(header.dtype, blob[start : start + payload_bytes], (batch, seq, width))
     if not torch.isfinite(payload).all():
         raise WireError(ErrorCode.NOT_FINITE, "payload holds NaN or infinite values")
     tokens = None

@@ -368,7 +368,8 @@ class PeerDaemon:
             loop.add_signal_handler(sig, self.stopping.set)
         self.p2p = await self.dht.replicate_p2p()
         servicer = TripServicer(self.handle_trip, self.info,
-                                max_bytes=expectation_for(self.manifest, 0, "forward", 0, "").max_bytes)
+                                max_bytes=expectation_for(self.manifest, 0, "forward", 0, "").max_bytes,
+                                on_refused=self.stats.error)
         await servicer.add_p2p_handlers(self.p2p, namespace=self.manifest.run_id)
         logger.info("peer %s joined run %s; visible at %s", self.peer_id, self.manifest.run_id,
                     " ".join(str(a) for a in self.dht.get_visible_maddrs()))

@@ -9,12 +9,14 @@ from dataclasses import asdict
 
 from swarm.data import DataError
 from swarm.manifest import ManifestError, load_manifest, save_manifest
-from swarm.presets import PRESETS, preset
+from swarm.presets import PRESETS, preset, verify_hashes
 
 
 def _manifest_from(args: argparse.Namespace):
     if getattr(args, "manifest", None):
-        return load_manifest(args.manifest)
+        manifest = load_manifest(args.manifest)
+        verify_hashes(manifest)
+        return manifest
     return preset(
         args.preset,
         stages=getattr(args, "stages", None),

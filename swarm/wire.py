@@ -156,6 +156,8 @@ def encode(header: Header, payload: torch.Tensor, tokens: torch.Tensor | None, v
     head = json.dumps(asdict(header), separators=(",", ":")).encode()
     parts = [MAGIC, struct.pack("<I", len(head)), head, _encode_payload(header.dtype, payload)]
     if tokens is not None:
+        if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab_size):
+            raise ValueError(f"token ids must lie in [0, {vocab_size}) to be encoded")
         token_dtype = _TOKEN_DTYPES[token_id_itemsize(vocab_size)]
         parts.append(tokens.detach().to(token_dtype).contiguous().cpu().numpy().tobytes())
     return b"".join(parts)

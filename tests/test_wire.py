@@ -130,9 +130,10 @@ def test_uint16_token_ids_for_large_vocab():
 
 def test_uint16_token_id_beyond_vocab_refused():
     mm = manifest(vocab_size=50304)
-    ids = torch.tensor([[1, 2, 3], [4, 5, 60000]])
+    ids = torch.tensor([[1, 2, 3], [4, 5, 6]])
     blob = encode(header(mm, shape=(2, 3, K)), payload((2, 3, K)), ids, 50304)
-    refused(blob, expect(mm), ErrorCode.BAD_TOKENS, "[0, 50304)")
+    forged = blob[:-2] + (60000).to_bytes(2, "little")  # unsigned 16-bit, beyond the vocabulary
+    refused(forged, expect(mm), ErrorCode.BAD_TOKENS, "[0, 50304)")
 
 
 def test_int32_token_ids_for_huge_vocab():
@@ -294,9 +295,16 @@ def test_non_finite_loss(m):
 
 def test_token_ids_beyond_vocab():
     mm = manifest(vocab_size=300)  # two-byte ids, so 299 < id < 65536 can be sent
-    ids = toks(300)
-    ids[1, 5] = 300
-    refused(encode(header(mm), payload(), ids, 300), expect(mm), ErrorCode.BAD_TOKENS, "[0, 300)")
+    blob = encode(header(mm), payload(), toks(300), 300)
+    forged = blob[:-2] + (300).to_bytes(2, "little")  # a sender that skips encode's own check
+    refused(forged, expect(mm), ErrorCode.BAD_TOKENS, "[0, 300)")
+
+
+def test_encode_refuses_ids_it_cannot_carry():
+    ids = toks(256)
+    ids[0, 0] = 70000
+    with pytest.raises(ValueError, match="token ids"):
+        encode(header(manifest(vocab_size=50304)), payload(), ids, 50304)
 
 
 def test_length_mismatch(m):

@@ -1,0 +1,136 @@
+"""An emulated home internet on one machine: hosts are network namespaces, each joined by a veth
+pair to a bridge that lives in a namespace of its own, and each host's link is rate-shaped with
+`tc tbf` in both directions (upload on the host's end, download on the bridge's end).
+
+Only addresses inside our own namespaces are used (10.77.0.0/24 by default). Every object carries
+a per-run prefix (`psn` + 4 hex digits) so `cleanup_leftovers()` can find what a crashed run left.
+This kernel has no `netem`, so there is no delay or loss emulation: links are rate-limited only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import subprocess
+from dataclasses import dataclass
+
+PREFIX = "psn"  # every namespace and link we create starts with this
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(["ip", *args], check=check, capture_output=True, text=True)
+
+
+def namespaces() -> list[str]:
+    out = _ip("netns", "list", check=False).stdout
+    return [line.split()[0] for line in out.splitlines() if line.strip()]
+
+
+def cleanup_leftovers(prefix: str = PREFIX) -> list[str]:
+    """Delete every namespace whose name starts with `prefix` (their veths go with them)."""
+    removed = []
+    for name in namespaces():
+        if name.startswith(prefix):
+            _kill_namespace_processes(name)
+            _ip("netns", "del", name, check=False)
+            removed.append(name)
+    return removed
+
+
+def _kill_namespace_processes(name: str) -> None:
+    pids = _ip("netns", "pids", name, check=False).stdout.split()
+    for pid in pids:
+        try:
+            os.kill(int(pid), 9)
+        except (ProcessLookupError, ValueError, PermissionError):
+            pass
+
+
+@dataclass(frozen=True)
+class Host:
+    index: int
+    netns: str
+    address: str
+    veth_bridge_side: str  # the veth end in the bridge namespace: its egress is this host's download
+
+
+class Topology:
+    """`hosts` namespaces on one bridge. Use as a context manager; `close()` is idempotent."""
+
+    def __init__(self, hosts: int, subnet: str = "10.77.0", tag: str | None = None):
+        if not 1 <= hosts <= 200:
+            raise ValueError("hosts must be between 1 and 200")
+        self.tag = f"{PREFIX}{tag or secrets.token_hex(2)}"
+        self.bridge_ns = f"{self.tag}-br"
+        self.hosts = [Host(i, f"{self.tag}-h{i}", f"{subnet}.{i + 1}", f"{self.tag}b{i}") for i in range(hosts)]
+        self._created: list[str] = []
+        self.rate_mbit: float | None = None
+
+    def __enter__(self) -> Topology:
+        self.create()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def create(self) -> None:
+        try:
+            self._add_ns(self.bridge_ns)
+            _ip("-n", self.bridge_ns, "link", "add", "br0", "type", "bridge")
+            _ip("-n", self.bridge_ns, "link", "set", "br0", "up")
+            _ip("-n", self.bridge_ns, "link", "set", "lo", "up")
+            for host in self.hosts:
+                self._add_ns(host.netns)
+                inner = f"{self.tag}a{host.index}"
+                _ip("link", "add", inner, "type", "veth", "peer", "name", host.veth_bridge_side)
+                _ip("link", "set", inner, "netns", host.netns)
+                _ip("link", "set", host.veth_bridge_side, "netns", self.bridge_ns)
+                _ip("-n", host.netns, "link", "set", inner, "name", "eth0")
+                _ip("-n", host.netns, "addr", "add", f"{host.address}/24", "dev", "eth0")
+                _ip("-n", host.netns, "link", "set", "eth0", "up")
+                _ip("-n", host.netns, "link", "set", "lo", "up")
+                _ip("-n", self.bridge_ns, "link", "set", host.veth_bridge_side, "master", "br0")
+                _ip("-n", self.bridge_ns, "link", "set", host.veth_bridge_side, "up")
+        except BaseException:
+            self.close()
+            raise
+
+    def _add_ns(self, name: str) -> None:
+        _ip("netns", "add", name)
+        self._created.append(name)
+
+    def close(self) -> None:
+        for name in reversed(self._created):
+            _kill_namespace_processes(name)
+            _ip("netns", "del", name, check=False)
+        self._created.clear()
+
+    def exec_prefix(self, host: Host) -> list[str]:
+        return ["ip", "netns", "exec", host.netns]
+
+    def shape(self, rate_mbit: float | None, hosts: list[Host] | None = None) -> None:
+        """Rate-limit each host's upload and download to `rate_mbit` (None removes shaping)."""
+        for host in hosts if hosts is not None else self.hosts:
+            for netns, dev in ((host.netns, "eth0"), (self.bridge_ns, host.veth_bridge_side)):
+                if rate_mbit is None:
+                    subprocess.run(["ip", "netns", "exec", netns, "tc", "qdisc", "del", "dev", dev, "root"],
+                                   capture_output=True)
+                    continue
+                bytes_per_s = rate_mbit * 1e6 / 8
+                burst = max(16 * 1024, int(bytes_per_s * 0.005))  # 5 ms of line rate, at least a few packets
+                subprocess.run(["ip", "netns", "exec", netns, "tc", "qdisc", "replace", "dev", dev, "root", "tbf",
+                                "rate", f"{int(rate_mbit * 1000)}kbit", "burst", str(burst), "latency", "200ms"],
+                               check=True, capture_output=True, text=True)
+        self.rate_mbit = rate_mbit
+
+    def counters(self) -> dict[int, tuple[int, int]]:
+        """Per host (upload bytes, download bytes) so far, read on the bridge side of each veth."""
+        out = _ip("-n", self.bridge_ns, "-j", "-s", "link", "show").stdout
+        by_name = {link["ifname"]: link["stats64"] for link in json.loads(out)}
+        result = {}
+        for host in self.hosts:
+            stats = by_name.get(host.veth_bridge_side)
+            if stats:
+                result[host.index] = (int(stats["rx"]["bytes"]), int(stats["tx"]["bytes"]))
+        return result

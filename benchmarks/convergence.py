@@ -33,8 +33,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import swarm.data  # noqa: E402
 from swarm.manifest import BatchSpec, Manifest, OptimizerSpec  # noqa: E402
+from swarm.model import build_stages  # noqa: E402
+from swarm.optim import clip_grad_norm, make_optimizer  # noqa: E402
 from swarm.presets import preset  # noqa: E402
-from swarm.simulate import simulate  # noqa: E402
+from swarm.simulate import run_trip, simulate  # noqa: E402
 
 MODES = ("none", "subspace", "boundary")
 BATCH_ARGS = ("seq_len", "microbatch", "microbatches", "warmup", "data")
@@ -140,7 +142,7 @@ class Bench:
         self.total_runs = 0
         self.total_steps = 0
         self.resumed: list[Run] = []
-        if args.resume and args.json_path and Path(args.json_path).exists():
+        if (args.resume or args.report_only) and args.json_path and Path(args.json_path).exists():
             saved = json.loads(Path(args.json_path).read_text())
             same = all(saved["args"].get(key) == getattr(args, key) for key in BATCH_ARGS)
             self.resumed = [Run(**r) for r in saved["runs"]] if same else []
@@ -160,7 +162,7 @@ class Bench:
         self.total_runs = sweep_runs + seeded_runs
         self.total_steps = self.total_runs * self.args.steps
 
-    def run(self, config: Config, mode: str, lr: float, seed: int, purpose: str) -> Run:
+    def run(self, config: Config, mode: str, lr: float, seed: int, purpose: str) -> Run | None:
         a = self.args
         for done in self.resumed:
             if (done.config, done.mode, done.lr, done.seed, done.steps) == (config.name, mode, lr, seed, a.steps):
@@ -171,6 +173,8 @@ class Bench:
                 print(f"[{len(self.runs):>3}/{self.total_runs}] {config.name} {mode:<8} lr={lr:.0e} seed={seed} "
                       f"({purpose}): val {done.val_loss_last:.4f} (resumed from {a.json_path})", flush=True)
                 return done
+        if a.report_only:
+            return None
         manifest = make_manifest(config, mode, lr, seed, a.seq_len, a.microbatch, a.microbatches, a.warmup)
         tick = time.perf_counter()
         result = simulate(manifest, a.steps, data=a.data, seed=seed)
@@ -199,6 +203,64 @@ class Bench:
             flush=True,
         )
         return run
+
+
+def interleaved_timing(config: Config, args: argparse.Namespace, lrs: dict[str, float]) -> dict[str, dict]:
+    """Median step and optimizer time per mode, the modes taking turns step by step.
+
+    On a shared machine the load drifts over minutes; alternating the modes every step exposes
+    them to the same load, and the median drops steps that a burst of other work slowed down.
+    """
+    torch.manual_seed(0)
+    setups = {}
+    for mode in MODES:
+        manifest = make_manifest(config, mode, lrs.get(mode, 1e-3), 0, args.seq_len, args.microbatch,
+                                 args.microbatches, args.warmup)
+        stages = build_stages(manifest)
+        train, _ = swarm.data.load_splits(manifest, args.data, seed=0)
+        setups[mode] = (manifest, stages, [make_optimizer(s) for s in stages], train, [], [])
+    for step in range(args.timing_steps + 3):  # 3 warm-up steps are not counted
+        order = MODES[step % 3:] + MODES[: step % 3]
+        for mode in order:
+            manifest, stages, optimizers, train, step_times, opt_times = setups[mode]
+            tick = time.perf_counter()
+            for _ in range(args.microbatches):
+                run_trip(stages, train.batch(args.microbatch), loss_scale=1.0 / args.microbatches)
+            opt_tick = time.perf_counter()
+            for stage, optimizer in zip(stages, optimizers, strict=True):
+                clip_grad_norm(stage.parameters(), manifest.optimizer.grad_clip)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            done = time.perf_counter()
+            if step >= 3:
+                step_times.append(done - tick)
+                opt_times.append(done - opt_tick)
+    out = {}
+    for mode, (*_, step_times, opt_times) in setups.items():
+        out[mode] = dict(step=statistics.median(step_times), optimizer=statistics.median(opt_times))
+    dense = out["none"]
+    for mode in MODES:
+        out[mode]["step_overhead"] = out[mode]["step"] / dense["step"] - 1
+        out[mode]["optimizer_overhead"] = (out[mode]["optimizer"] - dense["optimizer"]) / dense["step"]
+    return out
+
+
+def timing_markdown(timings: dict[str, dict], args: argparse.Namespace) -> str:
+    lines = [
+        f"Interleaved step timing ({args.timing_steps} steps per mode, modes alternating every step, median):",
+        "",
+        "| config | mode | step s | Δ step vs dense | optimizer s | optimizer share | Δ optimizer vs dense "
+        "(as % of dense step) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, per_mode in timings.items():
+        for mode, t in per_mode.items():
+            dense = mode == "none"
+            step_gap = "—" if dense else f"{100 * t['step_overhead']:+.1f}%"
+            opt_gap = "—" if dense else f"{100 * t['optimizer_overhead']:+.2f}%"
+            lines.append(f"| {name} | {mode} | {t['step']:.3f} | {step_gap} | {t['optimizer']:.4f} "
+                         f"| {100 * t['optimizer'] / t['step']:.1f}% | {opt_gap} |")
+    return "\n".join(lines)
 
 
 def find(runs: list[Run], **match) -> list[Run]:
@@ -230,6 +292,9 @@ def summarise(runs: list[Run], configs: list[Config], best_lr: dict, seeds: list
                 val_losses=[r.val_loss_last for r in chosen], wire_bytes_per_token=wire,
                 wire_percent_of_dense_bf16=100 * wire[0] / dense_wire, dense_wire_bytes_per_token=dense_wire,
                 step_seconds=step, step_overhead_vs_dense=step[0] / statistics.fmean(dense_steps) - 1,
+                # the fastest run is the least disturbed by other load on a shared machine
+                step_seconds_min=min(r.step_seconds for r in timed),
+                step_overhead_min_vs_dense=min(r.step_seconds for r in timed) / min(dense_steps) - 1,
                 optimizer_share=opt_share, timed_runs=len(timed),
                 max_reconstruction_error=max((r.max_reconstruction_error for r in chosen), default=math.nan),
                 max_subspace_residual=max((r.max_subspace_residual for r in chosen), default=math.nan),
@@ -242,21 +307,24 @@ def markdown(rows: list[dict], sweep: dict, lrs: list[float], args: argparse.Nam
         f"Validation loss after {args.steps} steps x {args.microbatch * args.microbatches} sequences x "
         f"{args.seq_len} tokens (equal tokens in every mode), mean ± std over seeds "
         f"{' '.join(map(str, args.seeds))}; Δ val is the paired per-seed ratio to dense. Step time and "
-        "optimizer share: mean ± std over every run of that config and mode (sweep runs included).",
+        "optimizer share (optimizer_seconds / step_seconds): mean ± std over every run of that config and "
+        "mode (sweep runs included); min step s is the fastest such run.",
         "",
         "| config | d/k | mode | lr | val loss | Δ val vs dense | wire B/token | % of dense bf16 "
-        "| step s | Δ step vs dense | optimizer share |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| step s | Δ step vs dense | min step s | Δ min step vs dense | optimizer share |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         gap_mean, gap_std = r["val_gap_vs_dense"]
         gap = "—" if r["mode"] == "none" else f"{100 * gap_mean:+.1f}% ± {100 * gap_std:.1f}"
         step_gap = "—" if r["mode"] == "none" else f"{100 * r['step_overhead_vs_dense']:+.1f}%"
+        min_gap = "—" if r["mode"] == "none" else f"{100 * r['step_overhead_min_vs_dense']:+.1f}%"
         lines.append(
             f"| {r['config']} ({r['split']}) | {r['ratio']:.0f} | {r['mode']} | {r['lr']:.0e} "
             f"| {r['val_loss'][0]:.4f} ± {r['val_loss'][1]:.4f} | {gap} "
             f"| {r['wire_bytes_per_token'][0]:.1f} | {r['wire_percent_of_dense_bf16']:.2f}% "
             f"| {r['step_seconds'][0]:.3f} ± {r['step_seconds'][1]:.3f} | {step_gap} "
+            f"| {r['step_seconds_min']:.3f} | {min_gap} "
             f"| {100 * r['optimizer_share'][0]:.1f}% ± {100 * r['optimizer_share'][1]:.1f} |"
         )
     if not sweep:
@@ -291,6 +359,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json", dest="json_path", help="write every run and the summary here (after each run)")
     parser.add_argument("--resume", action="store_true", help="reuse finished runs found in the --json file")
+    parser.add_argument("--timing-steps", type=int, default=40,
+                        help="steps per mode of the interleaved timing after the runs (0: skip)")
+    parser.add_argument("--timing-only", action="store_true", help="run only the interleaved timing")
+    parser.add_argument("--report-only", action="store_true",
+                        help="print the table from the runs in the --json file, run nothing")
     parser.add_argument("--lr", nargs="+", default=[], metavar="MODE=LR",
                         help="fix a mode's learning rate instead of sweeping it, e.g. none=1e-3")
     args = parser.parse_args(argv)
@@ -303,6 +376,12 @@ def main(argv: list[str] | None = None) -> int:
     if unknown := set(fixed) - set(MODES):
         parser.error(f"--lr: unknown mode(s) {', '.join(sorted(unknown))}; modes are {', '.join(MODES)}")
     swept_modes = [mode for mode in MODES if mode not in fixed]
+    if args.timing_only:
+        timings = {c.name: interleaved_timing(c, args, fixed) for c in configs}
+        print(timing_markdown(timings, args))
+        if args.json_path:
+            Path(args.json_path).write_text(json.dumps(dict(args=vars(args), timing=timings), indent=1))
+        return 0
     bench = Bench(args)
     bench.plan(configs, len(swept_modes))
     print(f"{bench.total_runs} runs x {args.steps} steps, threads={args.threads}, data={args.data}",
@@ -319,9 +398,10 @@ def main(argv: list[str] | None = None) -> int:
             for lr in args.lrs:
                 for mode in swept_modes:  # modes interleaved, so machine load affects them alike
                     run = bench.run(config, mode, lr, args.sweep_seed, "sweep")
-                    sweep.setdefault((config.name, mode), {})[lr] = run.val_loss_last
+                    if run is not None:
+                        sweep.setdefault((config.name, mode), {})[lr] = run.val_loss_last
             for mode in swept_modes:
-                losses = sweep[(config.name, mode)]
+                losses = sweep.get((config.name, mode)) or {math.nan: math.nan}
                 best_lr[(config.width, mode)] = min(losses, key=losses.get)
         for seed in args.seeds:
             for mode in MODES:
@@ -329,12 +409,20 @@ def main(argv: list[str] | None = None) -> int:
                 if not find(bench.runs, config=config.name, mode=mode, lr=lr, seed=seed):
                     bench.run(config, mode, lr, seed, "seed")
 
+    # with --report-only, configs whose dense runs are missing are left out of the table
+    configs = [c for c in configs if find(bench.runs, config=c.name, mode="none")]
     rows = summarise(bench.runs, configs, best_lr, args.seeds)
     table = markdown(rows, sweep, args.lrs, args)
     print()
     print(table)
     print(f"\ntotal {fmt_duration(time.perf_counter() - bench.started)}")
-    bench.save(summary=rows, best_lr={f"{d}x{k}:{mode}": lr for ((d, k), mode), lr in best_lr.items()})
+    if args.report_only or not args.timing_steps:
+        return 0
+    timings = {c.name: interleaved_timing(c, args, best) for c in configs
+               for best in [{mode: best_lr[(c.width, mode)] for mode in MODES}]}
+    print()
+    print(timing_markdown(timings, args))
+    bench.save(summary=rows, timing=timings, best_lr={f"{d}x{k}:{mode}": lr for ((d, k), mode), lr in best_lr.items()})
     return 0
 
 

@@ -88,7 +88,9 @@ class Manifest(_Strict):
     dataset: str = "builtin:stdlib"
     optimizer: OptimizerSpec = OptimizerSpec()
     batch: BatchSpec
-    subspace_update_interval: int = Field(default=0, ge=0)
+    subspace_update_interval: int = Field(default=0, ge=0, description="optimizer epochs between U updates; 0 = never")
+    subspace_driver: Literal["gradient", "energy"] = "gradient"
+    subspace_step: float = Field(default=0.05, gt=0, le=1, description="Grassmann step size (radians, roughly)")
     t_fixed_sha256: str = ""
     u_sha256: str = ""
 

@@ -24,6 +24,7 @@ from torch import nn
 
 from swarm.manifest import Manifest, ModelShape
 from swarm.subspace import initial_basis, t_fixed_table, tensor_sha256
+from swarm.subspace_update import UpdateAccumulator, receiver_term, sender_term, weight_term
 
 
 class SubspaceState(nn.Module):
@@ -177,11 +178,13 @@ class PipelineStage(nn.Module):
             with torch.no_grad():
                 self.lm_head.weight.copy_(torch.randn(self.lm_head.weight.shape, generator=_seeded(manifest.seed, 3)) * 0.02)
         self.constrained = self._constrained_parameters()
+        updates_on = manifest.subspace_update_interval > 0 and manifest.compression != "none"
+        self.u_accumulator = UpdateAccumulator(shape.d_model, manifest.k) if updates_on else None
         with torch.no_grad():
             for item in self.constrained:
                 item.param.copy_(self.subspace.project(item.param, item.axis))
         for item in self.constrained:
-            item.param.register_hook(self._projector(item.axis))
+            item.param.register_hook(self._projector(item.param, item.axis))
 
     def _constrained_parameters(self) -> list[ConstrainedParameter]:
         mode = self.manifest.compression
@@ -196,8 +199,19 @@ class PipelineStage(nn.Module):
                 found.append(ConstrainedParameter(f"layers.{i}.mlp.w2.weight", block.mlp.w2.weight, axis=0))
         return found
 
-    def _projector(self, axis: int):
-        return lambda grad: self.subspace.project(grad, axis)
+    def _projector(self, param: nn.Parameter, axis: int):
+        """Gradient hook: note the raw gradient's ∂L/∂U term if U is to move, then project."""
+
+        def hook(grad: torch.Tensor) -> torch.Tensor:
+            if self.u_accumulator is not None and self._weights_drive_updates:
+                self.u_accumulator.add(weight_term(grad, param, self.subspace.basis, axis))
+            return self.subspace.project(grad, axis)
+
+        return hook
+
+    @property
+    def _weights_drive_updates(self) -> bool:
+        return self.manifest.compression == "subspace" and self.manifest.subspace_driver == "gradient"
 
     @property
     def projects_boundary(self) -> bool:
@@ -205,6 +219,13 @@ class PipelineStage(nn.Module):
 
     def forward(self, hidden: torch.Tensor | None, tokens: torch.Tensor) -> torch.Tensor:
         """Head: tokens → residual. Middle: residual → residual. Tail: residual → logits."""
+        return self.forward_with_residual(hidden, tokens)[0]
+
+    def forward_with_residual(self, hidden: torch.Tensor | None,
+                              tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Also returns x − T_fixed[tok] before the boundary projection (boundary mode, non-tail):
+        the sender's half of a subspace update needs the part the projection removes."""
+        residual = None
         if self.is_head:
             hidden = self.subspace.t_fixed[tokens] + self.t_s[tokens]
         elif hidden is None:
@@ -213,10 +234,41 @@ class PipelineStage(nn.Module):
             hidden = block(hidden, self.rope_cos, self.rope_sin)
         if self.projects_boundary:
             anchor = self.subspace.t_fixed[tokens]
+            if self.u_accumulator is not None:
+                residual = (hidden - anchor).detach()
             hidden = anchor + self.subspace.project(hidden - anchor, axis=-1)
         if self.is_tail:
-            return self.lm_head(self.final_norm(hidden))
-        return hidden
+            return self.lm_head(self.final_norm(hidden)), None
+        return hidden, residual
+
+    def note_boundaries(self, tokens: torch.Tensor, input_hidden: torch.Tensor | None,
+                        input_grad: torch.Tensor | None, output_residual: torch.Tensor | None,
+                        output_grad: torch.Tensor | None) -> None:
+        """After a trip's backward: add this stage's boundary halves of ∂/∂U to the accumulator."""
+        if self.u_accumulator is None:
+            return
+        basis = self.subspace.basis
+        with torch.no_grad():
+            if input_grad is not None and input_hidden is not None:
+                grad = input_grad.float()
+                if self.manifest.subspace_driver == "energy":
+                    self.u_accumulator.add(receiver_term(grad, grad @ basis))
+                elif self.manifest.compression == "boundary":
+                    coefficients = (input_hidden.float() - self.subspace.t_fixed[tokens]) @ basis
+                    self.u_accumulator.add(receiver_term(grad, coefficients))
+            if (output_residual is not None and output_grad is not None and self.manifest.compression == "boundary"
+                    and self.manifest.subspace_driver == "gradient"):
+                self.u_accumulator.add(sender_term(output_residual.float(), output_grad.float() @ basis))
+
+    def apply_basis(self, basis: torch.Tensor, version: int, optimizer=None) -> None:
+        """Switch to U': everything that lives in span(U) (constrained tensors, their first moments)
+        is re-projected onto span(U'), and the accumulator starts over."""
+        self.subspace.set_basis(basis, version)
+        self.reproject_()
+        if optimizer is not None and hasattr(optimizer, "reproject_state"):
+            optimizer.reproject_state()
+        if self.u_accumulator is not None:
+            self.u_accumulator.reset()
 
     def reproject_(self) -> None:
         """Wash out float drift: W ← P W for every constrained tensor."""

@@ -12,6 +12,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from swarm.boundary import BoundaryCodec
@@ -19,7 +20,8 @@ from swarm.data import load_splits
 from swarm.manifest import Manifest
 from swarm.model import PipelineStage, build_stages, next_token_loss
 from swarm.optim import clip_grad_norm, lr_at, make_optimizer
-from swarm.subspace import relative_error
+from swarm.subspace import compress, decompress, relative_error
+from swarm.subspace_update import combine, matrix_from_bytes, matrix_to_bytes, next_basis
 
 
 @dataclass
@@ -37,6 +39,7 @@ def run_trip(stages: list[PipelineStage], tokens: torch.Tensor, use_wire: bool =
     codecs = [BoundaryCodec(stage.manifest, stage.subspace) for stage in stages]
     inputs: list[torch.Tensor | None] = []
     outputs: list[torch.Tensor] = []
+    residuals: list[torch.Tensor | None] = []
     stats = TripStats(loss=0.0)
     hidden = None
     trip_id = uuid.uuid4().hex
@@ -51,8 +54,9 @@ def run_trip(stages: list[PipelineStage], tokens: torch.Tensor, use_wire: bool =
                 stats.boundaries += 1
                 hidden = received.requires_grad_(backward)
             inputs.append(hidden)
-            hidden = stage(hidden, tokens)
+            hidden, residual = stage.forward_with_residual(hidden, tokens)
             outputs.append(hidden)
+            residuals.append(residual)
         loss = next_token_loss(hidden, tokens)
     stats.loss = loss.item()
     if not backward:
@@ -60,12 +64,48 @@ def run_trip(stages: list[PipelineStage], tokens: torch.Tensor, use_wire: bool =
     (loss * loss_scale).backward()
     if not use_wire:
         return stats
+    output_grads: list[torch.Tensor | None] = [None] * len(stages)
     for i in range(len(stages) - 1, 0, -1):
         blob = codecs[i].encode_backward(inputs[i].grad, trip_id, to_stage=i - 1, loss=stats.loss)
         stats.backward_bytes += len(blob)
         _, grad = codecs[i - 1].decode_backward(blob, stage=i - 1)
         outputs[i - 1].backward(grad)
+        output_grads[i - 1] = grad
+    for i, stage in enumerate(stages):
+        stage.note_boundaries(tokens, inputs[i], inputs[i].grad if inputs[i] is not None else None,
+                              residuals[i], output_grads[i])
     return stats
+
+
+def boundary_exactness(stages: list[PipelineStage], tokens: torch.Tensor) -> float:
+    """Max relative error of an fp32 compress/decompress round trip over every boundary (no wire dtype):
+    how exactly the boundary activations lie in T_fixed + span(U)."""
+    worst, hidden = 0.0, None
+    with torch.no_grad():
+        for stage in stages[:-1]:
+            hidden = stage(hidden, tokens)
+            state = stage.subspace
+            rebuilt = decompress(compress(hidden, tokens, state.basis, state.t_fixed), tokens, state.basis, state.t_fixed)
+            worst = max(worst, relative_error(rebuilt, hidden))
+    return worst
+
+
+def update_subspace(stages: list[PipelineStage], optimizers: list) -> np.ndarray:
+    """The swarm's update, in one process: each stage's contribution crosses as float32 bytes, every stage
+    derives U' from the same bytes and switches."""
+    manifest = stages[0].manifest
+    shape = manifest.model
+    per_stage = {
+        i: [matrix_from_bytes(matrix_to_bytes(stage.u_accumulator.mean()), shape.d_model, manifest.k)]
+        for i, stage in enumerate(stages) if stage.u_accumulator is not None and stage.u_accumulator.terms
+    }
+    basis = next_basis(stages[0].subspace.basis.double().numpy(), combine(per_stage), manifest.subspace_driver,
+                       manifest.subspace_step)
+    new_basis = torch.from_numpy(basis.astype(np.float32))
+    version = stages[0].subspace.version + 1
+    for stage, optimizer in zip(stages, optimizers, strict=True):
+        stage.apply_basis(new_basis, version, optimizer)
+    return basis
 
 
 @dataclass
@@ -86,6 +126,9 @@ class SimulationResult:
     seconds: float = 0.0
     step_seconds: float = 0.0
     optimizer_seconds: float = 0.0
+    u_version: int = 0
+    subspace_updates: list[dict] = field(default_factory=list)
+    update_seconds: float = 0.0
 
 
 def evaluate(stages: list[PipelineStage], batches: list[torch.Tensor]) -> float:
@@ -131,12 +174,25 @@ def simulate(manifest: Manifest, steps: int, data: str | None = None, seed: int 
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         optimizer_time += time.perf_counter() - tick
+        interval = manifest.subspace_update_interval
+        if interval and manifest.compression != "none" and (step + 1) % interval == 0:
+            tick = time.perf_counter()
+            update_subspace(stages, optimizers)
+            result.update_seconds += time.perf_counter() - tick
+            result.subspace_updates.append({
+                "step": step + 1, "u_version": stages[0].subspace.version,
+                "u_sha256": stages[0].subspace.basis_sha256,
+                "same_u_on_every_stage": len({s.subspace.basis_sha256 for s in stages}) == 1,
+                "reconstruction_error_fp32": boundary_exactness(stages, validation[0]),
+                "max_subspace_residual": max(s.subspace_residual() for s in stages),
+            })
         result.train_loss.append(sum(losses) / len(losses))
         if on_step:
             on_step(step, result.train_loss[-1])
     elapsed = time.perf_counter() - started
     result.val_loss_last = evaluate(stages, validation)
     result.max_subspace_residual = max(stage.subspace_residual() for stage in stages)
+    result.u_version = stages[0].subspace.version
     if boundary_tokens:
         result.wire_bytes_per_token_forward = forward_bytes / boundary_tokens
         result.wire_bytes_per_token_backward = backward_bytes / boundary_tokens

@@ -113,15 +113,3 @@ def decompress_grad(coefficients: torch.Tensor, basis: torch.Tensor) -> torch.Te
 def relative_error(approx: torch.Tensor, exact: torch.Tensor) -> float:
     denom = exact.float().norm().item()
     return (approx.float() - exact.float()).norm().item() / max(denom, 1e-30)
-
-
-def retract(basis: np.ndarray, direction: np.ndarray, step: float) -> np.ndarray:
-    """Grassmann step: U' = orth(U + step · (I − P) direction), deterministic."""
-    basis = np.asarray(basis, dtype=np.float64)
-    direction = np.asarray(direction, dtype=np.float64)
-    k = basis.shape[1]
-    tangent = direction.copy()
-    for j in range(k):  # tangent = (I − U Uᵀ) direction, without BLAS so every peer gets the same bits
-        for i in range(k):
-            tangent[:, j] -= np.sum(basis[:, i] * direction[:, j]) * basis[:, i]
-    return orthonormalize(basis + step * tangent)

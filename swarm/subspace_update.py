@@ -1,0 +1,111 @@
+"""Moving the shared subspace (DESIGN.md §2.7): what each stage contributes, and the step every peer
+recomputes bit for bit.
+
+Contributions are d×k matrices, Euclidean derivatives with respect to U of the loss (driver
+"gradient") or of the boundary-gradient energy tr(Uᵀ S U) (driver "energy"), accumulated during
+backward passes:
+
+- `subspace` mode: a constrained W (d×n, columns in span U) is W = U Z with Z = UᵀW, so
+  ∂L/∂U += G Wᵀ U; for T_S (V×d, rows in span U), ∂L/∂U += Gᵀ T_S U, with G the raw gradient.
+- `boundary` mode: the boundary map x ↦ T + U Uᵀ (x − T) gives ∂L/∂U = Rᵀ(G U) + Gᵀ(R U); the
+  sender holds R = x − T and receives G U, the receiver holds G and received R U = c, so each side
+  adds its own term.
+- `energy`: the receiver of a boundary holds G and adds Gᵀ(G U) = S U.
+
+The step U' = orth(U + step · (I − P) D / ‖(I − P) D‖) with D = −Σ contributions (gradient) or
++Σ (energy) uses only correctly rounded float64 operations in a fixed order, so every peer that
+reads the same contribution bytes derives the same U' bytes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from swarm.subspace import orthonormalize
+
+DRIVERS = ("gradient", "energy")
+
+
+class UpdateAccumulator:
+    """Sums a stage's d×k contribution between updates (float64, on the CPU)."""
+
+    def __init__(self, d_model: int, k: int):
+        self.total = torch.zeros(d_model, k, dtype=torch.float64)
+        self.terms = 0
+
+    def add(self, term: torch.Tensor) -> None:
+        self.total += term.detach().to("cpu", torch.float64)
+        self.terms += 1
+
+    def mean(self) -> np.ndarray:
+        return (self.total / max(self.terms, 1)).numpy()
+
+    def reset(self) -> None:
+        self.total.zero_()
+        self.terms = 0
+
+
+def weight_term(grad: torch.Tensor, weight: torch.Tensor, basis: torch.Tensor, axis: int) -> torch.Tensor:
+    """∂L/∂U through a constrained tensor, from its raw gradient (axis = the d axis)."""
+    u = basis.to(grad.dtype)
+    if axis == 0:  # W (d×n) = U Z → G Zᵀ = G Wᵀ U
+        return grad @ (weight.detach().T @ u)
+    return grad.T @ (weight.detach() @ u)  # T_S (V×d) = Z Uᵀ → Gᵀ Z = Gᵀ T_S U
+
+
+def sender_term(residual: torch.Tensor, grad_coefficients: torch.Tensor) -> torch.Tensor:
+    """Rᵀ (G U): the boundary sender's half, from its residual and the received gradient message."""
+    return residual.reshape(-1, residual.shape[-1]).T.double() @ grad_coefficients.reshape(
+        -1, grad_coefficients.shape[-1]).double()
+
+
+def receiver_term(grad: torch.Tensor, coefficients: torch.Tensor) -> torch.Tensor:
+    """Gᵀ (R U) (boundary gradient) or Gᵀ (G U) (energy): the receiver's half."""
+    return grad.reshape(-1, grad.shape[-1]).T.double() @ coefficients.reshape(-1, coefficients.shape[-1]).double()
+
+
+def matrix_to_bytes(matrix: np.ndarray) -> bytes:
+    return np.ascontiguousarray(matrix, dtype="<f4").tobytes()
+
+
+def matrix_from_bytes(data: bytes, d_model: int, k: int) -> np.ndarray:
+    if len(data) != d_model * k * 4:
+        raise ValueError(f"a d×k matrix needs {d_model * k * 4} bytes, got {len(data)}")
+    matrix = np.frombuffer(data, dtype="<f4").reshape(d_model, k)
+    if not np.isfinite(matrix).all():
+        raise ValueError("matrix holds non-finite values")
+    return matrix
+
+
+def combine(per_stage: dict[int, list[np.ndarray]]) -> np.ndarray:
+    """Mean over each stage's peers, summed over stages, in a fixed order (float64)."""
+    total = None
+    for stage in sorted(per_stage):
+        items = per_stage[stage]
+        stage_sum = np.zeros_like(items[0], dtype=np.float64)
+        for item in items:
+            stage_sum = stage_sum + np.asarray(item, dtype=np.float64)
+        stage_mean = stage_sum / len(items)
+        total = stage_mean if total is None else total + stage_mean
+    if total is None:
+        raise ValueError("no contributions")
+    return total
+
+
+def next_basis(basis: np.ndarray, contribution: np.ndarray, driver: str, step: float) -> np.ndarray:
+    """U' = orth(U + step · t/‖t‖), t = (I − P) D: a step of fixed size along the Grassmann tangent."""
+    if driver not in DRIVERS:
+        raise ValueError(f"unknown subspace driver {driver!r}; choose one of {DRIVERS}")
+    basis = np.asarray(basis, dtype=np.float64)
+    direction = -np.asarray(contribution, dtype=np.float64) if driver == "gradient" else np.asarray(
+        contribution, dtype=np.float64)
+    k = basis.shape[1]
+    tangent = direction.copy()
+    for j in range(k):  # (I − U Uᵀ) D, column by column, without BLAS
+        for i in range(k):
+            tangent[:, j] -= np.sum(basis[:, i] * direction[:, j]) * basis[:, i]
+    norm = np.sqrt(np.sum(tangent * tangent))
+    if not norm > 1e-30:
+        return orthonormalize(basis)
+    return orthonormalize(basis + (step / norm) * tangent)

@@ -143,10 +143,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="benchmarks/netsim/results.json")
     parser.add_argument("--plot", help="PNG path for tokens/s vs link rate")
     parser.add_argument("--report", action="store_true", help="print the Markdown section from --out and exit")
+    parser.add_argument("--merge", nargs="*", default=[], metavar="JSON",
+                        help="with --report: add the cells of further runs (same settings) as more repeats")
     args = parser.parse_args(argv)
 
     if args.report:
         data = json.loads(Path(args.out).read_text())
+        data = merge_runs(data, [json.loads(Path(p).read_text()) for p in args.merge])
         if args.plot:
             plot(data, args.plot)
         print(report(data))
@@ -203,6 +206,19 @@ def main(argv: list[str] | None = None) -> int:
 
 
 # --- reporting ---------------------------------------------------------------------------------------
+
+
+def merge_runs(data: dict, others: list[dict]) -> dict:
+    """Cells of further runs become further repeats; their loss traces and CPU figures are kept too."""
+    merged = {**data, "cells": list(data["cells"]), "runs": 1 + len(others),
+              "cpu_flops_all": [data["cpu_flops"]], "commands": [data["command"]]}
+    offset = 1 + max((c["repeat"] for c in data["cells"]), default=0)
+    for other in others:
+        merged["cells"] += [{**c, "repeat": c["repeat"] + offset} for c in other["cells"]]
+        offset += 1 + max((c["repeat"] for c in other["cells"]), default=0)
+        merged["cpu_flops_all"].append(other["cpu_flops"])
+        merged["commands"].append(other["command"])
+    return merged
 
 
 def _rows(data: dict) -> dict:
@@ -283,6 +299,14 @@ def report(data: dict) -> str:
                  f"same link-time / compute-time ratio as **{info['equivalent_rate_mbit'] * 1000:.1f} kbit/s** here "
                  f"({info['flops_per_token_stage'] / 1e6:.1f} MFLOP and {info['per_direction_bytes']} bytes per token "
                  "per stage and direction).")
+    base = rows.get(("dense-bf16", None))
+    if base:
+        achieved = base["tokens_per_s"] * info["flops_per_token_stage"]
+        scaled = info["equivalent_rate_mbit"] * achieved / data["cpu_flops"]
+        lines.append(f"With what the widest stage actually achieved in the unshaped dense pipeline "
+                     f"({achieved / 1e9:.1f} GFLOP/s = {base['tokens_per_s']:.0f} tok/s × "
+                     f"{info['flops_per_token_stage'] / 1e6:.1f} MFLOP, on shared cores) the same ratio gives "
+                     f"**{scaled * 1000:.1f} kbit/s**.")
     return "\n".join(lines)
 
 

@@ -68,11 +68,22 @@ class Stats:
     bytes_in: int = 0
     bytes_out: int = 0
     errors: Counter = field(default_factory=Counter)
+    trip_versions: Counter = field(default_factory=Counter)  # drivers: completed trips per U version
+    mixed_trips: int = 0
     losses: list[float] = field(default_factory=list)
     last_loss: float | None = None
 
     def error(self, code: ErrorCode) -> None:
         self.errors[code.value] += 1
+
+
+def hop_versions(extra: dict, num_stages: int) -> list[int]:
+    """The U version each downstream hop used, as it reported them: audited by the driver."""
+    versions = extra.get("versions")
+    if (not isinstance(versions, list) or not 1 <= len(versions) <= num_stages
+            or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in versions)):
+        raise WireError(ErrorCode.MALFORMED, "backward message lacks a valid list of hop versions")
+    return versions
 
 
 class StageMove(Exception):
@@ -174,18 +185,24 @@ class PeerDaemon:
             return encode_error(exc.code, exc.message)
         self.load += 1
         try:
-            leaf, output = await runtime.run(runtime.forward, hidden, tokens)
+            version = header.u_version  # decode checked it against ours; every later step re-checks
+            leaf, output, residual = await runtime.run(runtime.forward, hidden, tokens, version)
+            batch = tokens.shape[0]
             if runtime.stage.is_tail:
-                grad, loss = await runtime.run(runtime.backward, leaf, output, None, tokens, tokens.shape[0])
+                grad, loss = await runtime.run(runtime.backward, leaf, output, None, tokens, batch, None, version)
+                versions = [version]
             else:
-                message = await runtime.run(runtime.codec.encode_forward, output, tokens, header.trip_id, self.index + 1)
+                message = await runtime.run(runtime.encode_forward, version, output, tokens, header.trip_id,
+                                            self.index + 1)
                 reply = await self.forward_to_next(message)
                 reply_header, grad_in = runtime.codec.decode_backward(reply, stage=self.index)
+                versions = hop_versions(reply_header.extra, self.manifest.num_stages) + [version]
                 loss = reply_header.loss
-                grad, _ = await runtime.run(runtime.backward, leaf, output, grad_in, tokens, tokens.shape[0])
+                grad, _ = await runtime.run(runtime.backward, leaf, output, grad_in, tokens, batch, residual, version)
             self.stats.trips += 1
             self.stats.tokens += tokens.numel()
-            return runtime.codec.encode_backward(grad, header.trip_id, to_stage=self.index - 1, loss=loss)
+            return runtime.codec.encode_backward(grad, header.trip_id, to_stage=self.index - 1, loss=loss,
+                                                 extra={"versions": versions})
         except WireError as exc:
             self.stats.error(exc.code)
             return encode_error(exc.code, exc.message)
@@ -219,8 +236,8 @@ class PeerDaemon:
                 return reply
             except WireError as exc:
                 self.stats.error(exc.code)
-                if exc.code == ErrorCode.NO_PEER:  # the stage behind it is empty: another peer won't help
-                    raise
+                if exc.code in (ErrorCode.NO_PEER, ErrorCode.WRONG_VERSION):
+                    raise  # the stage behind it is empty, or U is switching: the driver retries the trip
                 seconds = self.router.ban(peer_id)
                 logger.warning("%s next hop %s failed (%s); banned %.0fs, failing over", self.label,
                                peer_id[-6:], exc, seconds)
@@ -246,6 +263,8 @@ class PeerDaemon:
             bytes_out=self.stats.bytes_out, errors=sum(self.stats.errors.values()),
             loss=None if loss is None else float(loss), optimizer_epoch=runtime.epoch,
             state_sha256=runtime.state_sha256, state_hashes=list(runtime.state_hashes),
+            trip_versions=[f"{v}:{n}" for v, n in sorted(self.stats.trip_versions.items())][-16:],
+            mixed_trips=self.stats.mixed_trips,
         )
 
     async def announce_now(self) -> None:
@@ -302,12 +321,18 @@ class PeerDaemon:
                                self.options.fault_t_fixed_seed, checkpoint_every=self.options.checkpoint_every)
         self.runtime = runtime
         subspace = runtime.stage.subspace
-        self.router = Router(subspace.t_fixed_sha256, subspace.version, self.peer_id)
+        self.router = Router(subspace.t_fixed_sha256, self.peer_id)
         self.throughput = await runtime.run(runtime.measure_throughput)
         await self.announce_now()
         stages = await self._fetch()
         peers_here = [e for e in stages.get(index, []) if e.record.peer_id != self.peer_id
                       and e.record.state == "online" and e.record.t_fixed_sha256 == subspace.t_fixed_sha256]
+        sync = None
+        if self.manifest.subspace_update_interval and self.manifest.compression != "none":
+            from peer.subspace_sync import SubspaceSync
+
+            sync = SubspaceSync(self)
+            await sync.catch_up()  # before loading state: donors' tensors live in the current span(U)
         if peers_here:
             loaded = await runtime.run(runtime.load_from_peers)
             logger.info("%s %s state from %d peer(s) of the stage (epoch %d)", self.label,
@@ -323,6 +348,8 @@ class PeerDaemon:
                  (self.announce_loop(), self.refresh_loop(), self.log_loop())]
         if self.options.stage == "auto":
             tasks.append(asyncio.create_task(self.rebalance_loop()))
+        if sync is not None:
+            tasks.append(asyncio.create_task(sync.run()))
         driver = None
         if runtime.stage.is_head:
             from peer.driver import Driver

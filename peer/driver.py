@@ -7,10 +7,13 @@ import hashlib
 import logging
 import uuid
 
+from peer.daemon import hop_versions
 from swarm.data import load_splits
-from swarm.wire import WireError
+from swarm.wire import ErrorCode, WireError
 
 logger = logging.getLogger("peer.driver")
+
+RETRIES = 6  # at 0.5 s apart: covers the seconds a U switch takes to reach every stage
 
 
 class Driver:
@@ -47,33 +50,54 @@ class Driver:
                 await asyncio.wait(pending, timeout=daemon.options.drain_timeout)
 
     async def _trip(self, tokens) -> None:
-        daemon = self.daemon
-        runtime = daemon.runtime
+        """One microbatch; a trip refused because U changed under it (its hops disagree, or no peer of the
+        next stage is at our version yet) is run again from the start under the current U."""
         self.inflight += 1
         try:
-            leaf, output = await runtime.run(runtime.forward, None, tokens)
-            if runtime.stage.is_tail:  # a one-stage run: the driver is also the tail
-                _, loss = await runtime.run(runtime.backward, None, output, None, tokens, tokens.shape[0])
-            else:
-                trip_id = uuid.uuid4().hex
-                message = await runtime.run(runtime.codec.encode_forward, output, tokens, trip_id, 1)
-                daemon.stats.bytes_out += len(message)
-                reply = await daemon.forward_to_next(message)
-                daemon.stats.bytes_in += len(reply)
-                header, grad = runtime.codec.decode_backward(reply, stage=0)
-                loss = header.loss
-                await runtime.run(runtime.backward, None, output, grad, tokens, tokens.shape[0])
-            daemon.stats.trips += 1
-            daemon.stats.tokens += tokens.numel()
-            if loss is not None:
-                daemon.stats.losses.append(loss)
-                daemon.stats.last_loss = loss
-            self._failures = 0
+            for attempt in range(RETRIES + 1):
+                try:
+                    await self._run_trip(tokens)
+                    self._failures = 0
+                    return
+                except WireError as exc:
+                    if exc.code not in (ErrorCode.WRONG_VERSION, ErrorCode.NO_PEER) or attempt == RETRIES:
+                        raise
+                    await asyncio.sleep(0.5)
         except WireError as exc:
             self._failures += 1
-            logger.warning("%s trip dropped: %s", daemon.label, exc)
+            logger.warning("%s trip dropped: %s", self.daemon.label, exc)
         except Exception:  # noqa: BLE001 - one bad trip must not stop the driver
             self._failures += 1
-            logger.exception("%s trip failed", daemon.label)
+            logger.exception("%s trip failed", self.daemon.label)
         finally:
             self.inflight -= 1
+
+    async def _run_trip(self, tokens) -> None:
+        daemon = self.daemon
+        runtime = daemon.runtime
+        version = runtime.stage.subspace.version
+        batch = tokens.shape[0]
+        _, output, residual = await runtime.run(runtime.forward, None, tokens, version)
+        if runtime.stage.is_tail:  # a one-stage run: the driver is also the tail
+            _, loss = await runtime.run(runtime.backward, None, output, None, tokens, batch, None, version)
+            versions = [version]
+        else:
+            trip_id = uuid.uuid4().hex
+            message = await runtime.run(runtime.encode_forward, version, output, tokens, trip_id, 1)
+            daemon.stats.bytes_out += len(message)
+            reply = await daemon.forward_to_next(message)
+            daemon.stats.bytes_in += len(reply)
+            header, grad = runtime.codec.decode_backward(reply, stage=0)
+            versions = hop_versions(header.extra, daemon.manifest.num_stages) + [version]
+            loss = header.loss
+            await runtime.run(runtime.backward, None, output, grad, tokens, batch, residual, version)
+        if len(set(versions)) == 1:
+            daemon.stats.trip_versions[version] += 1
+        else:
+            daemon.stats.mixed_trips += 1
+            logger.error("%s trip used U versions %s", daemon.label, versions)
+        daemon.stats.trips += 1
+        daemon.stats.tokens += tokens.numel()
+        if loss is not None:
+            daemon.stats.losses.append(loss)
+            daemon.stats.last_loss = loss

@@ -2,8 +2,10 @@
 
 Like SWARM's balancer: the least expected queue (trips in flight over throughput), random
 tie-break, and a peer that failed is banned for a while (doubling on repeated failures) so a
-dead peer costs one timeout, not one per trip. Peers whose `T_fixed` hash or `U` version differ
-from ours are never chosen: they could not decode what we send.
+dead peer costs one timeout, not one per trip. Peers whose `T_fixed` hash differs from ours are
+never chosen: they could not decode what we send. The `U` version is not filtered here: records
+lag a switch by seconds, and a peer at another version answers at once with the version error,
+which the driver resolves by running the trip again.
 """
 
 from __future__ import annotations
@@ -24,7 +26,6 @@ class Ban:
 @dataclass
 class Router:
     t_fixed_sha256: str
-    u_version: int
     own_peer_id: str
     base_ban: float = 5.0
     max_ban: float = 60.0
@@ -39,7 +40,7 @@ class Router:
     def compatible(self, entry: PeerEntry) -> bool:
         record = entry.record
         return (record.state == "online" and record.t_fixed_sha256 == self.t_fixed_sha256
-                and record.u_version == self.u_version and record.peer_id != self.own_peer_id)
+                and record.peer_id != self.own_peer_id)
 
     def candidates(self, stage: int, now: float | None = None) -> list[PeerEntry]:
         """Compatible, unbanned peers of `stage`, best first."""

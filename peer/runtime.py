@@ -22,6 +22,7 @@ from swarm.manifest import Manifest
 from swarm.model import PipelineStage, next_token_loss
 from swarm.optim import SubspaceAdamW, clip_grad_norm, lr_at, parameter_groups
 from swarm.subspace import t_fixed_table, tensor_sha256
+from swarm.wire import ErrorCode, WireError
 
 logger = logging.getLogger("peer.runtime")
 
@@ -83,24 +84,41 @@ class StageRuntime:
 
     # --- work done on the stage thread -------------------------------------------------------
 
-    def forward(self, hidden: torch.Tensor | None, tokens: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """Run the layers keeping the autograd graph; returns (input leaf, output)."""
+    def check_version(self, version: int) -> None:
+        """A trip runs under one U from end to end: if U switched since it started, it must start over."""
+        current = self.stage.subspace.version
+        if version != current:
+            raise WireError(ErrorCode.WRONG_VERSION, f"U switched from v{version} to v{current} during this trip")
+
+    def encode_forward(self, version: int, output: torch.Tensor, tokens: torch.Tensor, trip_id: str,
+                       to_stage: int) -> bytes:
+        self.check_version(version)
+        return self.codec.encode_forward(output, tokens, trip_id, to_stage)
+
+    def forward(self, hidden: torch.Tensor | None, tokens: torch.Tensor,
+                version: int | None = None) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+        """Run the layers keeping the autograd graph; returns (input leaf, output, boundary residual)."""
+        if version is not None:
+            self.check_version(version)
         tokens = tokens.to(self.device)
         leaf = None
         if hidden is not None:
             leaf = hidden.to(self.device).requires_grad_(True)
         with torch.enable_grad():
-            output = self.stage(leaf, tokens)
-        return leaf, output
+            output, residual = self.stage.forward_with_residual(leaf, tokens)
+        return leaf, output, residual
 
     def backward(self, leaf: torch.Tensor | None, output: torch.Tensor, grad: torch.Tensor | None,
-                 tokens: torch.Tensor, batch_size: int) -> tuple[torch.Tensor | None, float | None]:
+                 tokens: torch.Tensor, batch_size: int, residual: torch.Tensor | None = None,
+                 version: int | None = None) -> tuple[torch.Tensor | None, float | None]:
         """Backward from the incoming gradient (or from the loss on the tail), then an optimizer step.
 
         If an optimizer epoch ended while this trip was in flight, the saved graph refers to
         weights that have since changed and autograd refuses it; the forward is then recomputed
         with the current weights (a rare, bounded cost: once per in-flight trip per epoch).
         """
+        if version is not None:
+            self.check_version(version)
         try:
             result = self._backward_once(leaf, output, grad, tokens)
         except RuntimeError as exc:
@@ -108,8 +126,10 @@ class StageRuntime:
                 raise
             self.stage.zero_grad(set_to_none=True)
             hidden = leaf.detach() if leaf is not None else None
-            leaf, output = self.forward(hidden, tokens)
+            leaf, output, residual = self.forward(hidden, tokens)
             result = self._backward_once(leaf, output, grad, tokens)
+        self.stage.note_boundaries(tokens.to(self.device), leaf.detach() if leaf is not None else None,
+                                   result[0], residual, grad.to(self.device) if grad is not None else None)
         self._step(batch_size)
         return result
 
@@ -121,8 +141,13 @@ class StageRuntime:
             loss_value = float(loss.item())
         else:
             output.backward(grad.to(self.device, output.dtype))
-        input_grad = leaf.grad.detach().cpu() if leaf is not None else None
+        input_grad = leaf.grad.detach() if leaf is not None else None
         return input_grad, loss_value
+
+    def apply_basis(self, basis: torch.Tensor, version: int) -> None:
+        """Switch U between two microbatches (this runs on the stage thread)."""
+        self.stage.apply_basis(basis.to(self.device), version, self.optimizer.opt)
+        self._note_state()
 
     def _step(self, batch_size: int) -> None:
         clip_grad_norm(self.stage.parameters(), self.manifest.optimizer.grad_clip)
@@ -148,10 +173,12 @@ class StageRuntime:
         best = float("inf")
         for _ in range(repeats):
             started = time.perf_counter()
-            leaf, output = self.forward(hidden, tokens)
+            _, output, _ = self.forward(hidden, tokens)
             output.float().pow(2).mean().backward()
             best = min(best, time.perf_counter() - started)
         self.stage.zero_grad(set_to_none=True)
+        if self.stage.u_accumulator is not None:  # the probe's gradients are not training signal
+            self.stage.u_accumulator.reset()
         return tokens.numel() / best
 
     def load_from_peers(self) -> bool:

@@ -76,7 +76,10 @@ async def send_trip(p2p: P2P, peer: PeerID, namespace: str, blob: bytes, timeout
 
     async def exchange() -> bytes:
         replies = await stub.rpc_trip(_as_stream(blob))
-        return await _join_chunks(replies, max_reply)
+        reply = await _join_chunks(replies, max_reply)
+        if not reply:
+            raise WireError(ErrorCode.UNREACHABLE, f"{peer} closed the stream without a reply")
+        return reply
 
     try:
         return await asyncio.wait_for(exchange(), timeout=timeout)
@@ -84,7 +87,7 @@ async def send_trip(p2p: P2P, peer: PeerID, namespace: str, blob: bytes, timeout
         raise WireError(ErrorCode.TIMEOUT, f"no reply from {peer} within {timeout:.0f}s") from None
     except TooLarge as exc:
         raise WireError(ErrorCode.TOO_LARGE, f"reply from {peer}: {exc}") from None
-    except asyncio.CancelledError:
+    except (asyncio.CancelledError, WireError):
         raise
     except Exception as exc:  # noqa: BLE001 - any transport failure means: try another peer
         raise WireError(ErrorCode.UNREACHABLE, f"call to {peer} failed: {type(exc).__name__}: {exc}") from None

@@ -190,7 +190,8 @@ def _signal_group(process: subprocess.Popen, sig: int) -> None:
 
 
 def run_local(args: argparse.Namespace) -> dict:
-    manifest = preset(args.preset, stages=args.stages, compression=args.compression, seed=args.seed)
+    manifest = preset(args.preset, stages=args.stages, compression=args.compression, seed=args.seed,
+                      subspace_update_interval=args.subspace_update_interval)
     workdir = Path(tempfile.mkdtemp(prefix="protocol-swarm-"))
     swarm = LocalSwarm(manifest, args.peers_per_stage, workdir, args.max_inflight)
     progress = Progress()
@@ -288,6 +289,7 @@ def add_local_parser(sub) -> None:
     local.add_argument("--steps", type=int, default=60, help="optimizer steps of the slowest stage")
     local.add_argument("--compression", choices=("subspace", "boundary", "none"))
     local.add_argument("--seed", type=int, default=0)
+    local.add_argument("--subspace-update-interval", type=int, help="optimizer epochs between U updates (0 = never)")
     local.add_argument("--max-inflight", type=int, default=4, help="trips each driver keeps in flight")
     local.add_argument("--timeout", type=float, default=900.0, help="give up after this many seconds")
     local.add_argument("--keep-logs", action="store_true", help="keep the working directory with peer logs")

@@ -55,26 +55,28 @@ class StagePeerRecord(pydantic.BaseModel):
     state_sha256: _Hash = ""  # hash of the stage's parameters at optimizer_epoch: peers of a stage agree
     # the last few "epoch:hash-prefix" pairs, so peers that announce at different moments can be compared
     state_hashes: pydantic.conlist(pydantic.constr(strict=True, max_length=48), max_items=16) = []
+    # drivers: completed trips per U version ("version:count"), and trips whose hops disagreed on U
+    trip_versions: pydantic.conlist(pydantic.constr(strict=True, max_length=48), max_items=16) = []
+    mixed_trips: _Count = 0
 
     class Config:
         extra = pydantic.Extra.forbid
 
 
 class SubspaceRecord(pydantic.BaseModel):
-    """One entry of `{run}_subspace`: a U version announcement or a stage's contribution.
-
-    `kind` is "version" (the current version, its hash and the epoch at which the next update
-    activates) or "contribution" (a stage's d×k term for the update to `target_version`, as
-    little-endian float32 bytes).
-    """
+    """A peer's entry under `{run}_subspace` (kind "version": the U it serves, as float32 bytes, and the
+    contributions it was computed from) or `{run}_ucontrib` (kind "contribution": its stage's d×k term
+    for the update to `target_version`)."""
 
     kind: pydantic.constr(strict=True, regex=r"^(version|contribution)$")
+    peer_id: pydantic.constr(strict=True, max_length=128)
     version: _Count
     target_version: _Count
     stage: _Count
     epoch: _Count
+    terms: _Count
     u_sha256: _Hash
-    peers: _Count
+    contributors: pydantic.conlist(pydantic.constr(strict=True, max_length=128), max_items=256)
     data: pydantic.conbytes(strict=True, max_length=4 << 20)
 
     class Config:
@@ -87,6 +89,7 @@ def _run_schema(manifest: Manifest) -> type[pydantic.BaseModel]:
         for i in range(manifest.num_stages)
     }
     fields["subspace"] = (Optional[Dict[BytesWithPublicKey, Optional[SubspaceRecord]]], None)
+    fields["ucontrib"] = (Optional[Dict[BytesWithPublicKey, Optional[SubspaceRecord]]], None)
     return pydantic.create_model("RunRecords", **fields)
 
 
@@ -96,6 +99,25 @@ def stage_key(manifest: Manifest, stage: int) -> str:
 
 def subspace_key(manifest: Manifest) -> str:
     return f"{manifest.run_id}_subspace"
+
+
+def contribution_key(manifest: Manifest) -> str:
+    return f"{manifest.run_id}_ucontrib"
+
+
+def parse_subspace_entries(raw: Any) -> list[SubspaceRecord]:
+    """Records under a subspace key; anything malformed is dropped."""
+    if raw is None or not isinstance(getattr(raw, "value", None), dict):
+        return []
+    found = []
+    for item in raw.value.values():
+        value = getattr(item, "value", None)
+        if isinstance(value, dict):
+            try:
+                found.append(SubspaceRecord.parse_obj(value))
+            except pydantic.ValidationError:
+                continue
+    return found
 
 
 def load_or_create_rsa_key(path: str | Path | None) -> RSAPrivateKey:

@@ -14,14 +14,14 @@ def entry(peer_id: str, throughput: float, load: int = 0, t_fixed: str = "a" * 6
 
 
 def router(*entries: PeerEntry) -> Router:
-    r = Router(t_fixed_sha256="a" * 64, u_version=0, own_peer_id="me")
+    r = Router(t_fixed_sha256="a" * 64, own_peer_id="me")
     r.update({1: list(entries)})
     return r
 
 
 def test_incompatible_peers_are_never_chosen():
-    r = router(entry("bad-hash", 1000, t_fixed="c" * 64), entry("old-u", 1000, u_version=3),
-               entry("leaving", 1000, state="leaving"), entry("me", 1000), entry("good", 1.0))
+    r = router(entry("bad-hash", 1000, t_fixed="c" * 64), entry("leaving", 1000, state="leaving"),
+               entry("me", 1000), entry("good", 1.0))
     assert [e.record.peer_id for e in r.candidates(1)] == ["good"]
 
 

@@ -409,8 +409,8 @@ def main(argv: list[str] | None = None) -> int:
                 if not find(bench.runs, config=config.name, mode=mode, lr=lr, seed=seed):
                     bench.run(config, mode, lr, seed, "seed")
 
-    # with --report-only, configs whose dense runs are missing are left out of the table
-    configs = [c for c in configs if find(bench.runs, config=c.name, mode="none")]
+    # with --report-only, configs with a mode that has no run yet are left out of the table
+    configs = [c for c in configs if all(find(bench.runs, config=c.name, mode=m) for m in MODES)]
     rows = summarise(bench.runs, configs, best_lr, args.seeds)
     table = markdown(rows, sweep, args.lrs, args)
     print()

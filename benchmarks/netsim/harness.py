@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import statistics
 import subprocess
@@ -57,6 +56,7 @@ class Cell:
     tokens_total: int  # driver tokens at the end of the window
     epochs: list[int] = field(default_factory=list)  # optimizer epoch per stage at the end
     upload_kbit_s: list[float] = field(default_factory=list)  # per peer host, mean over the window
+    unwedged: int = 0  # stalled shaped queues restarted during settle + window (Topology.unwedge)
     errors: int = 0
 
 
@@ -109,13 +109,11 @@ class NetSwarm:
                 raise NetSimError("the bootstrap DHT did not start")
             time.sleep(0.2)
         maddrs = json.loads(maddrs_file.read_text())
-        peer = shutil.which("protocol-peer")
-        if peer is None:
-            raise NetSimError("protocol-peer is not installed (pip install -e .)")
+        peer = [sys.executable, "-m", "peer.cli"]  # this checkout's code (PYTHONPATH), not whatever is installed
         for stage in range(self.manifest.num_stages):
             host = self.topology.hosts[stage + 1]
             self._spawn(f"stage{stage}", stage + 1, [
-                peer, "--manifest", str(self.manifest_path), "--initial-peers", *maddrs, "--stage", str(stage),
+                *peer, "--manifest", str(self.manifest_path), "--initial-peers", *maddrs, "--stage", str(stage),
                 "--host-maddrs", f"/ip4/{host.address}/tcp/0", "--device", "cpu",
                 "--public-name", f"netsim-stage{stage}", "--max-inflight", str(self.max_inflight),
                 "--trip-timeout", str(self.trip_timeout), "--log-interval", "10",
@@ -155,6 +153,8 @@ class NetSwarm:
 
     def poll(self) -> list[dict]:
         self.check_children()
+        if self.topology.unwedge():
+            self.log(f"  restarted a stalled shaped queue (total {self.topology.unwedged})")
         path = self.workdir / "records.json"
         try:
             data = json.loads(path.read_text())
@@ -194,7 +194,7 @@ class NetSwarm:
                 settle_max: float = 120.0) -> Cell:
         """Shape the peer hosts' links, let the pipeline turn over, and measure one cell."""
         self.topology.shape(rate_mbit, self.topology.hosts[1:])
-        shaped_at = time.time()
+        shaped_at, unwedged = time.time(), self.topology.unwedged
         settle_trips = self.max_inflight if settle_trips is None else settle_trips
         first = self._wait_sample_after(shaped_at, 30.0)
         while time.time() - shaped_at < settle_max:  # trips sent before the change have drained
@@ -226,6 +226,7 @@ class NetSwarm:
             errors=sum(r["errors"] for r in self.records),
             upload_kbit_s=[8e-3 * (counters_end[i][0] - counters_start[i][0]) / max(wall_end - wall_start, 1e-9)
                            for i in range(1, len(self.topology.hosts))],
+            unwedged=self.topology.unwedged - unwedged,
         )
         self.log(f"  {mode:<10} {_rate_label(rate_mbit):>9}: {rate:8.1f} tokens/s over {seconds:.0f}s "
                  f"({cell.trips} trips), {cell.app_bytes_per_token:.1f} B/token at the driver, "

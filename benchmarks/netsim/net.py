@@ -13,9 +13,13 @@ import json
 import os
 import secrets
 import subprocess
+import tempfile
+import time
 from dataclasses import dataclass
+from pathlib import Path
 
 PREFIX = "psn"  # every namespace and link we create starts with this
+OWNERS = Path(tempfile.gettempdir()) / "netsim-owners"  # one file per live topology: its owner's pid
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -27,14 +31,26 @@ def namespaces() -> list[str]:
     return [line.split()[0] for line in out.splitlines() if line.strip()]
 
 
+def _owner_alive(tag: str) -> bool:
+    try:
+        pid = int((OWNERS / tag).read_text())
+        os.kill(pid, 0)
+    except (OSError, ValueError):
+        return False
+    return pid != os.getpid()
+
+
 def cleanup_leftovers(prefix: str = PREFIX) -> list[str]:
-    """Delete every namespace whose name starts with `prefix` (their veths go with them)."""
+    """Delete namespaces named `prefix`… whose owning harness is gone (a run killed with SIGKILL);
+    their processes are killed and their veths go with them. Live runs of other harnesses are kept."""
     removed = []
     for name in namespaces():
-        if name.startswith(prefix):
+        tag = name.split("-", 1)[0]
+        if name.startswith(prefix) and not _owner_alive(tag):
             _kill_namespace_processes(name)
             _ip("netns", "del", name, check=False)
             removed.append(name)
+            (OWNERS / tag).unlink(missing_ok=True)
     return removed
 
 
@@ -66,6 +82,10 @@ class Topology:
         self.hosts = [Host(i, f"{self.tag}-h{i}", f"{subnet}.{i + 1}", f"{self.tag}b{i}") for i in range(hosts)]
         self._created: list[str] = []
         self.rate_mbit: float | None = None
+        self.shaped: list[tuple[str, str]] = []  # (namespace, device) with a tbf qdisc
+        self._sent: dict[tuple[str, str], int] = {}
+        self._checked = 0.0
+        self.unwedged = 0  # times a stalled shaped queue had to be restarted (see unwedge)
 
     def __enter__(self) -> Topology:
         self.create()
@@ -75,6 +95,8 @@ class Topology:
         self.close()
 
     def create(self) -> None:
+        OWNERS.mkdir(exist_ok=True)
+        (OWNERS / self.tag).write_text(str(os.getpid()))
         try:
             self._add_ns(self.bridge_ns)
             _ip("-n", self.bridge_ns, "link", "add", "br0", "type", "bridge")
@@ -105,14 +127,18 @@ class Topology:
             _kill_namespace_processes(name)
             _ip("netns", "del", name, check=False)
         self._created.clear()
+        (OWNERS / self.tag).unlink(missing_ok=True)
 
     def exec_prefix(self, host: Host) -> list[str]:
         return ["ip", "netns", "exec", host.netns]
 
     def shape(self, rate_mbit: float | None, hosts: list[Host] | None = None) -> None:
         """Rate-limit each host's upload and download to `rate_mbit` (None removes shaping)."""
+        self.shaped = []
         for host in hosts if hosts is not None else self.hosts:
             for netns, dev in ((host.netns, "eth0"), (self.bridge_ns, host.veth_bridge_side)):
+                if rate_mbit is not None:
+                    self.shaped.append((netns, dev))
                 if rate_mbit is None:
                     subprocess.run(["ip", "netns", "exec", netns, "tc", "qdisc", "del", "dev", dev, "root"],
                                    capture_output=True)
@@ -123,6 +149,35 @@ class Topology:
                                 "rate", f"{int(rate_mbit * 1000)}kbit", "burst", str(burst), "latency", "200ms"],
                                check=True, capture_output=True, text=True)
         self.rate_mbit = rate_mbit
+
+    def unwedge(self, every: float = 5.0) -> int:
+        """Restart shaped queues that hold packets but sent nothing since the last check.
+
+        On this kernel a tbf queue on a veth sometimes stops dequeuing for good after its rate
+        changes under load (backlog stays, sent bytes stop; seen once in ~20 changes). Setting the
+        link down and up restarts the queue; IPv4 addresses and TCP connections survive it.
+        Returns how many queues were restarted in this call.
+        """
+        now = time.monotonic()
+        if now - self._checked < every:
+            return 0
+        self._checked = now
+        restarted = 0
+        for netns, dev in self.shaped:
+            out = subprocess.run(["ip", "netns", "exec", netns, "tc", "-s", "-j", "qdisc", "show", "dev", dev],
+                                 capture_output=True, text=True).stdout
+            try:
+                stats = json.loads(out)[0]
+            except (ValueError, IndexError):
+                continue
+            sent, backlog = int(stats.get("bytes", 0)), int(stats.get("backlog", 0))
+            if backlog > 0 and self._sent.get((netns, dev)) == sent:
+                _ip("-n", netns, "link", "set", dev, "down", check=False)
+                _ip("-n", netns, "link", "set", dev, "up", check=False)
+                restarted += 1
+            self._sent[(netns, dev)] = sent
+        self.unwedged += restarted
+        return restarted
 
     def counters(self) -> dict[int, tuple[int, int]]:
         """Per host (upload bytes, download bytes) so far, read on the bridge side of each veth."""

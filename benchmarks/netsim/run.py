@@ -17,6 +17,7 @@ import json
 import math
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -35,6 +36,21 @@ H100_FLOPS = 989e12 * 0.40
 PAPER_LAYER_PARAMS = 4096 * 4096 * 2 + 4096 * 1024 * 2 + 3 * 4096 * 14336
 PAPER_BYTES_PER_TOKEN = 4096 * 2
 PAPER_RATE_MBIT = 80.0
+
+
+def code_version() -> str:
+    """The commit the peers ran (they run from this checkout), or the archive's marker file."""
+    root = Path(__file__).resolve().parents[2]
+    marker = root / "COMMIT"
+    if marker.exists():
+        return marker.read_text().strip()
+    try:
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True).stdout
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--", "swarm", "peer"],
+                               capture_output=True, text=True).stdout
+    except OSError:
+        return "unknown"
+    return head.strip() + (" (with uncommitted changes in swarm/ or peer/)" if dirty.strip() else "")
 
 
 def manifest_for(mode: str, stages: int, k: int, seed: int) -> Manifest:
@@ -175,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     log(f"CPU: {cpu_flops / 1e9:.1f} GFLOP/s on one thread (fp32 matmul)")
     data = {"command": " ".join(["python -m benchmarks.netsim.run", *(argv or sys.argv[1:])]),
             "stages": args.stages, "k": args.k, "max_inflight": args.max_inflight, "repeats": args.repeats,
-            "cpu_flops": cpu_flops, "cells": [], "loss_traces": {}, "manifests": {}}
+            "cpu_flops": cpu_flops, "cells": [], "loss_traces": {}, "manifests": {}, "code": code_version()}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     try:

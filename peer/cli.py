@@ -33,7 +33,11 @@ class _EnvDefaults(argparse.ArgumentParser):
         flag = next((a for a in args if a.startswith("--")), None)
         if flag and flag != "--help":
             name = _env(flag)
-            kwargs["help"] = (kwargs.get("help", "") + f" [env {name}]") if kwargs.get("help") != argparse.SUPPRESS else kwargs["help"]
+            kwargs["help"] = (
+                (kwargs.get("help", "") + f" [env {name}]")
+                if kwargs.get("help") != argparse.SUPPRESS
+                else kwargs["help"]
+            )
             if name in os.environ:
                 raw = os.environ[name]
                 if kwargs.get("action") == "store_true":
@@ -46,36 +50,67 @@ class _EnvDefaults(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _EnvDefaults(prog="protocol-peer", description=__doc__,
-                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--stage", default="auto",
-                        help="stage to serve: a number, or 'auto' to join the stage that needs help most "
-                             "(an empty one first, else the weakest by throughput) and move later if that "
-                             "clearly helps the swarm")
+    parser = _EnvDefaults(
+        prog="protocol-peer", description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    parser.add_argument(
+        "--stage",
+        default="auto",
+        help="stage to serve: a number, or 'auto' to join the stage that needs help most "
+        "(an empty one first, else the weakest by throughput) and move later if that "
+        "clearly helps the swarm",
+    )
     parser.add_argument("--tracker", help="tracker URL: the manifest and bootstrap addresses come from it")
-    parser.add_argument("--initial-peers", nargs="*", default=[], metavar="MADDR",
-                        help="multiaddrs of peers already in the swarm (with /p2p/<id>)")
-    parser.add_argument("--new-swarm", action="store_true",
-                        help="start a new run as its first peer (needs --manifest)")
+    parser.add_argument(
+        "--initial-peers",
+        nargs="*",
+        default=[],
+        metavar="MADDR",
+        help="multiaddrs of peers already in the swarm (with /p2p/<id>)",
+    )
+    parser.add_argument("--new-swarm", action="store_true", help="start a new run as its first peer (needs --manifest)")
     parser.add_argument("--manifest", help="run manifest JSON file (with --new-swarm, or to join without a tracker)")
-    parser.add_argument("--host-maddrs", nargs="*", default=["/ip4/0.0.0.0/tcp/0"], metavar="MADDR",
-                        help="addresses to listen on, e.g. /ip4/0.0.0.0/tcp/31337 to pin the P2P port")
-    parser.add_argument("--announce-maddrs", nargs="*", default=[], metavar="MADDR",
-                        help="addresses other peers should dial, e.g. your public IP and forwarded port behind NAT")
-    parser.add_argument("--identity", help="file with this peer's private key; created if missing, keeps the "
-                                           "peer id (and record ownership) across restarts")
+    parser.add_argument(
+        "--host-maddrs",
+        nargs="*",
+        default=["/ip4/0.0.0.0/tcp/0"],
+        metavar="MADDR",
+        help="addresses to listen on, e.g. /ip4/0.0.0.0/tcp/31337 to pin the P2P port",
+    )
+    parser.add_argument(
+        "--announce-maddrs",
+        nargs="*",
+        default=[],
+        metavar="MADDR",
+        help="addresses other peers should dial, e.g. your public IP and forwarded port behind NAT",
+    )
+    parser.add_argument(
+        "--identity",
+        help="file with this peer's private key; created if missing, keeps the "
+        "peer id (and record ownership) across restarts",
+    )
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="where the stage runs")
     parser.add_argument("--public-name", default="", help="name shown on the tracker page (max 64 chars)")
-    parser.add_argument("--checkpoint-dir", help="save the stage here periodically and on exit; resume an "
-                                                 "empty stage from here")
+    parser.add_argument(
+        "--checkpoint-dir", help="save the stage here periodically and on exit; resume an empty stage from here"
+    )
     parser.add_argument("--checkpoint-every", type=int, default=50, help="optimizer epochs between checkpoints")
     parser.add_argument("--max-inflight", type=int, default=4, help="trips a driver (stage 0) keeps in flight")
     parser.add_argument("--data", help="text file or directory for drivers (default: the manifest's dataset)")
     parser.add_argument("--trip-timeout", type=float, default=60.0, help="seconds to wait for the next hop")
-    parser.add_argument("--rebalance-interval", type=float, default=60.0,
-                        help="seconds between placement re-checks with --stage auto")
-    parser.add_argument("--placement-delay", type=float, default=3.0,
-                        help="maximum random delay before choosing a stage (avoids a herd)")
+    parser.add_argument(
+        "--rebalance-interval", type=float, default=60.0, help="seconds between placement re-checks with --stage auto"
+    )
+    parser.add_argument(
+        "--placement-delay",
+        type=float,
+        default=3.0,
+        help="maximum random delay before choosing a stage (avoids a herd)",
+    )
+    parser.add_argument(
+        "--heartbeat-file",
+        help="rewrite this JSON file every few seconds while the peer runs (for container health checks)",
+    )
     parser.add_argument("--log-interval", type=float, default=5.0, help="seconds between progress log lines")
     parser.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     parser.add_argument("--fault-t-fixed-seed", type=int, help=argparse.SUPPRESS)  # fault injection for tests
@@ -130,20 +165,32 @@ def main(argv: list[str] | None = None) -> int:
     try:
         manifest, initial_peers = resolve(args)
         options = PeerOptions(
-            stage=str(args.stage), initial_peers=initial_peers, host_maddrs=args.host_maddrs,
-            announce_maddrs=args.announce_maddrs, identity=args.identity, device=args.device,
-            public_name=args.public_name, checkpoint_dir=args.checkpoint_dir,
-            checkpoint_every=int(args.checkpoint_every), max_inflight=int(args.max_inflight),
-            data=args.data, trip_timeout=float(args.trip_timeout), placement_delay=float(args.placement_delay),
-            rebalance_interval=float(args.rebalance_interval), log_interval=float(args.log_interval),
+            stage=str(args.stage),
+            initial_peers=initial_peers,
+            host_maddrs=args.host_maddrs,
+            announce_maddrs=args.announce_maddrs,
+            identity=args.identity,
+            device=args.device,
+            public_name=args.public_name,
+            checkpoint_dir=args.checkpoint_dir,
+            checkpoint_every=int(args.checkpoint_every),
+            heartbeat_file=args.heartbeat_file,
+            max_inflight=int(args.max_inflight),
+            data=args.data,
+            trip_timeout=float(args.trip_timeout),
+            placement_delay=float(args.placement_delay),
+            rebalance_interval=float(args.rebalance_interval),
+            log_interval=float(args.log_interval),
             fault_t_fixed_seed=args.fault_t_fixed_seed,
         )
         daemon = PeerDaemon(manifest, options)
         try:
             daemon.start_dht()
         except Exception as exc:  # noqa: BLE001 - hivemind raises bare errors for unreachable peers
-            raise StartupError(f"could not join the DHT via {' '.join(initial_peers) or 'a new swarm'}: "
-                               f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
+            raise StartupError(
+                f"could not join the DHT via {' '.join(initial_peers) or 'a new swarm'}: "
+                f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+            ) from None
     except (StartupError, ManifestError) as exc:
         print(f"protocol-peer: error: {exc}", file=sys.stderr)
         return 2

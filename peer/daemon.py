@@ -11,12 +11,15 @@ same stage while this hop still holds its activations.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import os
 import random
 import signal
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from hivemind.dht import DHT
 from hivemind.p2p import PeerID
@@ -59,6 +62,7 @@ class PeerOptions:
     log_interval: float = 5.0
     fault_t_fixed_seed: int | None = None
     checkpoint_every: int = 50
+    heartbeat_file: str | None = None
 
 
 @dataclass
@@ -80,8 +84,11 @@ class Stats:
 def hop_versions(extra: dict, num_stages: int) -> list[int]:
     """The U version each downstream hop used, as it reported them: audited by the driver."""
     versions = extra.get("versions")
-    if (not isinstance(versions, list) or not 1 <= len(versions) <= num_stages
-            or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in versions)):
+    if (
+        not isinstance(versions, list)
+        or not 1 <= len(versions) <= num_stages
+        or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in versions)
+    ):
         raise WireError(ErrorCode.MALFORMED, "backward message lacks a valid list of hop versions")
     return versions
 
@@ -123,8 +130,12 @@ class PeerDaemon:
     def start_dht(self) -> None:
         rsa_key = load_or_create_rsa_key(self.options.identity + ".rsa" if self.options.identity else None)
         self.signer, validators = make_validators(self.manifest, rsa_key)
-        kwargs = dict(start=True, record_validators=validators, host_maddrs=self.options.host_maddrs,
-                      initial_peers=self.options.initial_peers)
+        kwargs = dict(
+            start=True,
+            record_validators=validators,
+            host_maddrs=self.options.host_maddrs,
+            initial_peers=self.options.initial_peers,
+        )
         if self.options.announce_maddrs:
             kwargs["announce_maddrs"] = self.options.announce_maddrs
         if self.options.identity:
@@ -136,8 +147,13 @@ class PeerDaemon:
 
     def _online_loads(self, stages: dict, t_fixed: str) -> dict[int, list[float]]:
         return {
-            stage: [e.record.throughput for e in entries
-                    if e.record.state == "online" and e.record.t_fixed_sha256 == t_fixed and e.record.peer_id != self.peer_id]
+            stage: [
+                e.record.throughput
+                for e in entries
+                if e.record.state == "online"
+                and e.record.t_fixed_sha256 == t_fixed
+                and e.record.peer_id != self.peer_id
+            ]
             for stage, entries in stages.items()
         }
 
@@ -148,17 +164,26 @@ class PeerDaemon:
         stages = await self._fetch()
         loads = self._online_loads(stages, self.manifest.t_fixed_sha256)
         stage = choose_stage(loads, self.manifest.num_stages, self.rng)
-        logger.info("%s placement: stage totals %s -> stage %d", self.label,
-                    {s: round(sum(v), 1) for s, v in loads.items()}, stage)
+        logger.info(
+            "%s placement: stage totals %s -> stage %d",
+            self.label,
+            {s: round(sum(v), 1) for s, v in loads.items()},
+            stage,
+        )
         return stage
 
     # --- the trip service -------------------------------------------------------------------------
 
     def info(self) -> dict:
         runtime = self.runtime
-        return {"run_id": self.manifest.run_id, "stage": self.index, "state": self.state, "load": self.load,
-                "u_version": runtime.stage.subspace.version if runtime else None,
-                "t_fixed_sha256": runtime.stage.subspace.t_fixed_sha256 if runtime else None}
+        return {
+            "run_id": self.manifest.run_id,
+            "stage": self.index,
+            "state": self.state,
+            "load": self.load,
+            "u_version": runtime.stage.subspace.version if runtime else None,
+            "t_fixed_sha256": runtime.stage.subspace.t_fixed_sha256 if runtime else None,
+        }
 
     async def handle_trip(self, blob: bytes, remote: PeerID) -> bytes:
         self.stats.bytes_in += len(blob)
@@ -192,8 +217,9 @@ class PeerDaemon:
                 grad, loss = await runtime.run(runtime.backward, leaf, output, None, tokens, batch, None, version)
                 versions = [version]
             else:
-                message = await runtime.run(runtime.encode_forward, version, output, tokens, header.trip_id,
-                                            self.index + 1)
+                message = await runtime.run(
+                    runtime.encode_forward, version, output, tokens, header.trip_id, self.index + 1
+                )
                 reply = await self.forward_to_next(message)
                 reply_header, grad_in = runtime.codec.decode_backward(reply, stage=self.index)
                 versions = hop_versions(reply_header.extra, self.manifest.num_stages) + [version]
@@ -201,8 +227,9 @@ class PeerDaemon:
                 grad, _ = await runtime.run(runtime.backward, leaf, output, grad_in, tokens, batch, residual, version)
             self.stats.trips += 1
             self.stats.tokens += tokens.numel()
-            return runtime.codec.encode_backward(grad, header.trip_id, to_stage=self.index - 1, loss=loss,
-                                                 extra={"versions": versions})
+            return runtime.codec.encode_backward(
+                grad, header.trip_id, to_stage=self.index - 1, loss=loss, extra={"versions": versions}
+            )
         except WireError as exc:
             self.stats.error(exc.code)
             return encode_error(exc.code, exc.message)
@@ -229,8 +256,14 @@ class PeerDaemon:
             tried += 1
             self.router.inflight[peer_id] = self.router.inflight.get(peer_id, 0) + 1
             try:
-                reply = await send_trip(self.p2p, PeerID.from_base58(peer_id), self.manifest.run_id, message,
-                                        timeout=self.options.trip_timeout, max_reply=expect.max_bytes)
+                reply = await send_trip(
+                    self.p2p,
+                    PeerID.from_base58(peer_id),
+                    self.manifest.run_id,
+                    message,
+                    timeout=self.options.trip_timeout,
+                    max_reply=expect.max_bytes,
+                )
                 raise_if_error(reply)
                 self.router.forgive(peer_id)
                 return reply
@@ -239,8 +272,9 @@ class PeerDaemon:
                 if exc.code in (ErrorCode.NO_PEER, ErrorCode.WRONG_VERSION):
                     raise  # the stage behind it is empty, or U is switching: the driver retries the trip
                 seconds = self.router.ban(peer_id)
-                logger.warning("%s next hop %s failed (%s); banned %.0fs, failing over", self.label,
-                               peer_id[-6:], exc, seconds)
+                logger.warning(
+                    "%s next hop %s failed (%s); banned %.0fs, failing over", self.label, peer_id[-6:], exc, seconds
+                )
             finally:
                 self.router.inflight[peer_id] -= 1
         raise WireError(ErrorCode.NO_PEER, f"no peer of stage {target} answered after {tried} attempts")
@@ -254,15 +288,26 @@ class PeerDaemon:
         loss = sum(losses) / len(losses) if losses else self.stats.last_loss
         self.stats.last_loss, self.stats.losses = loss, []
         return StagePeerRecord(
-            peer_id=self.peer_id, state=self.state, stage=self.index, throughput=float(self.throughput),
-            load=self.load, u_version=subspace.version, u_sha256=subspace.basis_sha256,
-            t_fixed_sha256=subspace.t_fixed_sha256, software_version=SOFTWARE_VERSION,
+            peer_id=self.peer_id,
+            state=self.state,
+            stage=self.index,
+            throughput=float(self.throughput),
+            load=self.load,
+            u_version=subspace.version,
+            u_sha256=subspace.basis_sha256,
+            t_fixed_sha256=subspace.t_fixed_sha256,
+            software_version=SOFTWARE_VERSION,
             public_name=self.options.public_name[:64],
             addrs=[str(a) for a in self.dht.get_visible_maddrs()][:8],
-            trips=self.stats.trips, tokens=self.stats.tokens, bytes_in=self.stats.bytes_in,
-            bytes_out=self.stats.bytes_out, errors=sum(self.stats.errors.values()),
-            loss=None if loss is None else float(loss), optimizer_epoch=runtime.epoch,
-            state_sha256=runtime.state_sha256, state_hashes=list(runtime.state_hashes),
+            trips=self.stats.trips,
+            tokens=self.stats.tokens,
+            bytes_in=self.stats.bytes_in,
+            bytes_out=self.stats.bytes_out,
+            errors=sum(self.stats.errors.values()),
+            loss=None if loss is None else float(loss),
+            optimizer_epoch=runtime.epoch,
+            state_sha256=runtime.state_sha256,
+            state_hashes=list(runtime.state_hashes),
             trip_versions=[f"{v}:{n}" for v, n in sorted(self.stats.trip_versions.items())][-16:],
             mixed_trips=self.stats.mixed_trips,
         )
@@ -306,9 +351,17 @@ class PeerDaemon:
             rate = (tokens - last_tokens) / max(now - last_time, 1e-9)
             per_token = (self.stats.bytes_in + self.stats.bytes_out) / max(tokens, 1)
             loss = f"{self.stats.last_loss:.3f}" if self.stats.last_loss is not None else "-"
-            logger.info("%s %.0f tokens/s, loss %s, %.1f wire bytes/token, epoch %d, trips %d, in flight %d, errors %s",
-                        self.label, rate, loss, per_token, self.runtime.epoch, self.stats.trips, self.load,
-                        dict(self.stats.errors) or 0)
+            logger.info(
+                "%s %.0f tokens/s, loss %s, %.1f wire bytes/token, epoch %d, trips %d, in flight %d, errors %s",
+                self.label,
+                rate,
+                loss,
+                per_token,
+                self.runtime.epoch,
+                self.stats.trips,
+                self.load,
+                dict(self.stats.errors) or 0,
+            )
             last_tokens, last_time = tokens, now
 
     # --- serving one stage -------------------------------------------------------------------------
@@ -317,16 +370,29 @@ class PeerDaemon:
         """Serve `index` until stopped (returns None) or a rebalance says move (returns the target)."""
         self.index, self.state = index, "joining"
         device = pick_device(self.options.device)
-        runtime = StageRuntime(self.manifest, index, self.dht, device, self.label, self.options.checkpoint_dir,
-                               self.options.fault_t_fixed_seed, checkpoint_every=self.options.checkpoint_every)
+        runtime = StageRuntime(
+            self.manifest,
+            index,
+            self.dht,
+            device,
+            self.label,
+            self.options.checkpoint_dir,
+            self.options.fault_t_fixed_seed,
+            checkpoint_every=self.options.checkpoint_every,
+        )
         self.runtime = runtime
         subspace = runtime.stage.subspace
         self.router = Router(subspace.t_fixed_sha256, self.peer_id)
         self.throughput = await runtime.run(runtime.measure_throughput)
         await self.announce_now()
         stages = await self._fetch()
-        peers_here = [e for e in stages.get(index, []) if e.record.peer_id != self.peer_id
-                      and e.record.state == "online" and e.record.t_fixed_sha256 == subspace.t_fixed_sha256]
+        peers_here = [
+            e
+            for e in stages.get(index, [])
+            if e.record.peer_id != self.peer_id
+            and e.record.state == "online"
+            and e.record.t_fixed_sha256 == subspace.t_fixed_sha256
+        ]
         sync = None
         if self.manifest.subspace_update_interval and self.manifest.compression != "none":
             from peer.subspace_sync import SubspaceSync
@@ -335,17 +401,25 @@ class PeerDaemon:
             await sync.catch_up()  # before loading state: donors' tensors live in the current span(U)
         if peers_here:
             loaded = await runtime.run(runtime.load_from_peers)
-            logger.info("%s %s state from %d peer(s) of the stage (epoch %d)", self.label,
-                        "loaded" if loaded else "could not load", len(peers_here), runtime.epoch)
+            logger.info(
+                "%s %s state from %d peer(s) of the stage (epoch %d)",
+                self.label,
+                "loaded" if loaded else "could not load",
+                len(peers_here),
+                runtime.epoch,
+            )
         elif not await runtime.run(runtime.load_checkpoint):
             logger.info("%s starting stage %d from the seed", self.label, index)
         self.router.update(stages)
         self.state = "online"
         await self.announce_now()
-        logger.info("%s online: %.0f tokens/s measured, layers %s", self.label, self.throughput,
-                    list(self.manifest.layers_of(index)))
-        tasks = [asyncio.create_task(coro) for coro in
-                 (self.announce_loop(), self.refresh_loop(), self.log_loop())]
+        logger.info(
+            "%s online: %.0f tokens/s measured, layers %s",
+            self.label,
+            self.throughput,
+            list(self.manifest.layers_of(index)),
+        )
+        tasks = [asyncio.create_task(coro) for coro in (self.announce_loop(), self.refresh_loop(), self.log_loop())]
         if self.options.stage == "auto":
             tasks.append(asyncio.create_task(self.rebalance_loop()))
         if sync is not None:
@@ -386,21 +460,49 @@ class PeerDaemon:
         if runtime is not None:
             await asyncio.to_thread(runtime.save_checkpoint)
             runtime.shutdown()
-        logger.info("%s left the stage (trips %d, tokens %d, errors %s)", self.label, self.stats.trips,
-                    self.stats.tokens, dict(self.stats.errors) or 0)
+        logger.info(
+            "%s left the stage (trips %d, tokens %d, errors %s)",
+            self.label,
+            self.stats.trips,
+            self.stats.tokens,
+            dict(self.stats.errors) or 0,
+        )
+
+    async def heartbeat_loop(self) -> None:
+        """Proof of life for container health checks: rewritten atomically while the event loop runs."""
+        path = Path(self.options.heartbeat_file)
+        while True:
+            payload = {"time": time.time(), "state": self.state, "stage": self.index, "peer_id": self.peer_id}
+            tmp = path.with_suffix(path.suffix + ".tmp")
+            try:
+                tmp.write_text(json.dumps(payload))
+                os.replace(tmp, path)
+            except OSError as exc:
+                logger.warning("%s cannot write heartbeat %s: %s", self.label, path, exc)
+            await asyncio.sleep(min(self.options.log_interval, 30.0))
 
     async def main(self) -> None:
         loop = asyncio.get_running_loop()
+        heartbeat = asyncio.create_task(self.heartbeat_loop()) if self.options.heartbeat_file else None
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stopping.set)
         self.p2p = await self.dht.replicate_p2p()
-        servicer = TripServicer(self.handle_trip, self.info,
-                                max_bytes=expectation_for(self.manifest, 0, "forward", 0, "").max_bytes,
-                                on_refused=self.stats.error)
+        servicer = TripServicer(
+            self.handle_trip,
+            self.info,
+            max_bytes=expectation_for(self.manifest, 0, "forward", 0, "").max_bytes,
+            on_refused=self.stats.error,
+        )
         await servicer.add_p2p_handlers(self.p2p, namespace=self.manifest.run_id)
-        logger.info("peer %s joined run %s; visible at %s", self.peer_id, self.manifest.run_id,
-                    " ".join(str(a) for a in self.dht.get_visible_maddrs()))
+        logger.info(
+            "peer %s joined run %s; visible at %s",
+            self.peer_id,
+            self.manifest.run_id,
+            " ".join(str(a) for a in self.dht.get_visible_maddrs()),
+        )
         index = await self.pick_stage()
         while index is not None and not self.stopping.is_set():
             index = await self.serve(index)
+        if heartbeat is not None:
+            heartbeat.cancel()
         self.dht.shutdown()

@@ -32,8 +32,9 @@ def bottleneck(totals: Sequence[float]) -> float:
     return min(totals) if totals else 0.0
 
 
-def should_move(loads: StageLoads, num_stages: int, current: int, own_throughput: float,
-                min_gain: float = 0.2) -> int | None:
+def should_move(
+    loads: StageLoads, num_stages: int, current: int, own_throughput: float, min_gain: float = 0.2
+) -> int | None:
     """The stage to move to, or None.
 
     `loads` includes this peer in `current`. Moving is simulated: take our throughput out of

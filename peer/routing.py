@@ -39,14 +39,20 @@ class Router:
 
     def compatible(self, entry: PeerEntry) -> bool:
         record = entry.record
-        return (record.state == "online" and record.t_fixed_sha256 == self.t_fixed_sha256
-                and record.peer_id != self.own_peer_id)
+        return (
+            record.state == "online"
+            and record.t_fixed_sha256 == self.t_fixed_sha256
+            and record.peer_id != self.own_peer_id
+        )
 
     def candidates(self, stage: int, now: float | None = None) -> list[PeerEntry]:
         """Compatible, unbanned peers of `stage`, best first."""
         now = time.monotonic() if now is None else now
-        usable = [e for e in self.stages.get(stage, []) if self.compatible(e)
-                  and self.bans.get(e.record.peer_id, Ban(0, 0)).until <= now]
+        usable = [
+            e
+            for e in self.stages.get(stage, [])
+            if self.compatible(e) and self.bans.get(e.record.peer_id, Ban(0, 0)).until <= now
+        ]
 
         def expected_wait(entry: PeerEntry) -> tuple[float, float]:
             load = entry.record.load + self.inflight.get(entry.record.peer_id, 0) + 1

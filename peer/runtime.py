@@ -41,9 +41,19 @@ def parameters_sha256(stage: PipelineStage) -> str:
 
 
 class StageRuntime:
-    def __init__(self, manifest: Manifest, index: int, dht, device: torch.device, label: str,
-                 checkpoint_dir: str | None = None, fault_t_fixed_seed: int | None = None,
-                 matchmaking_time: float = 3.0, averaging_timeout: float = 30.0, checkpoint_every: int = 50):
+    def __init__(
+        self,
+        manifest: Manifest,
+        index: int,
+        dht,
+        device: torch.device,
+        label: str,
+        checkpoint_dir: str | None = None,
+        fault_t_fixed_seed: int | None = None,
+        matchmaking_time: float = 3.0,
+        averaging_timeout: float = 30.0,
+        checkpoint_every: int = 50,
+    ):
         self.manifest, self.index, self.device, self.label = manifest, index, device, label
         self.stage = PipelineStage(manifest, index).to(device)
         if fault_t_fixed_seed is not None:  # fault injection: a peer whose T_fixed bytes differ
@@ -59,11 +69,17 @@ class StageRuntime:
             target_batch_size=manifest.batch.target_batch_size,
             batch_size_per_step=manifest.batch.microbatch_size,
             optimizer=lambda params: SubspaceAdamW(
-                params, projector=self.stage.subspace.project, lr=spec.lr,
-                betas=(spec.beta1, spec.beta2), eps=spec.eps, weight_decay=spec.weight_decay),
+                params,
+                projector=self.stage.subspace.project,
+                lr=spec.lr,
+                betas=(spec.beta1, spec.beta2),
+                eps=spec.eps,
+                weight_decay=spec.weight_decay,
+            ),
             params=parameter_groups(self.stage),
             scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(
-                opt, lambda epoch: lr_at(epoch, spec.lr, spec.warmup_steps) / spec.lr),
+                opt, lambda epoch: lr_at(epoch, spec.lr, spec.warmup_steps) / spec.lr
+            ),
             matchmaking_time=matchmaking_time,
             averaging_timeout=averaging_timeout,
             averager_opts=dict(request_timeout=1.0),
@@ -90,13 +106,15 @@ class StageRuntime:
         if version != current:
             raise WireError(ErrorCode.WRONG_VERSION, f"U switched from v{version} to v{current} during this trip")
 
-    def encode_forward(self, version: int, output: torch.Tensor, tokens: torch.Tensor, trip_id: str,
-                       to_stage: int) -> bytes:
+    def encode_forward(
+        self, version: int, output: torch.Tensor, tokens: torch.Tensor, trip_id: str, to_stage: int
+    ) -> bytes:
         self.check_version(version)
         return self.codec.encode_forward(output, tokens, trip_id, to_stage)
 
-    def forward(self, hidden: torch.Tensor | None, tokens: torch.Tensor,
-                version: int | None = None) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+    def forward(
+        self, hidden: torch.Tensor | None, tokens: torch.Tensor, version: int | None = None
+    ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
         """Run the layers keeping the autograd graph; returns (input leaf, output, boundary residual)."""
         if version is not None:
             self.check_version(version)
@@ -108,9 +126,16 @@ class StageRuntime:
             output, residual = self.stage.forward_with_residual(leaf, tokens)
         return leaf, output, residual
 
-    def backward(self, leaf: torch.Tensor | None, output: torch.Tensor, grad: torch.Tensor | None,
-                 tokens: torch.Tensor, batch_size: int, residual: torch.Tensor | None = None,
-                 version: int | None = None) -> tuple[torch.Tensor | None, float | None]:
+    def backward(
+        self,
+        leaf: torch.Tensor | None,
+        output: torch.Tensor,
+        grad: torch.Tensor | None,
+        tokens: torch.Tensor,
+        batch_size: int,
+        residual: torch.Tensor | None = None,
+        version: int | None = None,
+    ) -> tuple[torch.Tensor | None, float | None]:
         """Backward from the incoming gradient (or from the loss on the tail), then an optimizer step.
 
         If an optimizer epoch ended while this trip was in flight, the saved graph refers to
@@ -128,8 +153,13 @@ class StageRuntime:
             hidden = leaf.detach() if leaf is not None else None
             leaf, output, residual = self.forward(hidden, tokens)
             result = self._backward_once(leaf, output, grad, tokens)
-        self.stage.note_boundaries(tokens.to(self.device), leaf.detach() if leaf is not None else None,
-                                   result[0], residual, grad.to(self.device) if grad is not None else None)
+        self.stage.note_boundaries(
+            tokens.to(self.device),
+            leaf.detach() if leaf is not None else None,
+            result[0],
+            residual,
+            grad.to(self.device) if grad is not None else None,
+        )
         self._step(batch_size)
         return result
 
@@ -203,8 +233,16 @@ class StageRuntime:
             return None
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
-        torch.save({"run_id": self.manifest.run_id, "stage": self.index, "epoch": self.epoch,
-                    "model": self.stage.state_dict(), "optimizer": self.optimizer.state_dict()}, tmp)
+        torch.save(
+            {
+                "run_id": self.manifest.run_id,
+                "stage": self.index,
+                "epoch": self.epoch,
+                "model": self.stage.state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+            },
+            tmp,
+        )
         tmp.replace(path)
         logger.info("%s checkpoint saved: %s (epoch %d)", self.label, path, self.epoch)
         return path

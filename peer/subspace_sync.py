@@ -65,8 +65,9 @@ class SubspaceSync:
         return parse_subspace_entries(raw)
 
     async def _store(self, key: str, record: SubspaceRecord, ttl: float) -> None:
-        await asyncio.to_thread(self.daemon.dht.store, key, record.dict(), get_dht_time() + ttl,
-                                self.daemon.signer.local_public_key)
+        await asyncio.to_thread(
+            self.daemon.dht.store, key, record.dict(), get_dht_time() + ttl, self.daemon.signer.local_public_key
+        )
 
     # --- switching ------------------------------------------------------------------------------
 
@@ -86,8 +87,9 @@ class SubspaceSync:
         if commit.version == self.version + 1 and commit.contributors and all(p in used for p in commit.contributors):
             recomputed = self.derive([used[p] for p in commit.contributors])
             if recomputed is None or tensor_sha256(torch.from_numpy(recomputed.astype(np.float32))) != commit.u_sha256:
-                logger.error("%s U v%d does not follow from its contributions; refusing it",
-                             self.daemon.label, commit.version)
+                logger.error(
+                    "%s U v%d does not follow from its contributions; refusing it", self.daemon.label, commit.version
+                )
                 return None
         return published
 
@@ -98,7 +100,8 @@ class SubspaceSync:
         for record in sorted(contributions, key=lambda c: (c.stage, c.peer_id)):
             try:
                 per_stage.setdefault(record.stage, []).append(
-                    matrix_from_bytes(record.data, shape.d_model, self.manifest.k))
+                    matrix_from_bytes(record.data, shape.d_model, self.manifest.k)
+                )
             except ValueError:
                 return None
         needed = {s for s in range(self.manifest.num_stages) if self._stage_contributes(s)}
@@ -120,10 +123,17 @@ class SubspaceSync:
         if state.version == 0:
             return
         record = SubspaceRecord(
-            kind="version", peer_id=self.daemon.peer_id, version=state.version, target_version=state.version,
-            stage=self.daemon.index, epoch=self.runtime.epoch, terms=0, u_sha256=state.basis_sha256,
+            kind="version",
+            peer_id=self.daemon.peer_id,
+            version=state.version,
+            target_version=state.version,
+            stage=self.daemon.index,
+            epoch=self.runtime.epoch,
+            terms=0,
+            u_sha256=state.basis_sha256,
             contributors=contributors if contributors is not None else self.last_contributors,
-            data=matrix_to_bytes(state.basis.detach().cpu().double().numpy()))
+            data=matrix_to_bytes(state.basis.detach().cpu().double().numpy()),
+        )
         await self._store(subspace_key(self.manifest), record, VERSION_TTL)
 
     async def catch_up(self) -> None:
@@ -145,8 +155,11 @@ class SubspaceSync:
 
     async def step(self) -> None:
         target = self.version + 1
-        commits = [c for c in await self._records(subspace_key(self.manifest)) if c.version == target
-                   and c.u_sha256 not in self.rejected]
+        commits = [
+            c
+            for c in await self._records(subspace_key(self.manifest))
+            if c.version == target and c.u_sha256 not in self.rejected
+        ]
         contributions = [c for c in await self._records(contribution_key(self.manifest)) if c.target_version == target]
         if commits:
             commit = min(commits, key=lambda c: c.peer_id)
@@ -161,25 +174,41 @@ class SubspaceSync:
         if self._due() and self.published_for != target and accumulator is not None and accumulator.terms:
             mean = await self.runtime.run(accumulator.mean)
             record = SubspaceRecord(
-                kind="contribution", peer_id=self.daemon.peer_id, version=self.version, target_version=target,
-                stage=self.daemon.index, epoch=self.runtime.epoch, terms=accumulator.terms,
-                u_sha256=self.runtime.stage.subspace.basis_sha256, contributors=[], data=matrix_to_bytes(mean))
+                kind="contribution",
+                peer_id=self.daemon.peer_id,
+                version=self.version,
+                target_version=target,
+                stage=self.daemon.index,
+                epoch=self.runtime.epoch,
+                terms=accumulator.terms,
+                u_sha256=self.runtime.stage.subspace.basis_sha256,
+                contributors=[],
+                data=matrix_to_bytes(mean),
+            )
             await self._store(contribution_key(self.manifest), record, CONTRIBUTION_TTL)
             self.published_for = target
-            logger.info("%s published its contribution to U v%d (%d terms)", self.daemon.label, target,
-                        accumulator.terms)
+            logger.info(
+                "%s published its contribution to U v%d (%d terms)", self.daemon.label, target, accumulator.terms
+            )
         if self.is_coordinator():
             await self.try_commit(target, contributions)
 
     def is_coordinator(self) -> bool:
-        peers = [e.record for entries in self.daemon.router.stages.values() for e in entries
-                 if e.record.state == "online" and e.record.u_version == self.version]
+        peers = [
+            e.record
+            for entries in self.daemon.router.stages.values()
+            for e in entries
+            if e.record.state == "online" and e.record.u_version == self.version
+        ]
         others = [r.peer_id for r in peers if r.peer_id != self.daemon.peer_id]
         return all(self.daemon.peer_id < other for other in others)
 
     async def try_commit(self, target: int, contributions: list[SubspaceRecord]) -> None:
-        valid = [c for c in contributions if c.version == self.version
-                 and c.u_sha256 == self.runtime.stage.subspace.basis_sha256]
+        valid = [
+            c
+            for c in contributions
+            if c.version == self.version and c.u_sha256 == self.runtime.stage.subspace.basis_sha256
+        ]
         stages = {c.stage for c in valid}
         needed = {s for s in range(self.manifest.num_stages) if self._stage_contributes(s)}
         if not needed <= stages:

@@ -45,12 +45,18 @@ def _split(blob: bytes, message_type) -> list:
 class TripServicer(ServicerBase):
     """`rpc_trip`: one boundary message in, the reply (a message or an error) out. `rpc_info`: a ping."""
 
-    def __init__(self, on_trip: TripHandler, on_info: InfoHandler, max_bytes: int,
-                 on_refused: Callable[[ErrorCode], None] = lambda code: None):
+    def __init__(
+        self,
+        on_trip: TripHandler,
+        on_info: InfoHandler,
+        max_bytes: int,
+        on_refused: Callable[[ErrorCode], None] = lambda code: None,
+    ):
         self.on_trip, self.on_info, self.max_bytes, self.on_refused = on_trip, on_info, max_bytes, on_refused
 
-    async def rpc_trip(self, requests: AsyncIterator[runtime_pb2.ExpertRequest],
-                       context: P2PContext) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+    async def rpc_trip(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         try:
             blob = await _join_chunks(requests, self.max_bytes)
         except TooLarge as exc:

@@ -38,10 +38,13 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     print(f"run_id            {manifest.run_id}")
     print(f"T_fixed sha256    {manifest.t_fixed_sha256}")
     print(f"U v0 sha256       {manifest.u_sha256}")
-    print(f"stages            {manifest.num_stages} ({', '.join(str(len(manifest.layers_of(i))) for i in range(manifest.num_stages))} layers)")
+    layers = ", ".join(str(len(manifest.layers_of(i))) for i in range(manifest.num_stages))
+    print(f"stages            {manifest.num_stages} ({layers} layers)")
     print(f"d/k               {shape.d_model}/{manifest.k} = {shape.d_model / manifest.k:.1f}")
-    print(f"bytes/token/dir   dense {dense} ({manifest.wire_dtype}), {manifest.compression} {compressed}"
-          f" -> {100 * compressed / dense:.2f}% of dense")
+    print(
+        f"bytes/token/dir   dense {dense} ({manifest.wire_dtype}), {manifest.compression} {compressed}"
+        f" -> {100 * compressed / dense:.2f}% of dense"
+    )
     return 0
 
 
@@ -70,8 +73,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     else:
         print(f"run {result.run_id}: {result.steps} steps, {result.tokens} tokens in {result.seconds:.1f}s")
         print(f"val loss {result.val_loss_first:.3f} -> {result.val_loss_last:.3f}")
-        print(f"wire {result.wire_bytes_per_token:.1f} B/token vs dense {result.dense_wire_bytes_per_token:.0f}"
-              f" ({100 * result.wire_bytes_per_token / result.dense_wire_bytes_per_token:.2f}%)")
+        print(
+            f"wire {result.wire_bytes_per_token:.1f} B/token vs dense {result.dense_wire_bytes_per_token:.0f}"
+            f" ({100 * result.wire_bytes_per_token / result.dense_wire_bytes_per_token:.2f}%)"
+        )
         print(f"max reconstruction error {result.max_reconstruction_error:.2e}")
     return 0
 

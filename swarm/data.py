@@ -136,8 +136,9 @@ class TokenStream:
         return list(windows.split(batch_size))
 
 
-def load_splits(manifest: Manifest, data: str | None = None, seed: int = 0,
-                limit_bytes: int = DEFAULT_LIMIT_BYTES) -> tuple[TokenStream, TokenStream]:
+def load_splits(
+    manifest: Manifest, data: str | None = None, seed: int = 0, limit_bytes: int = DEFAULT_LIMIT_BYTES
+) -> tuple[TokenStream, TokenStream]:
     """Train and held-out token streams (the last 5% of the corpus is held out)."""
     spec = data or manifest.dataset
     tokenizer = make_tokenizer(manifest.tokenizer)

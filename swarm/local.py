@@ -91,8 +91,15 @@ def free_port() -> int:
 
 
 class LocalSwarm:
-    def __init__(self, manifest: Manifest, peers_per_stage: int, workdir: Path, max_inflight: int,
-                 with_tracker: bool = True, extra_peer_args: list[str] | None = None):
+    def __init__(
+        self,
+        manifest: Manifest,
+        peers_per_stage: int,
+        workdir: Path,
+        max_inflight: int,
+        with_tracker: bool = True,
+        extra_peer_args: list[str] | None = None,
+    ):
         self.manifest, self.peers_per_stage, self.workdir = manifest, peers_per_stage, workdir
         self.max_inflight, self.with_tracker = max_inflight, with_tracker
         self.extra_peer_args = extra_peer_args or []
@@ -104,8 +111,14 @@ class LocalSwarm:
     def _spawn(self, name: str, argv: list[str]) -> Child:
         log = self.workdir / f"{name}.log"
         handle = log.open("wb")
-        process = subprocess.Popen(argv, stdout=handle, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                   start_new_session=True, env=self._child_env())
+        process = subprocess.Popen(
+            argv,
+            stdout=handle,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            env=self._child_env(),
+        )
         handle.close()
         child = Child(name, process, log)
         self.children.append(child)
@@ -126,9 +139,24 @@ class LocalSwarm:
         tracker = shutil.which("protocol-tracker")
         if self.with_tracker and tracker:
             port = free_port()
-            self._spawn("tracker", [tracker, "--manifest", str(self.manifest_path), "--host", "127.0.0.1",
-                                    "--port", str(port), "--db", str(self.workdir / "tracker.sqlite"),
-                                    "--identity", str(self.workdir / "tracker.id"), "--initial-peers", *bootstrap])
+            self._spawn(
+                "tracker",
+                [
+                    tracker,
+                    "--manifest",
+                    str(self.manifest_path),
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(port),
+                    "--db",
+                    str(self.workdir / "tracker.sqlite"),
+                    "--identity",
+                    str(self.workdir / "tracker.id"),
+                    "--initial-peers",
+                    *bootstrap,
+                ],
+            )
             self.tracker_url = f"http://127.0.0.1:{port}"
         for stage in range(self.manifest.num_stages):
             for slot in range(self.peers_per_stage):
@@ -142,11 +170,30 @@ class LocalSwarm:
         peer = shutil.which("protocol-peer")
         if peer is None:
             raise LocalSwarmError("protocol-peer is not installed (pip install -e .)")
-        return self._spawn(name, [peer, "--manifest", str(self.manifest_path), "--initial-peers", *self.bootstrap,
-                                  "--stage", stage, "--host-maddrs", "/ip4/127.0.0.1/tcp/0",
-                                  "--public-name", name, "--max-inflight", str(self.max_inflight),
-                                  "--device", "cpu", "--checkpoint-dir", str(self.workdir / "checkpoints" / name),
-                                  *self.extra_peer_args, *(extra_args or [])])
+        return self._spawn(
+            name,
+            [
+                peer,
+                "--manifest",
+                str(self.manifest_path),
+                "--initial-peers",
+                *self.bootstrap,
+                "--stage",
+                stage,
+                "--host-maddrs",
+                "/ip4/127.0.0.1/tcp/0",
+                "--public-name",
+                name,
+                "--max-inflight",
+                str(self.max_inflight),
+                "--device",
+                "cpu",
+                "--checkpoint-dir",
+                str(self.workdir / "checkpoints" / name),
+                *self.extra_peer_args,
+                *(extra_args or []),
+            ],
+        )
 
     def check_children(self) -> None:
         """A dead peer ends the run; a dead tracker only costs the status page."""
@@ -190,8 +237,13 @@ def _signal_group(process: subprocess.Popen, sig: int) -> None:
 
 
 def run_local(args: argparse.Namespace) -> dict:
-    manifest = preset(args.preset, stages=args.stages, compression=args.compression, seed=args.seed,
-                      subspace_update_interval=args.subspace_update_interval)
+    manifest = preset(
+        args.preset,
+        stages=args.stages,
+        compression=args.compression,
+        seed=args.seed,
+        subspace_update_interval=args.subspace_update_interval,
+    )
     workdir = Path(tempfile.mkdtemp(prefix="protocol-swarm-"))
     swarm = LocalSwarm(manifest, args.peers_per_stage, workdir, args.max_inflight)
     progress = Progress()
@@ -251,8 +303,14 @@ def run_local(args: argparse.Namespace) -> dict:
         "tracker": swarm.tracker_url,
         "workdir": str(workdir),
         "peers": [
-            {"peer_id": e.record.peer_id, "name": e.record.public_name, "stage": e.record.stage,
-             "trips": e.record.trips, "errors": e.record.errors, "tokens": e.record.tokens}
+            {
+                "peer_id": e.record.peer_id,
+                "name": e.record.public_name,
+                "stage": e.record.stage,
+                "trips": e.record.trips,
+                "errors": e.record.errors,
+                "tokens": e.record.tokens,
+            }
             for e in sorted(progress.entries.values(), key=lambda e: (e.record.stage, e.record.public_name))
         ],
     }
@@ -270,12 +328,16 @@ def cmd_local(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(summary))
     else:
-        print(f"run {summary['run_id']} ({summary['compression']}): {summary['steps']} steps, "
-              f"{summary['tokens']} tokens in {summary['seconds']:.0f}s = {summary['tokens_per_second']:.0f} tokens/s")
+        print(
+            f"run {summary['run_id']} ({summary['compression']}): {summary['steps']} steps, "
+            f"{summary['tokens']} tokens in {summary['seconds']:.0f}s = {summary['tokens_per_second']:.0f} tokens/s"
+        )
         if summary["loss_first"] is not None:
             print(f"loss {summary['loss_first']:.3f} -> {summary['loss_last']:.3f}")
-        print(f"wire {summary['wire_bytes_per_token']:.1f} bytes/token per boundary "
-              f"(dense would send {summary['dense_wire_bytes_per_token']})")
+        print(
+            f"wire {summary['wire_bytes_per_token']:.1f} bytes/token per boundary "
+            f"(dense would send {summary['dense_wire_bytes_per_token']})"
+        )
         for peer in summary["peers"]:
             print(f"  stage {peer['stage']} {peer['name']:<16} trips {peer['trips']:>6} errors {peer['errors']}")
     return 0

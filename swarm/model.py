@@ -171,12 +171,16 @@ class PipelineStage(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         if self.is_head:
-            self.t_s = nn.Parameter(torch.randn(shape.vocab_size, shape.d_model, generator=_seeded(manifest.seed, 2)) * 0.02)
+            self.t_s = nn.Parameter(
+                torch.randn(shape.vocab_size, shape.d_model, generator=_seeded(manifest.seed, 2)) * 0.02
+            )
         if self.is_tail:
             self.final_norm = RMSNorm(shape.d_model, shape.norm_eps)
             self.lm_head = nn.Linear(shape.d_model, shape.vocab_size, bias=False)
             with torch.no_grad():
-                self.lm_head.weight.copy_(torch.randn(self.lm_head.weight.shape, generator=_seeded(manifest.seed, 3)) * 0.02)
+                self.lm_head.weight.copy_(
+                    torch.randn(self.lm_head.weight.shape, generator=_seeded(manifest.seed, 3)) * 0.02
+                )
         self.constrained = self._constrained_parameters()
         updates_on = manifest.subspace_update_interval > 0 and manifest.compression != "none"
         self.u_accumulator = UpdateAccumulator(shape.d_model, manifest.k) if updates_on else None
@@ -221,8 +225,9 @@ class PipelineStage(nn.Module):
         """Head: tokens → residual. Middle: residual → residual. Tail: residual → logits."""
         return self.forward_with_residual(hidden, tokens)[0]
 
-    def forward_with_residual(self, hidden: torch.Tensor | None,
-                              tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward_with_residual(
+        self, hidden: torch.Tensor | None, tokens: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Also returns x − T_fixed[tok] before the boundary projection (boundary mode, non-tail):
         the sender's half of a subspace update needs the part the projection removes."""
         residual = None
@@ -241,9 +246,14 @@ class PipelineStage(nn.Module):
             return self.lm_head(self.final_norm(hidden)), None
         return hidden, residual
 
-    def note_boundaries(self, tokens: torch.Tensor, input_hidden: torch.Tensor | None,
-                        input_grad: torch.Tensor | None, output_residual: torch.Tensor | None,
-                        output_grad: torch.Tensor | None) -> None:
+    def note_boundaries(
+        self,
+        tokens: torch.Tensor,
+        input_hidden: torch.Tensor | None,
+        input_grad: torch.Tensor | None,
+        output_residual: torch.Tensor | None,
+        output_grad: torch.Tensor | None,
+    ) -> None:
         """After a trip's backward: add this stage's boundary halves of ∂/∂U to the accumulator."""
         if self.u_accumulator is None:
             return
@@ -256,8 +266,12 @@ class PipelineStage(nn.Module):
                 elif self.manifest.compression == "boundary":
                     coefficients = (input_hidden.float() - self.subspace.t_fixed[tokens]) @ basis
                     self.u_accumulator.add(receiver_term(grad, coefficients))
-            if (output_residual is not None and output_grad is not None and self.manifest.compression == "boundary"
-                    and self.manifest.subspace_driver == "gradient"):
+            if (
+                output_residual is not None
+                and output_grad is not None
+                and self.manifest.compression == "boundary"
+                and self.manifest.subspace_driver == "gradient"
+            ):
                 self.u_accumulator.add(sender_term(output_residual.float(), output_grad.float() @ basis))
 
     def apply_basis(self, basis: torch.Tensor, version: int, optimizer=None) -> None:
@@ -282,7 +296,9 @@ class PipelineStage(nn.Module):
         with torch.no_grad():
             for item in self.constrained:
                 w = item.param
-                worst = max(worst, ((w - self.subspace.project(w, item.axis)).norm() / w.norm().clamp_min(1e-30)).item())
+                worst = max(
+                    worst, ((w - self.subspace.project(w, item.axis)).norm() / w.norm().clamp_min(1e-30)).item()
+                )
         return worst
 
 

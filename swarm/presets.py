@@ -17,28 +17,52 @@ _SHAPES: dict[str, dict] = {
     # seconds per step on two CPU cores; d/k = 64
     "tiny": dict(
         model=ModelShape(d_model=256, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=704, vocab_size=256, max_seq_len=256),
-        k=4, stages=2, tokenizer="bytes", dataset="builtin:stdlib",
+        k=4,
+        stages=2,
+        tokenizer="bytes",
+        dataset="builtin:stdlib",
         batch=BatchSpec(microbatch_size=8, seq_len=128, target_batch_size=16),
         optimizer=OptimizerSpec(lr=2e-3, warmup_steps=10),
     ),
     # ~125M parameters, GPT-2 small's width
     "small": dict(
-        model=ModelShape(d_model=768, n_layers=12, n_heads=12, n_kv_heads=4, d_ff=2048, vocab_size=50304, max_seq_len=1024),
-        k=8, stages=4, tokenizer="hf:gpt2", dataset="hf:HuggingFaceFW/fineweb-edu",
+        model=ModelShape(
+            d_model=768, n_layers=12, n_heads=12, n_kv_heads=4, d_ff=2048, vocab_size=50304, max_seq_len=1024
+        ),
+        k=8,
+        stages=4,
+        tokenizer="hf:gpt2",
+        dataset="hf:HuggingFaceFW/fineweb-edu",
         batch=BatchSpec(microbatch_size=8, seq_len=1024, target_batch_size=256),
         optimizer=OptimizerSpec(lr=6e-4, warmup_steps=500, weight_decay=0.1),
     ),
     "1b": dict(
-        model=ModelShape(d_model=2048, n_layers=16, n_heads=32, n_kv_heads=8, d_ff=8192, vocab_size=50304, max_seq_len=2048),
-        k=20, stages=8, tokenizer="hf:gpt2", dataset="hf:HuggingFaceFW/fineweb-edu",
+        model=ModelShape(
+            d_model=2048, n_layers=16, n_heads=32, n_kv_heads=8, d_ff=8192, vocab_size=50304, max_seq_len=2048
+        ),
+        k=20,
+        stages=8,
+        tokenizer="hf:gpt2",
+        dataset="hf:HuggingFaceFW/fineweb-edu",
         batch=BatchSpec(microbatch_size=4, seq_len=2048, target_batch_size=512),
         optimizer=OptimizerSpec(lr=3e-4, warmup_steps=1000, weight_decay=0.1),
     ),
     # the paper's shape: LLaMA-3 8B, d=4096, k=40, 32 stages of one layer
     "8b": dict(
-        model=ModelShape(d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, d_ff=14336, vocab_size=128256,
-                         max_seq_len=4096, rope_theta=500000.0),
-        k=40, stages=32, tokenizer="hf:meta-llama/Meta-Llama-3-8B", dataset="hf:HuggingFaceFW/fineweb-edu",
+        model=ModelShape(
+            d_model=4096,
+            n_layers=32,
+            n_heads=32,
+            n_kv_heads=8,
+            d_ff=14336,
+            vocab_size=128256,
+            max_seq_len=4096,
+            rope_theta=500000.0,
+        ),
+        k=40,
+        stages=32,
+        tokenizer="hf:meta-llama/Meta-Llama-3-8B",
+        dataset="hf:HuggingFaceFW/fineweb-edu",
         batch=BatchSpec(microbatch_size=1, seq_len=4096, target_batch_size=1024),
         optimizer=OptimizerSpec(lr=3e-4, warmup_steps=2000, weight_decay=0.1),
     ),
@@ -50,10 +74,12 @@ PRESETS = tuple(_SHAPES)
 def with_hashes(manifest: Manifest) -> Manifest:
     """Fill in the SHA-256 of T_fixed and U v0 derived from the manifest's seed."""
     shape = manifest.model
-    return manifest.model_copy(update=dict(
-        t_fixed_sha256=t_fixed_sha256(manifest.seed, shape.vocab_size, shape.d_model),
-        u_sha256=tensor_sha256(initial_basis(manifest.seed, shape.d_model, manifest.k)),
-    ))
+    return manifest.model_copy(
+        update=dict(
+            t_fixed_sha256=t_fixed_sha256(manifest.seed, shape.vocab_size, shape.d_model),
+            u_sha256=tensor_sha256(initial_basis(manifest.seed, shape.d_model, manifest.k)),
+        )
+    )
 
 
 def preset(name: str, **overrides) -> Manifest:
@@ -64,10 +90,15 @@ def preset(name: str, **overrides) -> Manifest:
     fields.update({key: value for key, value in overrides.items() if value is not None})
     if isinstance(fields["stages"], int):
         fields["stages"] = even_stages(fields["model"].n_layers, fields["stages"])
-    manifest = parse_manifest({**fields, "model": fields["model"].model_dump(),
-                                        "batch": fields["batch"].model_dump(),
-                                        "optimizer": fields["optimizer"].model_dump(),
-                                        "stages": [s.model_dump() for s in fields["stages"]]})
+    manifest = parse_manifest(
+        {
+            **fields,
+            "model": fields["model"].model_dump(),
+            "batch": fields["batch"].model_dump(),
+            "optimizer": fields["optimizer"].model_dump(),
+            "stages": [s.model_dump() for s in fields["stages"]],
+        }
+    )
     return with_hashes(manifest)
 
 

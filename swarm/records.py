@@ -177,9 +177,15 @@ def fetch_stages(dht, manifest: Manifest) -> dict[int, list[PeerEntry]]:
     return found
 
 
-def announce(dht, manifest: Manifest, signer: RSASignatureValidator, record: StagePeerRecord,
-             ttl: float = RECORD_TTL) -> bool:
-    return bool(dht.store(
-        stage_key(manifest, record.stage), subkey=signer.local_public_key, value=record.dict(),
-        expiration_time=get_dht_time() + ttl, return_future=False,
-    ))
+def announce(
+    dht, manifest: Manifest, signer: RSASignatureValidator, record: StagePeerRecord, ttl: float = RECORD_TTL
+) -> bool:
+    return bool(
+        dht.store(
+            stage_key(manifest, record.stage),
+            subkey=signer.local_public_key,
+            value=record.dict(),
+            expiration_time=get_dht_time() + ttl,
+            return_future=False,
+        )
+    )

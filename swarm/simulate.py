@@ -33,8 +33,13 @@ class TripStats:
     boundaries: int = 0
 
 
-def run_trip(stages: list[PipelineStage], tokens: torch.Tensor, use_wire: bool = True, loss_scale: float = 1.0,
-             backward: bool = True) -> TripStats:
+def run_trip(
+    stages: list[PipelineStage],
+    tokens: torch.Tensor,
+    use_wire: bool = True,
+    loss_scale: float = 1.0,
+    backward: bool = True,
+) -> TripStats:
     """One microbatch forward through every stage and (optionally) backward, like a swarm trip."""
     codecs = [BoundaryCodec(stage.manifest, stage.subspace) for stage in stages]
     inputs: list[torch.Tensor | None] = []
@@ -72,8 +77,9 @@ def run_trip(stages: list[PipelineStage], tokens: torch.Tensor, use_wire: bool =
         outputs[i - 1].backward(grad)
         output_grads[i - 1] = grad
     for i, stage in enumerate(stages):
-        stage.note_boundaries(tokens, inputs[i], inputs[i].grad if inputs[i] is not None else None,
-                              residuals[i], output_grads[i])
+        stage.note_boundaries(
+            tokens, inputs[i], inputs[i].grad if inputs[i] is not None else None, residuals[i], output_grads[i]
+        )
     return stats
 
 
@@ -85,7 +91,9 @@ def boundary_exactness(stages: list[PipelineStage], tokens: torch.Tensor) -> flo
         for stage in stages[:-1]:
             hidden = stage(hidden, tokens)
             state = stage.subspace
-            rebuilt = decompress(compress(hidden, tokens, state.basis, state.t_fixed), tokens, state.basis, state.t_fixed)
+            rebuilt = decompress(
+                compress(hidden, tokens, state.basis, state.t_fixed), tokens, state.basis, state.t_fixed
+            )
             worst = max(worst, relative_error(rebuilt, hidden))
     return worst
 
@@ -97,10 +105,12 @@ def update_subspace(stages: list[PipelineStage], optimizers: list) -> np.ndarray
     shape = manifest.model
     per_stage = {
         i: [matrix_from_bytes(matrix_to_bytes(stage.u_accumulator.mean()), shape.d_model, manifest.k)]
-        for i, stage in enumerate(stages) if stage.u_accumulator is not None and stage.u_accumulator.terms
+        for i, stage in enumerate(stages)
+        if stage.u_accumulator is not None and stage.u_accumulator.terms
     }
-    basis = next_basis(stages[0].subspace.basis.double().numpy(), combine(per_stage), manifest.subspace_driver,
-                       manifest.subspace_step)
+    basis = next_basis(
+        stages[0].subspace.basis.double().numpy(), combine(per_stage), manifest.subspace_driver, manifest.subspace_step
+    )
     new_basis = torch.from_numpy(basis.astype(np.float32))
     version = stages[0].subspace.version + 1
     for stage, optimizer in zip(stages, optimizers, strict=True):
@@ -140,8 +150,14 @@ def evaluate(stages: list[PipelineStage], batches: list[torch.Tensor]) -> float:
     return sum(losses) / len(losses)
 
 
-def simulate(manifest: Manifest, steps: int, data: str | None = None, seed: int = 0, val_batches: int = 8,
-             on_step: Callable[[int, float], None] | None = None) -> SimulationResult:
+def simulate(
+    manifest: Manifest,
+    steps: int,
+    data: str | None = None,
+    seed: int = 0,
+    val_batches: int = 8,
+    on_step: Callable[[int, float], None] | None = None,
+) -> SimulationResult:
     torch.manual_seed(seed)
     stages = build_stages(manifest)
     optimizers = [make_optimizer(stage) for stage in stages]
@@ -179,13 +195,16 @@ def simulate(manifest: Manifest, steps: int, data: str | None = None, seed: int 
             tick = time.perf_counter()
             update_subspace(stages, optimizers)
             result.update_seconds += time.perf_counter() - tick
-            result.subspace_updates.append({
-                "step": step + 1, "u_version": stages[0].subspace.version,
-                "u_sha256": stages[0].subspace.basis_sha256,
-                "same_u_on_every_stage": len({s.subspace.basis_sha256 for s in stages}) == 1,
-                "reconstruction_error_fp32": boundary_exactness(stages, validation[0]),
-                "max_subspace_residual": max(s.subspace_residual() for s in stages),
-            })
+            result.subspace_updates.append(
+                {
+                    "step": step + 1,
+                    "u_version": stages[0].subspace.version,
+                    "u_sha256": stages[0].subspace.basis_sha256,
+                    "same_u_on_every_stage": len({s.subspace.basis_sha256 for s in stages}) == 1,
+                    "reconstruction_error_fp32": boundary_exactness(stages, validation[0]),
+                    "max_subspace_residual": max(s.subspace_residual() for s in stages),
+                }
+            )
         result.train_loss.append(sum(losses) / len(losses))
         if on_step:
             on_step(step, result.train_loss[-1])

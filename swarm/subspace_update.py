@@ -56,8 +56,10 @@ def weight_term(grad: torch.Tensor, weight: torch.Tensor, basis: torch.Tensor, a
 
 def sender_term(residual: torch.Tensor, grad_coefficients: torch.Tensor) -> torch.Tensor:
     """Rᵀ (G U): the boundary sender's half, from its residual and the received gradient message."""
-    return residual.reshape(-1, residual.shape[-1]).T.double() @ grad_coefficients.reshape(
-        -1, grad_coefficients.shape[-1]).double()
+    return (
+        residual.reshape(-1, residual.shape[-1]).T.double()
+        @ grad_coefficients.reshape(-1, grad_coefficients.shape[-1]).double()
+    )
 
 
 def receiver_term(grad: torch.Tensor, coefficients: torch.Tensor) -> torch.Tensor:
@@ -98,8 +100,11 @@ def next_basis(basis: np.ndarray, contribution: np.ndarray, driver: str, step: f
     if driver not in DRIVERS:
         raise ValueError(f"unknown subspace driver {driver!r}; choose one of {DRIVERS}")
     basis = np.asarray(basis, dtype=np.float64)
-    direction = -np.asarray(contribution, dtype=np.float64) if driver == "gradient" else np.asarray(
-        contribution, dtype=np.float64)
+    direction = (
+        -np.asarray(contribution, dtype=np.float64)
+        if driver == "gradient"
+        else np.asarray(contribution, dtype=np.float64)
+    )
     k = basis.shape[1]
     tangent = direction.copy()
     for j in range(k):  # (I − U Uᵀ) D, column by column, without BLAS

@@ -29,12 +29,19 @@ def wait_for(predicate: Callable[[], object], timeout: float, what: str, interva
 
 
 @contextmanager
-def swarm_of(manifest: Manifest, peers_per_stage: int = 0, extra_peer_args: list[str] | None = None,
-             name: str = "swarm") -> Iterator[LocalSwarm]:
+def swarm_of(
+    manifest: Manifest, peers_per_stage: int = 0, extra_peer_args: list[str] | None = None, name: str = "swarm"
+) -> Iterator[LocalSwarm]:
     """A LocalSwarm that is always stopped; peer logs are copied to test-artifacts/ on failure."""
     workdir = Path(tempfile.mkdtemp(prefix="protocol-test-"))
-    swarm = LocalSwarm(manifest, peers_per_stage, workdir, max_inflight=2, with_tracker=False,
-                       extra_peer_args=["--log-interval", "2", *(extra_peer_args or [])])
+    swarm = LocalSwarm(
+        manifest,
+        peers_per_stage,
+        workdir,
+        max_inflight=2,
+        with_tracker=False,
+        extra_peer_args=["--log-interval", "2", *(extra_peer_args or [])],
+    )
     failed = True
     try:
         swarm.start()

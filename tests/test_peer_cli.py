@@ -15,8 +15,9 @@ from swarm.presets import preset
 
 
 def run_peer(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run(["protocol-peer", *args], capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **(env or {})})
+    return subprocess.run(
+        ["protocol-peer", *args], capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})}
+    )
 
 
 def assert_one_line_error(result: subprocess.CompletedProcess, *needles: str) -> None:
@@ -48,13 +49,15 @@ def test_help_documents_every_flag_and_its_environment_variable():
 
 
 def test_stage_out_of_range(manifest_file: Path):
-    assert_one_line_error(run_peer("--new-swarm", "--manifest", str(manifest_file), "--stage", "3"),
-                          "--stage 3", "0..2")
+    assert_one_line_error(
+        run_peer("--new-swarm", "--manifest", str(manifest_file), "--stage", "3"), "--stage 3", "0..2"
+    )
 
 
 def test_stage_from_the_environment(manifest_file: Path):
-    result = run_peer(env={"PROTOCOL_PEER_NEW_SWARM": "1", "PROTOCOL_PEER_MANIFEST": str(manifest_file),
-                           "PROTOCOL_PEER_STAGE": "7"})
+    result = run_peer(
+        env={"PROTOCOL_PEER_NEW_SWARM": "1", "PROTOCOL_PEER_MANIFEST": str(manifest_file), "PROTOCOL_PEER_STAGE": "7"}
+    )
     assert_one_line_error(result, "--stage 7")
 
 
@@ -63,8 +66,12 @@ def test_manifest_hash_mismatch(tmp_path: Path):
     data["t_fixed_sha256"] = "ab" * 32
     path = tmp_path / "forged.json"
     path.write_text(json.dumps(data))
-    assert_one_line_error(run_peer("--new-swarm", "--manifest", str(path), "--stage", "0"),
-                          "T_fixed hash mismatch", "abab", preset("tiny", stages=3).t_fixed_sha256)
+    assert_one_line_error(
+        run_peer("--new-swarm", "--manifest", str(path), "--stage", "0"),
+        "T_fixed hash mismatch",
+        "abab",
+        preset("tiny", stages=3).t_fixed_sha256,
+    )
 
 
 def test_needs_a_way_in(manifest_file: Path):
@@ -79,5 +86,16 @@ def test_unreachable_tracker(manifest_file: Path):
 @pytest.mark.slow
 def test_unreachable_initial_peers(manifest_file: Path):
     dead = "/ip4/127.0.0.1/tcp/9/p2p/QmcRYxWgW4Bj6vz6zzdRR6zFeZVUdHVRsNfLsSbo2xrNhB"
-    assert_one_line_error(run_peer("--manifest", str(manifest_file), "--initial-peers", dead, "--stage", "0",
-                                   "--host-maddrs", "/ip4/127.0.0.1/tcp/0"), "could not join the DHT")
+    assert_one_line_error(
+        run_peer(
+            "--manifest",
+            str(manifest_file),
+            "--initial-peers",
+            dead,
+            "--stage",
+            "0",
+            "--host-maddrs",
+            "/ip4/127.0.0.1/tcp/0",
+        ),
+        "could not join the DHT",
+    )

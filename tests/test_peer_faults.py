@@ -11,9 +11,9 @@ import uuid
 
 import pytest
 import torch
+from harness import online, swarm_of, wait_for
 from hivemind.p2p import PeerID
 
-from harness import online, swarm_of, wait_for
 from peer.transport import send_trip
 from swarm.boundary import BoundaryCodec
 from swarm.model import SubspaceState
@@ -37,9 +37,17 @@ def test_malformed_trips_get_error_codes_and_the_peer_keeps_serving():
     hidden = torch.randn(batch, seq, manifest.model.d_model) * 0.02
 
     def header(**changes) -> Header:
-        fields = dict(run_id=manifest.run_id, u_version=0, t_fixed_sha256=manifest.t_fixed_sha256,
-                      trip_id=uuid.uuid4().hex, stage=1, kind="forward", dtype="bf16", shape=(batch, seq, k),
-                      has_tokens=True)
+        fields = dict(
+            run_id=manifest.run_id,
+            u_version=0,
+            t_fixed_sha256=manifest.t_fixed_sha256,
+            trip_id=uuid.uuid4().hex,
+            stage=1,
+            kind="forward",
+            dtype="bf16",
+            shape=(batch, seq, k),
+            has_tokens=True,
+        )
         fields.update(changes)
         return Header(**fields)
 
@@ -50,17 +58,35 @@ def test_malformed_trips_get_error_codes_and_the_peer_keeps_serving():
     valid = codec.encode_forward(hidden, tokens, uuid.uuid4().hex, to_stage=1)
     limit = expectation_for(manifest, 1, "forward", 0, manifest.t_fixed_sha256).max_bytes
     cases = {
-        "wrong shape": (encode(header(shape=(batch, seq + 1, k)), torch.randn(batch, seq + 1, k),
-                               torch.zeros(batch, seq + 1, dtype=torch.long), vocab), ErrorCode.MALFORMED),
-        "batch too large": (encode(header(shape=(batch + 1, seq, k)), torch.randn(batch + 1, seq, k),
-                                   torch.zeros(batch + 1, seq, dtype=torch.long), vocab), ErrorCode.WRONG_SHAPE),
-        "wrong k": (encode(header(shape=(batch, seq, k + 1)), torch.randn(batch, seq, k + 1), tokens, vocab),
-                    ErrorCode.WRONG_SHAPE),
+        "wrong shape": (
+            encode(
+                header(shape=(batch, seq + 1, k)),
+                torch.randn(batch, seq + 1, k),
+                torch.zeros(batch, seq + 1, dtype=torch.long),
+                vocab,
+            ),
+            ErrorCode.MALFORMED,
+        ),
+        "batch too large": (
+            encode(
+                header(shape=(batch + 1, seq, k)),
+                torch.randn(batch + 1, seq, k),
+                torch.zeros(batch + 1, seq, dtype=torch.long),
+                vocab,
+            ),
+            ErrorCode.WRONG_SHAPE,
+        ),
+        "wrong k": (
+            encode(header(shape=(batch, seq, k + 1)), torch.randn(batch, seq, k + 1), tokens, vocab),
+            ErrorCode.WRONG_SHAPE,
+        ),
         "wrong dtype": (encode(header(dtype="fp32"), coefficients, tokens, vocab), ErrorCode.WRONG_DTYPE),
         "NaN": (encode(header(), nan, tokens, vocab), ErrorCode.NOT_FINITE),
         # encode refuses such ids, so the last 16-bit id is overwritten in the bytes
-        "token id >= V": (encode(header(), coefficients, tokens, vocab)[:-2] + struct.pack("<H", vocab + 5),
-                          ErrorCode.BAD_TOKENS),
+        "token id >= V": (
+            encode(header(), coefficients, tokens, vocab)[:-2] + struct.pack("<H", vocab + 5),
+            ErrorCode.BAD_TOKENS,
+        ),
         "oversized": (valid + b"\0" * (limit + 1), ErrorCode.TOO_LARGE),
         "wrong run id": (encode(header(run_id="someone-else"), coefficients, tokens, vocab), ErrorCode.WRONG_RUN),
         "wrong U version": (encode(header(u_version=7), coefficients, tokens, vocab), ErrorCode.WRONG_VERSION),
@@ -80,8 +106,7 @@ def test_malformed_trips_get_error_codes_and_the_peer_keeps_serving():
 
         async def exchange(blob: bytes) -> bytes:
             p2p = await swarm.dht.replicate_p2p()
-            return await send_trip(p2p, PeerID.from_base58(peer_id), manifest.run_id, blob, timeout=60,
-                                   max_reply=limit)
+            return await send_trip(p2p, PeerID.from_base58(peer_id), manifest.run_id, blob, timeout=60, max_reply=limit)
 
         def code_of(blob: bytes) -> ErrorCode | None:
             reply = asyncio.run(exchange(blob))

@@ -9,8 +9,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from harness import entries_by_name, kill_hard, online, swarm_of, wait_for
+
 from swarm.presets import preset
 
 pytestmark = pytest.mark.slow
@@ -19,9 +19,24 @@ pytestmark = pytest.mark.slow
 def test_local_swarm_of_three_stages_trains(tmp_path: Path):
     before = set(Path("/tmp").glob("protocol-swarm-*"))
     result = subprocess.run(
-        [sys.executable, "-m", "swarm.cli", "local", "--stages", "3", "--peers-per-stage", "1", "--steps", "40",
-         "--json", "--timeout", "600"],
-        capture_output=True, text=True, timeout=700,
+        [
+            sys.executable,
+            "-m",
+            "swarm.cli",
+            "local",
+            "--stages",
+            "3",
+            "--peers-per-stage",
+            "1",
+            "--steps",
+            "40",
+            "--json",
+            "--timeout",
+            "600",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=700,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads(result.stdout.strip().splitlines()[-1])
@@ -82,7 +97,8 @@ def test_failover_then_auto_join_loads_the_stage_state():
             wait_for(in_sync, 90, "the fresh peer's parameters to equal the stage's", interval=0.5)
         except AssertionError:
             peers = entries_by_name(swarm)
-            raise AssertionError(f"fresh {peers['fresh'].record.state_hashes} b1 {peers['b1'].record.state_hashes}")
+            fresh, b1 = peers["fresh"].record.state_hashes, peers["b1"].record.state_hashes
+            raise AssertionError(f"fresh {fresh} b1 {b1}") from None
         assert swarm.children[-1].process.poll() is None
 
 

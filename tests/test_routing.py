@@ -4,12 +4,29 @@ from peer.routing import Router
 from swarm.records import PeerEntry, StagePeerRecord
 
 
-def entry(peer_id: str, throughput: float, load: int = 0, t_fixed: str = "a" * 64, u_version: int = 0,
-          state: str = "online") -> PeerEntry:
+def entry(
+    peer_id: str, throughput: float, load: int = 0, t_fixed: str = "a" * 64, u_version: int = 0, state: str = "online"
+) -> PeerEntry:
     record = StagePeerRecord(
-        peer_id=peer_id, state=state, stage=1, throughput=float(throughput), load=load, u_version=u_version,
-        u_sha256="b" * 64, t_fixed_sha256=t_fixed, software_version="t", public_name=peer_id, addrs=[],
-        trips=0, tokens=0, bytes_in=0, bytes_out=0, errors=0, loss=None, optimizer_epoch=0)
+        peer_id=peer_id,
+        state=state,
+        stage=1,
+        throughput=float(throughput),
+        load=load,
+        u_version=u_version,
+        u_sha256="b" * 64,
+        t_fixed_sha256=t_fixed,
+        software_version="t",
+        public_name=peer_id,
+        addrs=[],
+        trips=0,
+        tokens=0,
+        bytes_in=0,
+        bytes_out=0,
+        errors=0,
+        loss=None,
+        optimizer_epoch=0,
+    )
     return PeerEntry(record=record, expiration=0.0, owner=b"")
 
 
@@ -20,8 +37,12 @@ def router(*entries: PeerEntry) -> Router:
 
 
 def test_incompatible_peers_are_never_chosen():
-    r = router(entry("bad-hash", 1000, t_fixed="c" * 64), entry("leaving", 1000, state="leaving"),
-               entry("me", 1000), entry("good", 1.0))
+    r = router(
+        entry("bad-hash", 1000, t_fixed="c" * 64),
+        entry("leaving", 1000, state="leaving"),
+        entry("me", 1000),
+        entry("good", 1.0),
+    )
     assert [e.record.peer_id for e in r.candidates(1)] == ["good"]
 
 

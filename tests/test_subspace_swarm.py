@@ -6,17 +6,19 @@ import signal
 from pathlib import Path
 
 import pytest
-
 from harness import entries_by_name, online, swarm_of, wait_for
+
 from swarm.presets import preset
 from swarm.simulate import simulate
 
 
-@pytest.mark.parametrize("compression,driver", [("subspace", "gradient"), ("boundary", "gradient"),
-                                                ("subspace", "energy")])
+@pytest.mark.parametrize(
+    "compression,driver", [("subspace", "gradient"), ("boundary", "gradient"), ("subspace", "energy")]
+)
 def test_simulated_updates_keep_reconstruction_exact(compression, driver):
-    manifest = preset("tiny", stages=3, compression=compression, subspace_update_interval=2, wire_dtype="fp32",
-                      subspace_driver=driver)
+    manifest = preset(
+        "tiny", stages=3, compression=compression, subspace_update_interval=2, wire_dtype="fp32", subspace_driver=driver
+    )
     result = simulate(manifest, steps=6, val_batches=1)
     assert result.u_version == 3
     assert [u["u_version"] for u in result.subspace_updates] == [1, 2, 3]
@@ -64,7 +66,10 @@ def test_swarm_update_under_traffic_and_a_late_peer_catches_up():
         back = wait_for(lambda: online(swarm, ["late"]), 150, "the returning peer online")["late"].record
         assert back.u_version >= current
         log_path = Path(swarm.workdir / "late.log")
-        log = wait_for(lambda: "online:" in log_path.read_text(errors="replace") and log_path.read_text(
-            errors="replace"), 30, "the returning peer's online log line")
+        log = wait_for(
+            lambda: "online:" in log_path.read_text(errors="replace") and log_path.read_text(errors="replace"),
+            30,
+            "the returning peer's online log line",
+        )
         assert "caught up to U v" in log
         assert log.index("caught up to U v") < log.index("online:")

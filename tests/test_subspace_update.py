@@ -26,16 +26,20 @@ def test_step_is_deterministic_orthonormal_and_moves():
 
 
 def test_step_bytes_agree_across_processes():
-    code = ("import numpy as np, hashlib; from swarm import subspace as ss; "
-            "from swarm.subspace_update import next_basis; "
-            "b = ss.initial_basis(3, 64, 4).double().numpy(); d = np.cos(np.arange(256.0)).reshape(64, 4); "
-            "print(hashlib.sha256(next_basis(b, d, 'energy', 0.07).astype('<f4').tobytes()).hexdigest())")
+    code = (
+        "import numpy as np, hashlib; from swarm import subspace as ss; "
+        "from swarm.subspace_update import next_basis; "
+        "b = ss.initial_basis(3, 64, 4).double().numpy(); d = np.cos(np.arange(256.0)).reshape(64, 4); "
+        "print(hashlib.sha256(next_basis(b, d, 'energy', 0.07).astype('<f4').tobytes()).hexdigest())"
+    )
     here = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     basis = ss.initial_basis(3, 64, 4).double().numpy()
     direction = np.cos(np.arange(256.0)).reshape(64, 4)
     import hashlib
 
-    assert here.strip() == hashlib.sha256(next_basis(basis, direction, "energy", 0.07).astype("<f4").tobytes()).hexdigest()
+    assert (
+        here.strip() == hashlib.sha256(next_basis(basis, direction, "energy", 0.07).astype("<f4").tobytes()).hexdigest()
+    )
 
 
 def test_step_size_is_the_rotation_not_the_gradient_scale():

@@ -1,20 +1,23 @@
 """Container health checks for the protocol-peer and protocol-tracker images (stdlib only).
 
-    python healthcheck.py peer     the peer's P2P port (first /tcp/N of PROTOCOL_PEER_HOST_MADDRS)
-                                   accepts a TCP connection on the loopback
+    python healthcheck.py peer     the peer's heartbeat file (PROTOCOL_PEER_HEARTBEAT_FILE) was
+                                   rewritten recently, and its P2P port (first /tcp/N of
+                                   PROTOCOL_PEER_HOST_MADDRS) accepts a TCP connection on the loopback
     python healthcheck.py tracker  GET http://127.0.0.1:$PROTOCOL_TRACKER_PORT/healthz answers 200
 
-The peer has no HTTP endpoint, so its check is what can be verified cheaply from outside the
-process: the libp2p daemon the peer started is still listening. It does not prove the peer's event
-loop is making progress. Exit 0 when healthy, 1 otherwise, with one line saying why.
+The peer has no HTTP endpoint: its event loop rewrites the heartbeat file every few seconds (so a
+fresh file proves the loop is making progress), and the libp2p daemon it started must still be
+listening. Exit 0 when healthy, 1 otherwise, with one line saying why.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import socket
 import sys
+import time
 import urllib.error
 import urllib.request
 
@@ -30,11 +33,25 @@ def p2p_target(maddrs: str) -> tuple[str, int]:
     raise ValueError(f"no pinned TCP port in PROTOCOL_PEER_HOST_MADDRS={maddrs!r}")
 
 
+HEARTBEAT_MAX_AGE = 120.0
+
+
+def check_heartbeat(path: str, now: float | None = None) -> str:
+    with open(path) as handle:
+        beat = json.load(handle)
+    age = (time.time() if now is None else now) - float(beat["time"])
+    if age > HEARTBEAT_MAX_AGE:
+        raise ValueError(f"heartbeat {path} is {age:.0f}s old (state {beat.get('state')})")
+    return f"heartbeat {age:.0f}s old, state {beat.get('state')}, stage {beat.get('stage')}"
+
+
 def check_peer() -> str:
+    heartbeat = os.environ.get("PROTOCOL_PEER_HEARTBEAT_FILE")
+    beat = check_heartbeat(heartbeat) if heartbeat else "no heartbeat file configured"
     host, port = p2p_target(os.environ.get("PROTOCOL_PEER_HOST_MADDRS", ""))
     with socket.create_connection((host, port), timeout=TIMEOUT):
         pass
-    return f"P2P port {port} is listening"
+    return f"{beat}; P2P port {port} is listening"
 
 
 def check_tracker() -> str:
@@ -51,7 +68,7 @@ def main(argv: list[str]) -> int:
         return 1  # Docker reserves exit code 2
     try:
         print(checks[argv[0]]())
-    except (OSError, ValueError, urllib.error.URLError) as exc:
+    except (OSError, ValueError, KeyError, urllib.error.URLError) as exc:
         print(f"unhealthy: {exc}")
         return 1
     return 0

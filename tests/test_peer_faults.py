@@ -6,8 +6,11 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import runpy
 import struct
+import time
 import uuid
+from pathlib import Path
 
 import pytest
 import torch
@@ -101,7 +104,8 @@ def test_malformed_trips_get_error_codes_and_the_peer_keeps_serving():
     cases["wrong shape"] = (cases["wrong shape"][0][:-5], ErrorCode.MALFORMED)
 
     with swarm_of(manifest, name="malformed") as swarm:
-        swarm.spawn_peer("tail", "1")
+        heartbeat = swarm.workdir / "heartbeat.json"
+        swarm.spawn_peer("tail", "1", ["--heartbeat-file", str(heartbeat)])
         peer_id = wait_for(lambda: online(swarm, ["tail"]), 120, "the tail peer online")["tail"].record.peer_id
 
         async def exchange(blob: bytes) -> bytes:
@@ -132,3 +136,8 @@ def test_malformed_trips_get_error_codes_and_the_peer_keeps_serving():
 
         wait_for(counted, 30, "the peer's record to count the refusals and the good trip")
         assert swarm.children[0].process.poll() is None
+        # the container health check reads the heartbeat the live peer keeps rewriting
+        health = runpy.run_path(str(Path(__file__).resolve().parents[1] / "docker" / "healthcheck.py"))
+        assert "state online, stage 1" in health["check_heartbeat"](str(heartbeat))
+        with pytest.raises(ValueError, match="old"):
+            health["check_heartbeat"](str(heartbeat), now=time.time() + 600)

@@ -115,3 +115,8 @@ def test_peer_with_other_t_fixed_gets_no_trips():
         peers = entries_by_name(swarm)
         assert peers["odd"].record.trips == 0
         assert peers["good"].record.trips > 0
+        # trip state lives as long as its caller: kill the driver mid-trip and the tail's load drains to zero
+        wait_for(lambda: entries_by_name(swarm)["good"].record.load > 0, 60, "a trip in flight at the tail",
+                 interval=0.2)
+        kill_hard(next(c for c in swarm.children if c.name == "d0"))
+        wait_for(lambda: entries_by_name(swarm)["good"].record.load == 0, 30, "the tail to release the dead trips")

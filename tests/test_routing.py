@@ -59,3 +59,17 @@ def test_ban_backs_off_and_expires():
     assert r.ban("x", now=6.0) == 10.0
     r.forgive("x")
     assert r.ban("x", now=7.0) == 5.0
+
+
+def test_hop_versions_audit_refuses_malformed_lists():
+    import pytest
+
+    from peer.daemon import hop_versions
+    from swarm.wire import ErrorCode, WireError
+
+    assert hop_versions({"versions": [3, 3]}, num_stages=3) == [3, 3]
+    for bad in ({}, {"versions": "3"}, {"versions": []}, {"versions": [1, 2, 3, 4]}, {"versions": [True]},
+                {"versions": [-1]}, {"versions": [1.5]}):
+        with pytest.raises(WireError) as info:
+            hop_versions(bad, num_stages=3)
+        assert info.value.code == ErrorCode.MALFORMED

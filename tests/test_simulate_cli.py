@@ -171,7 +171,7 @@ def test_cli_simulate_tiny_json():
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert RESULT_KEYS <= result.keys()
     tiny = preset("tiny")
-    assert result["run_id"] == tiny.run_id and result["compression"] == "subspace"
+    assert result["run_id"] == tiny.run_id and result["compression"] == tiny.compression == "boundary"
     assert result["steps"] == 3 and len(result["train_loss"]) == 3
     assert result["tokens"] == 3 * tiny.batch.target_batch_size * tiny.batch.seq_len
     assert result["dense_wire_bytes_per_token"] == 2 * 256 * 2

@@ -18,8 +18,10 @@ import random
 import signal
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 from hivemind.dht import DHT
 from hivemind.p2p import PeerID
@@ -79,6 +81,9 @@ class Stats:
 
     def error(self, code: ErrorCode) -> None:
         self.errors[code.value] += 1
+
+
+T = TypeVar("T")
 
 
 def hop_versions(extra: dict, num_stages: int) -> list[int]:
@@ -220,9 +225,8 @@ class PeerDaemon:
                 message = await runtime.run(
                     runtime.encode_forward, version, output, tokens, header.trip_id, self.index + 1
                 )
-                reply = await self.forward_to_next(message)
-                reply_header, grad_in = runtime.codec.decode_backward(reply, stage=self.index)
-                versions = hop_versions(reply_header.extra, self.manifest.num_stages) + [version]
+                reply_header, grad_in, downstream = await self.forward_to_next(message, self.backward_checker(runtime))
+                versions = downstream + [version]
                 loss = reply_header.loss
                 grad, _ = await runtime.run(runtime.backward, leaf, output, grad_in, tokens, batch, residual, version)
             self.stats.trips += 1
@@ -240,44 +244,67 @@ class PeerDaemon:
         finally:
             self.load -= 1
 
-    async def forward_to_next(self, message: bytes) -> bytes:
-        """Send to the best peer of the next stage; on failure ban it and try the next one."""
+    def hop_timeout(self) -> float:
+        """Time for the rest of the pipeline: a hop waits longer than the hop after it, so a stall far
+        downstream is blamed on the stalled peer, not on the honest peers between."""
+        return self.options.trip_timeout * max(self.manifest.num_stages - 1 - self.index, 1)
+
+    async def forward_to_next(self, message: bytes, check_reply: Callable[[bytes], T]) -> T:
+        """Send to the best peer of the next stage and check its reply; on failure ban that peer and
+        try another. `check_reply` decodes and validates the reply, so a peer that answers garbage
+        is the one banned, not us upstream."""
         target = self.index + 1
+        router = self.router  # a stage move replaces the router; this trip keeps its own
         expect = expectation_for(self.manifest, self.index, "backward", 0, "")
-        tried = 0
-        while tried < 8:
-            candidates = self.router.candidates(target)
+        for tried in range(1, 9):
+            candidates = router.candidates(target)
             if not candidates:
-                self.router.update(await self._fetch())
-                candidates = self.router.candidates(target)
+                router.update(await self._fetch())
+                candidates = router.candidates(target)
             if not candidates:
                 raise WireError(ErrorCode.NO_PEER, f"stage {target} has no live compatible peer")
             peer_id = candidates[0].record.peer_id
-            tried += 1
-            self.router.inflight[peer_id] = self.router.inflight.get(peer_id, 0) + 1
+            router.inflight[peer_id] = router.inflight.get(peer_id, 0) + 1
             try:
                 reply = await send_trip(
                     self.p2p,
                     PeerID.from_base58(peer_id),
                     self.manifest.run_id,
                     message,
-                    timeout=self.options.trip_timeout,
+                    timeout=self.hop_timeout(),
                     max_reply=expect.max_bytes,
                 )
                 raise_if_error(reply)
-                self.router.forgive(peer_id)
-                return reply
+                checked = check_reply(reply)
+                router.forgive(peer_id)
+                return checked
             except WireError as exc:
                 self.stats.error(exc.code)
                 if exc.code in (ErrorCode.NO_PEER, ErrorCode.WRONG_VERSION):
                     raise  # the stage behind it is empty, or U is switching: the driver retries the trip
-                seconds = self.router.ban(peer_id)
+                seconds = router.ban(peer_id)
                 logger.warning(
-                    "%s next hop %s failed (%s); banned %.0fs, failing over", self.label, peer_id[-6:], exc, seconds
+                    "%s next hop %s failed (%s); banned %.0fs, failing over (attempt %d)",
+                    self.label,
+                    peer_id[-6:],
+                    exc,
+                    seconds,
+                    tried,
                 )
             finally:
-                self.router.inflight[peer_id] -= 1
-        raise WireError(ErrorCode.NO_PEER, f"no peer of stage {target} answered after {tried} attempts")
+                router.inflight[peer_id] -= 1
+                if router.inflight[peer_id] <= 0:
+                    del router.inflight[peer_id]
+        raise WireError(ErrorCode.NO_PEER, f"no peer of stage {target} answered after 8 attempts")
+
+    def backward_checker(self, runtime: StageRuntime) -> Callable[[bytes], tuple]:
+        """Decode a backward reply and its hop-version audit (raises WireError on anything off)."""
+
+        def check(reply: bytes) -> tuple:
+            header, grad = runtime.codec.decode_backward(reply, stage=self.index)
+            return header, grad, hop_versions(header.extra, self.manifest.num_stages)
+
+        return check
 
     # --- announcing, routing and rebalancing --------------------------------------------------------
 
@@ -335,7 +362,11 @@ class PeerDaemon:
     async def rebalance_loop(self) -> None:
         while True:
             await asyncio.sleep(self.options.rebalance_interval * self.rng.uniform(0.8, 1.2))
-            stages = await self._fetch()
+            try:
+                stages = await self._fetch()
+            except Exception as exc:  # noqa: BLE001 - try again next round
+                logger.warning("%s could not read the DHT for rebalancing: %s", self.label, exc)
+                continue
             loads = self._online_loads(stages, self.runtime.stage.subspace.t_fixed_sha256)
             loads.setdefault(self.index, []).append(self.throughput)
             target = should_move(loads, self.manifest.num_stages, self.index, self.throughput)
@@ -458,7 +489,7 @@ class PeerDaemon:
         await asyncio.gather(*tasks, return_exceptions=True)
         runtime, self.runtime = self.runtime, None
         if runtime is not None:
-            await asyncio.to_thread(runtime.save_checkpoint)
+            await runtime.run(runtime.save_checkpoint)  # queued behind any backward still running
             runtime.shutdown()
         logger.info(
             "%s left the stage (trips %d, tokens %d, errors %s)",

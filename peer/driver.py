@@ -7,7 +7,6 @@ import hashlib
 import logging
 import uuid
 
-from peer.daemon import hop_versions
 from swarm.data import load_splits
 from swarm.wire import ErrorCode, WireError
 
@@ -85,10 +84,16 @@ class Driver:
             trip_id = uuid.uuid4().hex
             message = await runtime.run(runtime.encode_forward, version, output, tokens, trip_id, 1)
             daemon.stats.bytes_out += len(message)
-            reply = await daemon.forward_to_next(message)
-            daemon.stats.bytes_in += len(reply)
-            header, grad = runtime.codec.decode_backward(reply, stage=0)
-            versions = hop_versions(header.extra, daemon.manifest.num_stages) + [version]
+            checker = daemon.backward_checker(runtime)
+            sizes = []
+
+            def check(reply: bytes):
+                sizes.append(len(reply))
+                return checker(reply)
+
+            header, grad, downstream = await daemon.forward_to_next(message, check)
+            daemon.stats.bytes_in += sizes[-1]
+            versions = downstream + [version]
             loss = header.loss
             await runtime.run(runtime.backward, None, output, grad, tokens, batch, residual, version)
         if len(set(versions)) == 1:

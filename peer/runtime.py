@@ -83,6 +83,9 @@ class StageRuntime:
             matchmaking_time=matchmaking_time,
             averaging_timeout=averaging_timeout,
             averager_opts=dict(request_timeout=1.0),
+            # the optimizer steps the stage's own tensors: checkpoints, U switches and re-projections
+            # then act on the one copy that exists (an offloaded copy would silently undo them)
+            offload_optimizer=False,
             verbose=False,
         )
         self.checkpoint_dir = Path(checkpoint_dir) / manifest.run_id if checkpoint_dir else None
@@ -144,12 +147,16 @@ class StageRuntime:
         """
         if version is not None:
             self.check_version(version)
+        accumulator = self.stage.u_accumulator
+        snapshot = accumulator.snapshot() if accumulator is not None else None
         try:
             result = self._backward_once(leaf, output, grad, tokens)
         except RuntimeError as exc:
             if "modified by an inplace operation" not in str(exc):
                 raise
             self.stage.zero_grad(set_to_none=True)
+            if snapshot is not None:  # hooks that fired before the failure must not count twice
+                accumulator.restore(snapshot)
             hidden = leaf.detach() if leaf is not None else None
             leaf, output, residual = self.forward(hidden, tokens)
             result = self._backward_once(leaf, output, grad, tokens)
@@ -184,6 +191,8 @@ class StageRuntime:
         self.optimizer.step(batch_size=batch_size)
         self.optimizer.zero_grad(set_to_none=True)
         if self.epoch != self._hashed_epoch:
+            # parameter averaging with peers may have landed: wash any drift out of span(U)
+            self.stage.reproject_()
             self._note_state()
             if self.checkpoint_dir and self.epoch and self.epoch % self.checkpoint_every == 0:
                 self.save_checkpoint()

@@ -48,7 +48,8 @@ class BoundaryCodec:
 
     def decode_forward(self, blob: bytes, stage: int) -> tuple[Header, torch.Tensor, torch.Tensor]:
         header, payload, tokens = decode(blob, self.expectation(stage, "forward"))
-        payload = payload.float()
+        device = self.state.basis.device
+        payload, tokens = payload.to(device).float(), tokens.to(device)
         hidden = ss.decompress(payload, tokens, self.state.basis, self.state.t_fixed) if self.compressed else payload
         return header, hidden, tokens
 
@@ -61,6 +62,6 @@ class BoundaryCodec:
 
     def decode_backward(self, blob: bytes, stage: int) -> tuple[Header, torch.Tensor]:
         header, payload, _ = decode(blob, self.expectation(stage, "backward"))
-        payload = payload.float()
+        payload = payload.to(self.state.basis.device).float()
         grad = ss.decompress_grad(payload, self.state.basis) if self.compressed else payload
         return header, grad

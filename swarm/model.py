@@ -47,7 +47,7 @@ class SubspaceState(nn.Module):
 
     def project(self, x: torch.Tensor, axis: int) -> torch.Tensor:
         """Project along `axis` (the one of length d) onto span(U)."""
-        u = self.basis.to(x.dtype)
+        u = self.basis.to(device=x.device, dtype=x.dtype)
         if axis == x.dim() - 1 or axis == -1:
             return (x @ u) @ u.T
         if axis == 0:
@@ -254,7 +254,8 @@ class PipelineStage(nn.Module):
         output_residual: torch.Tensor | None,
         output_grad: torch.Tensor | None,
     ) -> None:
-        """After a trip's backward: add this stage's boundary halves of ∂/∂U to the accumulator."""
+        """After a trip's backward: add this stage's boundary halves of ∂/∂U to the accumulator and
+        close the microbatch (the weight hooks of subspace mode have already added theirs)."""
         if self.u_accumulator is None:
             return
         basis = self.subspace.basis
@@ -273,6 +274,7 @@ class PipelineStage(nn.Module):
                 and self.manifest.subspace_driver == "gradient"
             ):
                 self.u_accumulator.add(sender_term(output_residual.float(), output_grad.float() @ basis))
+            self.u_accumulator.finish_microbatch()
 
     def apply_basis(self, basis: torch.Tensor, version: int, optimizer=None) -> None:
         """Switch to U': everything that lives in span(U) (constrained tensors, their first moments)

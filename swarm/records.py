@@ -16,6 +16,7 @@ from typing import Any, Dict, Optional
 import pydantic.v1 as pydantic
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
+from hivemind.p2p import PeerID
 from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.timed_storage import get_dht_time
 
@@ -163,7 +164,8 @@ def parse_stage_entries(raw: Any) -> list[PeerEntry]:
             continue
         try:
             record = StagePeerRecord.parse_obj(value)
-        except pydantic.ValidationError:
+            PeerID.from_base58(record.peer_id)  # a record nobody can dial is worthless to a router
+        except (pydantic.ValidationError, ValueError):
             continue
         entries.append(PeerEntry(record=record, expiration=float(item.expiration_time), owner=subkey))
     return entries

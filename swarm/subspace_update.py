@@ -28,22 +28,40 @@ DRIVERS = ("gradient", "energy")
 
 
 class UpdateAccumulator:
-    """Sums a stage's d×k contribution between updates (float64, on the CPU)."""
+    """Sums a stage's d×k contribution between updates (float64, on the CPU), per microbatch.
+
+    A microbatch may add several terms (one per constrained tensor, or a boundary's two halves on a
+    middle stage); they are summed, and the mean is taken over microbatches, so every term of ∂L/∂U
+    keeps its weight.
+    """
 
     def __init__(self, d_model: int, k: int):
         self.total = torch.zeros(d_model, k, dtype=torch.float64)
         self.terms = 0
+        self.microbatches = 0
 
     def add(self, term: torch.Tensor) -> None:
         self.total += term.detach().to("cpu", torch.float64)
         self.terms += 1
 
+    def finish_microbatch(self) -> None:
+        self.microbatches += 1
+
+    def snapshot(self) -> tuple[torch.Tensor, int]:
+        return self.total.clone(), self.terms
+
+    def restore(self, snapshot: tuple[torch.Tensor, int]) -> None:
+        """Undo the terms of a backward pass that failed half way and is run again."""
+        self.total.copy_(snapshot[0])
+        self.terms = snapshot[1]
+
     def mean(self) -> np.ndarray:
-        return (self.total / max(self.terms, 1)).numpy()
+        return (self.total / max(self.microbatches, 1)).numpy()
 
     def reset(self) -> None:
         self.total.zero_()
         self.terms = 0
+        self.microbatches = 0
 
 
 def weight_term(grad: torch.Tensor, weight: torch.Tensor, basis: torch.Tensor, axis: int) -> torch.Tensor:

@@ -80,3 +80,20 @@ def test_combine_means_peers_then_sums_stages_and_bytes_round_trip():
         matrix_from_bytes(b"\0" * 7, 4, 2)
     with pytest.raises(ValueError):
         matrix_from_bytes(matrix_to_bytes(np.full((4, 2), np.nan)), 4, 2)
+
+
+def test_accumulator_means_over_microbatches_and_restores():
+    from swarm.subspace_update import UpdateAccumulator
+
+    acc = UpdateAccumulator(3, 2)
+    acc.add(torch.ones(3, 2))
+    acc.add(torch.ones(3, 2))  # two halves of one microbatch keep their full weight
+    acc.finish_microbatch()
+    snap = acc.snapshot()
+    acc.add(torch.full((3, 2), 5.0))
+    acc.restore(snap)
+    acc.add(torch.full((3, 2), 4.0))
+    acc.finish_microbatch()
+    assert np.allclose(acc.mean(), 3.0)
+    acc.reset()
+    assert acc.terms == 0 and acc.microbatches == 0

@@ -429,6 +429,7 @@ class PeerDaemon:
             from peer.subspace_sync import SubspaceSync
 
             sync = SubspaceSync(self)
+            self.router.update(stages)
             await sync.catch_up()  # before loading state: donors' tensors live in the current span(U)
         if peers_here:
             loaded = await runtime.run(runtime.load_from_peers)

@@ -3,10 +3,13 @@
 Every `subspace_update_interval` optimizer epochs of its stage, a peer publishes its stage's
 contribution for version v+1 under `{run}_ucontrib`. The coordinator — the online peer with the
 smallest peer id among those at version v — waits until every stage has at least one contribution,
-derives U' (swarm.subspace_update.next_basis, bit-reproducible) and publishes it under
-`{run}_subspace` together with the list of contributions it used. Every other peer recomputes U'
-from those same contribution records and switches only if the hash matches; when the records
-have expired (a late joiner) it checks the published bytes against their hash instead. A switch
+derives U' (swarm.subspace_update.next_basis, bit-reproducible) and proposes it under
+`{run}_subspace` together with the list of contributions it used. Every peer, the coordinator
+included, adopts the proposal of the smallest peer id that it can recompute bit for bit from the
+named contribution records (so two racing coordinators cannot split the swarm: both adopt the same
+proposal). A peer that missed versions (it was away, or their contributions expired) adopts the
+newest U that most online peers announce in their own signed stage records, after checking its
+bytes against their hash and its orthonormality. A switch
 happens on the stage's worker thread between two microbatches, so it is never half applied; trips
 still carrying version v are refused with the version error and retried by their driver.
 Every peer keeps re-publishing the version it serves, so a peer that was away can catch up from
@@ -71,9 +74,8 @@ class SubspaceSync:
 
     # --- switching ------------------------------------------------------------------------------
 
-    def _verified_basis(self, commit: SubspaceRecord, contributions: list[SubspaceRecord]) -> np.ndarray | None:
-        """U' from the commit, if it checks out: recomputed from its contributions when they are all
-        still in the DHT, else its published bytes against its hash."""
+    def _published_basis(self, commit: SubspaceRecord) -> np.ndarray | None:
+        """The commit's U bytes, if they match their hash and are orthonormal."""
         shape = self.manifest.model
         try:
             published = matrix_from_bytes(commit.data, shape.d_model, self.manifest.k)
@@ -83,15 +85,37 @@ class SubspaceSync:
         if tensor_sha256(torch.from_numpy(published.copy())) != commit.u_sha256:
             logger.warning("%s ignoring U v%d: bytes do not match their hash", self.daemon.label, commit.version)
             return None
-        used = {c.peer_id: c for c in contributions if c.target_version == commit.version}
-        if commit.version == self.version + 1 and commit.contributors and all(p in used for p in commit.contributors):
-            recomputed = self.derive([used[p] for p in commit.contributors])
-            if recomputed is None or tensor_sha256(torch.from_numpy(recomputed.astype(np.float32))) != commit.u_sha256:
-                logger.error(
-                    "%s U v%d does not follow from its contributions; refusing it", self.daemon.label, commit.version
-                )
-                return None
+        gram = published.astype(np.float64).T @ published.astype(np.float64)
+        if not np.abs(gram - np.eye(self.manifest.k)).max() < 1e-4:
+            logger.warning("%s ignoring U v%d: not orthonormal", self.daemon.label, commit.version)
+            return None
         return published
+
+    def _recomputed_basis(self, commit: SubspaceRecord, contributions: list[SubspaceRecord]) -> np.ndarray | None:
+        """The next version is adopted only if it follows, bit for bit, from the contributions it names."""
+        used = {c.peer_id: c for c in contributions if c.target_version == commit.version}
+        if not commit.contributors or not all(p in used for p in commit.contributors):
+            return None  # not all of them visible yet: wait for the next round
+        recomputed = self.derive([used[p] for p in commit.contributors])
+        if recomputed is None or tensor_sha256(torch.from_numpy(recomputed.astype(np.float32))) != commit.u_sha256:
+            logger.error(
+                "%s U v%d does not follow from its contributions; refusing it", self.daemon.label, commit.version
+            )
+            self.rejected.add(commit.u_sha256)
+            return None
+        return recomputed.astype(np.float32)
+
+    def _endorsed(self, commit: SubspaceRecord) -> bool:
+        """Catching up past versions whose contributions are gone: the bytes must be what most online
+        peers at that version announce in their own signed stage records."""
+        records = [
+            e.record
+            for entries in self.daemon.router.stages.values()
+            for e in entries
+            if e.record.state == "online" and e.record.u_version == commit.version
+        ]
+        supporters = sum(r.u_sha256 == commit.u_sha256 for r in records)
+        return supporters >= 1 and 2 * supporters > len(records)
 
     def derive(self, contributions: list[SubspaceRecord]) -> np.ndarray | None:
         """U' from a complete set of contributions (every stage that has terms), or None."""
@@ -136,16 +160,23 @@ class SubspaceSync:
         )
         await self._store(subspace_key(self.manifest), record, VERSION_TTL)
 
-    async def catch_up(self) -> None:
-        """Before serving: adopt the newest verified U the swarm publishes."""
-        commits = [c for c in await self._records(subspace_key(self.manifest)) if c.version > self.version]
+    async def catch_up(self) -> bool:
+        """Adopt the newest U that most online peers serve (before serving, or after missing switches)."""
+        commits = [
+            c
+            for c in await self._records(subspace_key(self.manifest))
+            if c.version > self.version and c.u_sha256 not in self.rejected
+        ]
         for commit in sorted(commits, key=lambda c: (-c.version, c.peer_id)):
-            basis = self._verified_basis(commit, [])
+            if not self._endorsed(commit):
+                continue
+            basis = self._published_basis(commit)
             if basis is not None:
                 self.last_contributors = list(commit.contributors)
                 await self.apply(basis, commit.version)
-                logger.info("%s caught up to U v%d before serving", self.daemon.label, commit.version)
-                return
+                logger.info("%s caught up to U v%d", self.daemon.label, commit.version)
+                return True
+        return False
 
     # --- the loop -------------------------------------------------------------------------------
 
@@ -155,21 +186,20 @@ class SubspaceSync:
 
     async def step(self) -> None:
         target = self.version + 1
-        commits = [
-            c
-            for c in await self._records(subspace_key(self.manifest))
-            if c.version == target and c.u_sha256 not in self.rejected
-        ]
-        contributions = [c for c in await self._records(contribution_key(self.manifest)) if c.target_version == target]
-        if commits:
-            commit = min(commits, key=lambda c: c.peer_id)
-            basis = self._verified_basis(commit, contributions)
-            if basis is None:
-                self.rejected.add(commit.u_sha256)
-                return
-            self.last_contributors = list(commit.contributors)
-            await self.apply(basis, target)
+        published = await self._records(subspace_key(self.manifest))
+        if any(c.version > target for c in published) and await self.catch_up():
             return
+        commits = [c for c in published if c.version == target and c.u_sha256 not in self.rejected]
+        contributions = [c for c in await self._records(contribution_key(self.manifest)) if c.target_version == target]
+        for commit in sorted(commits, key=lambda c: c.peer_id):
+            if self._published_basis(commit) is None:
+                self.rejected.add(commit.u_sha256)
+                continue
+            basis = self._recomputed_basis(commit, contributions)
+            if basis is not None:
+                self.last_contributors = list(commit.contributors)
+                await self.apply(basis, target)
+                return
         accumulator = self.runtime.stage.u_accumulator
         if self._due() and self.published_for != target and accumulator is not None and accumulator.terms:
             mean = await self.runtime.run(accumulator.mean)
@@ -218,11 +248,22 @@ class SubspaceSync:
         if basis is None:
             return
         if [c for c in await self._records(subspace_key(self.manifest)) if c.version == target]:
-            return  # someone committed meanwhile: adopt theirs on the next round
-        self.last_contributors = [c.peer_id for c in chosen]
+            return  # someone proposed meanwhile: everyone, us included, adopts a proposal in step()
         digest = hashlib.sha256(b"".join(c.data for c in chosen)).hexdigest()[:12]
-        logger.info("%s committing U v%d from %d contributions (%s)", self.daemon.label, target, len(chosen), digest)
-        await self.apply(basis.astype(np.float64), target)
+        logger.info("%s proposing U v%d from %d contributions (%s)", self.daemon.label, target, len(chosen), digest)
+        proposal = SubspaceRecord(
+            kind="version",
+            peer_id=self.daemon.peer_id,
+            version=target,
+            target_version=target,
+            stage=self.daemon.index,
+            epoch=self.runtime.epoch,
+            terms=0,
+            u_sha256=tensor_sha256(torch.from_numpy(basis.astype(np.float32))),
+            contributors=[c.peer_id for c in chosen],
+            data=matrix_to_bytes(basis),
+        )
+        await self._store(subspace_key(self.manifest), proposal, VERSION_TTL)
 
     def _stage_contributes(self, stage: int) -> bool:
         """In subspace mode with the gradient driver the tail holds no constrained tensor."""

@@ -179,17 +179,6 @@ class PeerDaemon:
 
     # --- the trip service -------------------------------------------------------------------------
 
-    def info(self) -> dict:
-        runtime = self.runtime
-        return {
-            "run_id": self.manifest.run_id,
-            "stage": self.index,
-            "state": self.state,
-            "load": self.load,
-            "u_version": runtime.stage.subspace.version if runtime else None,
-            "t_fixed_sha256": runtime.stage.subspace.t_fixed_sha256 if runtime else None,
-        }
-
     async def handle_trip(self, blob: bytes, remote: PeerID) -> bytes:
         self.stats.bytes_in += len(blob)
         reply = await self._serve_trip(blob)
@@ -521,7 +510,6 @@ class PeerDaemon:
         self.p2p = await self.dht.replicate_p2p()
         servicer = TripServicer(
             self.handle_trip,
-            self.info,
             max_bytes=expectation_for(self.manifest, 0, "forward", 0, "").max_bytes,
             on_refused=self.stats.error,
         )

@@ -2,14 +2,13 @@
 
 A boundary message can exceed libp2p's 2 MiB unary limit (dense activations do), so every
 message travels as a stream of chunks, and the reply comes back the same way. The receiver
-stops reading as soon as a sender goes past its size limit. Both handlers of `TripServicer`
-delegate to callbacks; this module knows nothing about stages or tensors.
+stops reading as soon as a sender goes past its size limit. `TripServicer` delegates to a
+callback; this module knows nothing about stages or tensors.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Awaitable, Callable
 from typing import AsyncIterator  # hivemind recognises streaming handlers by typing's alias only
 
@@ -21,7 +20,6 @@ from swarm.wire import ErrorCode, WireError, encode_error
 CHUNK_BYTES = 1 << 20
 
 TripHandler = Callable[[bytes, PeerID], Awaitable[bytes]]
-InfoHandler = Callable[[], dict]
 
 
 class TooLarge(Exception):
@@ -43,32 +41,48 @@ def _split(blob: bytes, message_type) -> list:
 
 
 class TripServicer(ServicerBase):
-    """`rpc_trip`: one boundary message in, the reply (a message or an error) out. `rpc_info`: a ping."""
+    """`rpc_trip`: one boundary message in, the reply (a message or an error) out.
+
+    Receiving is bounded before any decoding: at most `max_receiving` messages are read at once
+    (each capped at `max_bytes`), and a sender gets `receive_timeout` seconds to finish sending,
+    so slow or parallel senders cannot hold unbounded memory.
+    """
 
     def __init__(
         self,
         on_trip: TripHandler,
-        on_info: InfoHandler,
         max_bytes: int,
         on_refused: Callable[[ErrorCode], None] = lambda code: None,
+        max_receiving: int = 16,
+        receive_timeout: float = 30.0,
     ):
-        self.on_trip, self.on_info, self.max_bytes, self.on_refused = on_trip, on_info, max_bytes, on_refused
+        self.on_trip, self.max_bytes, self.on_refused = on_trip, max_bytes, on_refused
+        self.receiving = asyncio.Semaphore(max_receiving)
+        self.receive_timeout = receive_timeout
+
+    async def _receive(self, requests: AsyncIterator[runtime_pb2.ExpertRequest]) -> bytes:
+        if self.receiving.locked():
+            raise WireError(ErrorCode.OVERLOADED, "too many messages being received")
+        async with self.receiving:
+            try:
+                return await asyncio.wait_for(_join_chunks(requests, self.max_bytes), self.receive_timeout)
+            except TooLarge as exc:
+                raise WireError(ErrorCode.TOO_LARGE, str(exc)) from None
+            except asyncio.TimeoutError:
+                raise WireError(ErrorCode.TIMEOUT, f"message not received within {self.receive_timeout:.0f}s") from None
 
     async def rpc_trip(
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         try:
-            blob = await _join_chunks(requests, self.max_bytes)
-        except TooLarge as exc:
-            self.on_refused(ErrorCode.TOO_LARGE)
-            reply = encode_error(ErrorCode.TOO_LARGE, str(exc))
+            blob = await self._receive(requests)
+        except WireError as exc:
+            self.on_refused(exc.code)
+            reply = encode_error(exc.code, exc.message)
         else:
             reply = await self.on_trip(blob, context.remote_id)
         for chunk in _split(reply, runtime_pb2.ExpertResponse):
             yield chunk
-
-    async def rpc_info(self, request: runtime_pb2.ExpertUID, context: P2PContext) -> runtime_pb2.ExpertInfo:
-        return runtime_pb2.ExpertInfo(serialized_info=json.dumps(self.on_info()).encode())
 
 
 async def _as_stream(blob: bytes) -> AsyncIterator[runtime_pb2.ExpertRequest]:
@@ -97,9 +111,3 @@ async def send_trip(p2p: P2P, peer: PeerID, namespace: str, blob: bytes, timeout
         raise
     except Exception as exc:  # noqa: BLE001 - any transport failure means: try another peer
         raise WireError(ErrorCode.UNREACHABLE, f"call to {peer} failed: {type(exc).__name__}: {exc}") from None
-
-
-async def ping(p2p: P2P, peer: PeerID, namespace: str, timeout: float = 5.0) -> dict:
-    stub = TripServicer.get_stub(p2p, peer, namespace=namespace)
-    reply = await stub.rpc_info(runtime_pb2.ExpertUID(uid="info"), timeout=timeout)
-    return json.loads(reply.serialized_info)

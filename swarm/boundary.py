@@ -39,7 +39,9 @@ class BoundaryCodec:
             extra=extra or {},
         )
 
-    def encode_forward(self, hidden: torch.Tensor, tokens: torch.Tensor, trip_id: str, to_stage: int, extra=None) -> bytes:
+    def encode_forward(
+        self, hidden: torch.Tensor, tokens: torch.Tensor, trip_id: str, to_stage: int, extra=None
+    ) -> bytes:
         with torch.no_grad():
             hidden = hidden.detach().float()
             payload = ss.compress(hidden, tokens, self.state.basis, self.state.t_fixed) if self.compressed else hidden
@@ -53,7 +55,9 @@ class BoundaryCodec:
         hidden = ss.decompress(payload, tokens, self.state.basis, self.state.t_fixed) if self.compressed else payload
         return header, hidden, tokens
 
-    def encode_backward(self, grad: torch.Tensor, trip_id: str, to_stage: int, loss: float | None = None, extra=None) -> bytes:
+    def encode_backward(
+        self, grad: torch.Tensor, trip_id: str, to_stage: int, loss: float | None = None, extra=None
+    ) -> bytes:
         with torch.no_grad():
             grad = grad.detach().float()
             payload = ss.compress_grad(grad, self.state.basis) if self.compressed else grad

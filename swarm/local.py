@@ -222,8 +222,10 @@ class LocalSwarm:
                 pass
         for child in self.children:  # the group too: hivemind's DHT process and p2pd may outlive their parent
             _signal_group(child.process, signal.SIGKILL)
-            if child.process.poll() is None:
+            try:
                 child.process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                print(f"warning: {child.name} (pid {child.process.pid}) did not exit after SIGKILL", file=sys.stderr)
         if self.dht is not None:
             self.dht.shutdown()
             self.dht = None
@@ -316,7 +318,12 @@ def run_local(args: argparse.Namespace) -> dict:
     }
 
 
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt  # SIGTERM takes the same path as Ctrl-C: every child is stopped
+
+
 def cmd_local(args: argparse.Namespace) -> int:
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         summary = run_local(args)
     except LocalSwarmError as exc:

@@ -40,7 +40,6 @@ class ErrorCode(str, enum.Enum):
     WRONG_DTYPE = "wrong_dtype"
     BAD_TOKENS = "bad_tokens"
     NOT_FINITE = "not_finite"
-    UNKNOWN_TRIP = "unknown_trip"
     OVERLOADED = "overloaded"
     LEAVING = "leaving"
     NO_PEER = "no_peer"
@@ -136,8 +135,9 @@ def _decode_payload(dtype: WireDType, raw: bytes, shape: tuple[int, int, int]) -
     if dtype == "int8":
         cells = batch * seq
         if len(raw) != cells * (width + INT8_SCALE_BYTES):
-            raise WireError(ErrorCode.MALFORMED, f"int8 payload has {len(raw)} bytes, "
-                                                 f"expected {cells * (width + INT8_SCALE_BYTES)}")
+            raise WireError(
+                ErrorCode.MALFORMED, f"int8 payload has {len(raw)} bytes, expected {cells * (width + INT8_SCALE_BYTES)}"
+            )
         values = buffer[: cells * width].view(torch.int8).reshape(batch, seq, width)
         scales = buffer[cells * width :].view(torch.float32).reshape(batch, seq, 1)
         if not (torch.isfinite(scales).all() and (scales > 0).all()):
@@ -185,8 +185,12 @@ def _parse_header(blob: bytes) -> Header:
         and all(isinstance(v, int) and not isinstance(v, bool) for v in header.shape)
         and isinstance(header.has_tokens, bool)
         and isinstance(header.extra, dict)
-        and (header.loss is None or isinstance(header.loss, float)
-             or isinstance(header.loss, int) and abs(header.loss) < 1e300)  # a huge int overflows float()
+        and (
+            header.loss is None
+            or isinstance(header.loss, float)
+            or isinstance(header.loss, int)
+            and abs(header.loss) < 1e300
+        )  # a huge int overflows float()
     )
     if not types_ok:
         raise WireError(ErrorCode.MALFORMED, "header fields have the wrong types")
@@ -213,18 +217,15 @@ def raise_if_error(blob: bytes) -> None:
     raise WireError(code, f"remote: {message}")
 
 
-def peek_header(blob: bytes) -> Header:
-    """The header alone, validated for form only: lets a router read a trip id cheaply."""
-    return _parse_header(blob)
-
-
 def decode(blob: bytes, expect: Expectation) -> tuple[Header, torch.Tensor, torch.Tensor | None]:
     """Validate everything, then build tensors. Raises WireError; never anything else."""
     if len(blob) > expect.max_bytes:
         raise WireError(ErrorCode.TOO_LARGE, f"{len(blob)} bytes exceed the limit of {expect.max_bytes}")
     header = _parse_header(blob)
     if header.run_id != expect.run_id:
-        raise WireError(ErrorCode.WRONG_RUN, f"message is for run {header.run_id!r}, this peer serves {expect.run_id!r}")
+        raise WireError(
+            ErrorCode.WRONG_RUN, f"message is for run {header.run_id!r}, this peer serves {expect.run_id!r}"
+        )
     if header.t_fixed_sha256 != expect.t_fixed_sha256:
         raise WireError(
             ErrorCode.WRONG_HASH,
@@ -249,7 +250,9 @@ def decode(blob: bytes, expect: Expectation) -> tuple[Header, torch.Tensor, torc
             f"batch {batch} × sequence {seq} outside 1..{expect.max_batch} × 2..{expect.max_seq}",
         )
     if header.has_tokens != expect.needs_tokens:
-        raise WireError(ErrorCode.MALFORMED, f"{header.kind} messages {'need' if expect.needs_tokens else 'carry no'} token ids")
+        raise WireError(
+            ErrorCode.MALFORMED, f"{header.kind} messages {'need' if expect.needs_tokens else 'carry no'} token ids"
+        )
     if header.loss is not None and not math.isfinite(header.loss):
         raise WireError(ErrorCode.NOT_FINITE, "reported loss is not finite")
     token_bytes = token_id_itemsize(expect.vocab_size)

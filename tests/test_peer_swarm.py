@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -120,3 +121,24 @@ def test_peer_with_other_t_fixed_gets_no_trips():
                  interval=0.2)
         kill_hard(next(c for c in swarm.children if c.name == "d0"))
         wait_for(lambda: entries_by_name(swarm)["good"].record.load == 0, 30, "the tail to release the dead trips")
+
+
+def test_interrupted_local_swarm_leaves_nothing_behind():
+    before = set(Path("/tmp").glob("protocol-swarm-*"))
+    process = subprocess.Popen([sys.executable, "-m", "swarm.cli", "local", "--stages", "2", "--steps", "10000",
+                                "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        workdir = wait_for(lambda: set(Path("/tmp").glob("protocol-swarm-*")) - before, 60, "the swarm's workdir")
+        workdir = next(iter(workdir))
+        wait_for(lambda: len(list(workdir.glob("stage*.log"))) == 2, 60, "peers to start")
+        time.sleep(10)  # peers are importing, joining, training
+        process.send_signal(signal.SIGTERM)
+        _, stderr = process.communicate(timeout=90)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 130, stderr[-2000:]
+    assert "all peers stopped" in stderr
+    assert not workdir.exists()
+    leftovers = subprocess.run(["pgrep", "-f", str(workdir)], capture_output=True, text=True).stdout.split()
+    assert not leftovers, f"processes left behind: {leftovers}"

@@ -22,7 +22,6 @@ from swarm.wire import (
     decode,
     encode,
     expectation_for,
-    peek_header,
 )
 
 D, K, B, S = 64, 4, 2, 8
@@ -151,12 +150,6 @@ def test_encode_refuses_shape_mismatch(m):
     with pytest.raises(ValueError, match="differs from header shape"):
         encode(header(m, shape=(B, S, K + 1)), payload(), toks(), 256)
 
-
-def test_peek_header(m):
-    assert peek_header(forward_blob(m)).trip_id == "trip-1"
-
-
-# --- every error code -------------------------------------------------------------------------------
 
 def test_bad_magic(m):
     blob = forward_blob(m)

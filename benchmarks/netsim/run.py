@@ -28,7 +28,8 @@ from benchmarks.netsim.net import cleanup_leftovers
 from swarm.manifest import Manifest
 from swarm.presets import preset
 
-MODES = {"dense-bf16": ("none", "bf16"), "dense-int8": ("none", "int8"), "subspace": ("subspace", "bf16")}
+MODES = {"dense-bf16": ("none", "bf16"), "dense-int8": ("none", "int8"), "subspace": ("subspace", "bf16"),
+         "boundary": ("boundary", "bf16")}  # boundary: same messages and bytes as subspace
 
 # A stated GPU figure: H100 SXM dense bf16 peak 989 TFLOP/s at an assumed 40% model FLOPs utilisation,
 # on the paper's shape (LLaMA-3 8B, one 218M-parameter layer per stage, d=4096, bf16 on the wire).

@@ -139,7 +139,8 @@ def _decode_payload(dtype: WireDType, raw: bytes, shape: tuple[int, int, int]) -
                 ErrorCode.MALFORMED, f"int8 payload has {len(raw)} bytes, expected {cells * (width + INT8_SCALE_BYTES)}"
             )
         values = buffer[: cells * width].view(torch.int8).reshape(batch, seq, width)
-        scales = buffer[cells * width :].view(torch.float32).reshape(batch, seq, 1)
+        # the scales start at byte cells*width, which need not be 4-aligned: view a fresh copy
+        scales = torch.frombuffer(bytearray(raw[cells * width :]), dtype=torch.float32).reshape(batch, seq, 1)
         if not (torch.isfinite(scales).all() and (scales > 0).all()):
             raise WireError(ErrorCode.NOT_FINITE, "int8 scales must be finite and positive")
         return values.float() * scales

@@ -19,8 +19,15 @@ D, B, S = 64, 2, 8
 
 def manifest(wire_dtype: str = "int8", compression: str = "none"):
     shape = ModelShape(d_model=D, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128, vocab_size=256, max_seq_len=64)
-    return preset("tiny", model=shape, k=4, stages=2, wire_dtype=wire_dtype, compression=compression,
-                  batch=BatchSpec(microbatch_size=4, seq_len=32, target_batch_size=4))
+    return preset(
+        "tiny",
+        model=shape,
+        k=4,
+        stages=2,
+        wire_dtype=wire_dtype,
+        compression=compression,
+        batch=BatchSpec(microbatch_size=4, seq_len=32, target_batch_size=4),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -29,8 +36,18 @@ def m():
 
 
 def header(m, kind="forward", shape=(B, S, D)) -> Header:
-    return Header(run_id=m.run_id, u_version=0, t_fixed_sha256=m.t_fixed_sha256, trip_id="t", stage=1, kind=kind,
-                  dtype="int8", shape=shape, has_tokens=kind == "forward", loss=None if kind == "forward" else 1.5)
+    return Header(
+        run_id=m.run_id,
+        u_version=0,
+        t_fixed_sha256=m.t_fixed_sha256,
+        trip_id="t",
+        stage=1,
+        kind=kind,
+        dtype="int8",
+        shape=shape,
+        has_tokens=kind == "forward",
+        loss=None if kind == "forward" else 1.5,
+    )
 
 
 def expect(m, kind="forward"):
@@ -134,3 +151,30 @@ def test_codec_round_trip_through_stages(m):
     back = codec.encode_backward(hidden * 1e-6, "trip", 0, loss=2.0)
     header_back, grad = codec.decode_backward(back, 0)
     assert header_back.loss == 2.0 and (grad - hidden * 1e-6).abs().max() <= 1e-6 * hidden.abs().max() / 127
+
+
+def test_int8_scales_at_an_unaligned_offset_decode():
+    """d ≡ 2 (mod 4) puts the scales at an offset that is not a multiple of 4 when batch·seq is odd."""
+    base = preset("tiny", stages=2, compression="none", wire_dtype="int8")
+    manifest = preset(
+        "tiny",
+        stages=2,
+        compression="none",
+        wire_dtype="int8",
+        model=base.model.model_copy(update={"d_model": 258, "n_heads": 3, "n_kv_heads": 1}),
+    )
+    payload = torch.randn(1, 3, 258)
+    header = Header(
+        run_id=manifest.run_id,
+        u_version=0,
+        t_fixed_sha256=manifest.t_fixed_sha256,
+        trip_id="t",
+        stage=1,
+        kind="forward",
+        dtype="int8",
+        shape=(1, 3, 258),
+        has_tokens=True,
+    )
+    blob = encode(header, payload, torch.zeros(1, 3, dtype=torch.long), 256)
+    _, decoded, _ = decode(blob, expectation_for(manifest, 1, "forward", 0, manifest.t_fixed_sha256))
+    assert (decoded - payload).abs().max() < 0.05

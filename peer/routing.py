@@ -34,8 +34,11 @@ class Router:
     inflight: dict[str, int] = field(default_factory=dict)
     rng: random.Random = field(default_factory=random.Random)
 
-    def update(self, stages: dict[int, list[PeerEntry]]) -> None:
+    def update(self, stages: dict[int, list[PeerEntry]], now: float | None = None) -> None:
+        """New records from the DHT; bans that ran out are forgotten so the table stays small."""
+        now = time.monotonic() if now is None else now
         self.stages = stages
+        self.bans = {peer: ban for peer, ban in self.bans.items() if ban.until > now}
 
     def compatible(self, entry: PeerEntry) -> bool:
         record = entry.record

@@ -9,6 +9,7 @@ refuses any record that would need a type conversion).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Optional
@@ -132,8 +133,9 @@ def load_or_create_rsa_key(path: str | Path | None) -> RSAPrivateKey:
         return key
     key = RSAPrivateKey()
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(key.to_bytes())
-    path.chmod(0o600)
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # private from the first byte
+    with os.fdopen(descriptor, "wb") as handle:
+        handle.write(key.to_bytes())
     return key
 
 

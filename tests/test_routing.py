@@ -73,3 +73,23 @@ def test_hop_versions_audit_refuses_malformed_lists():
         with pytest.raises(WireError) as info:
             hop_versions(bad, num_stages=3)
         assert info.value.code == ErrorCode.MALFORMED
+
+
+def test_expired_bans_are_forgotten_on_update():
+    r = router(entry("x", 10.0))
+    r.ban("x", now=0.0)
+    r.update(r.stages, now=1.0)
+    assert "x" in r.bans
+    r.update(r.stages, now=100.0)
+    assert r.bans == {}
+
+
+def test_identity_key_is_private_from_creation(tmp_path):
+    import stat
+
+    from swarm.records import load_or_create_rsa_key
+
+    path = tmp_path / "keys" / "peer.rsa"
+    first = load_or_create_rsa_key(path)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert load_or_create_rsa_key(path).to_bytes() == first.to_bytes()

@@ -245,6 +245,7 @@ class PeerDaemon:
         target = self.index + 1
         router = self.router  # a stage move replaces the router; this trip keeps its own
         expect = expectation_for(self.manifest, self.index, "backward", 0, "")
+        failures: dict[str, int] = {}
         for tried in range(1, 9):
             candidates = router.candidates(target)
             if not candidates:
@@ -271,6 +272,15 @@ class PeerDaemon:
                 self.stats.error(exc.code)
                 if exc.code in (ErrorCode.NO_PEER, ErrorCode.WRONG_VERSION):
                     raise  # the stage behind it is empty, or U is switching: the driver retries the trip
+                failures[peer_id] = failures.get(peer_id, 0) + 1
+                if len(candidates) == 1 and failures[peer_id] < 3:
+                    # the stage's only peer: a transient failure (a stream reset at first contact)
+                    # should not empty the stage for a whole ban period; try it again shortly
+                    logger.warning(
+                        "%s next hop %s failed (%s); retrying it (attempt %d)", self.label, peer_id[-6:], exc, tried
+                    )
+                    await asyncio.sleep(0.2 * failures[peer_id])
+                    continue
                 seconds = router.ban(peer_id)
                 logger.warning(
                     "%s next hop %s failed (%s); banned %.0fs, failing over (attempt %d)",

@@ -30,6 +30,7 @@ class Driver:
         # every driver reads its own random windows of the corpus
         seed = int.from_bytes(hashlib.sha256(daemon.peer_id.encode()).digest()[:4], "little")
         train, _ = await asyncio.to_thread(load_splits, daemon.manifest, daemon.options.data, seed)
+        await self._wait_for_pipeline()
         slots = asyncio.Semaphore(max(daemon.options.max_inflight, 1))
         pending: set[asyncio.Task] = set()
         try:
@@ -47,6 +48,19 @@ class Driver:
             self._stopped = True
             if pending:
                 await asyncio.wait(pending, timeout=daemon.options.drain_timeout)
+
+    async def _wait_for_pipeline(self) -> None:
+        """Start driving once the next stage has a live peer, rather than failing trips at start-up."""
+        daemon = self.daemon
+        if daemon.runtime.stage.is_tail:
+            return
+        waited = 0.0
+        while not self._stopped and not daemon.router.candidates(1):
+            if waited % 10 == 0:
+                logger.info("%s waiting for a peer of stage 1", daemon.label)
+            await asyncio.sleep(1.0)
+            waited += 1.0
+            daemon.router.update(await daemon._fetch())
 
     async def _trip(self, tokens) -> None:
         """One microbatch; a trip refused because U changed under it (its hops disagree, or no peer of the

@@ -19,15 +19,6 @@ from swarm.model import (
 from swarm.presets import preset
 from swarm.subspace import initial_basis, relative_error, tensor_sha256
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors on shared cores: one thread avoids oversubscription (20x faster here)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 D, K, V, SEQ = 64, 4, 256, 32
 
 

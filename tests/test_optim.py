@@ -14,15 +14,6 @@ from swarm.optim import SubspaceAdamW, clip_grad_norm, lr_at, make_optimizer, pa
 from swarm.presets import preset
 from swarm.subspace import initial_basis, project
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors on shared cores: one thread avoids oversubscription (20x faster here)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 D, K, V, SEQ = 64, 4, 256, 32
 
 

@@ -25,14 +25,6 @@ RESULT_KEYS = {"run_id", "compression", "steps", "tokens", "train_loss", "val_lo
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def small(compression: str = "subspace", n_layers: int = 3, stages: int = 3, wire_dtype: str = "fp32",
           microbatch: int = 2, target: int = 2):
     shape = ModelShape(d_model=D, n_layers=n_layers, n_heads=4, n_kv_heads=2, d_ff=128, vocab_size=V,

@@ -12,15 +12,6 @@ from swarm.model import PipelineStage, build_stages
 from swarm.presets import preset
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors on shared cores: one thread avoids oversubscription (20x faster here)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _orthonormality_error(basis: torch.Tensor) -> float:
     k = basis.shape[1]
     return (basis.double().T @ basis.double() - torch.eye(k, dtype=torch.float64)).abs().max().item()

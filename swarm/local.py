@@ -211,24 +211,32 @@ class LocalSwarm:
         return fetch_stages(self.dht, self.manifest)
 
     def stop(self) -> None:
-        for child in self.children:
-            if child.process.poll() is None:
-                _signal_group(child.process, signal.SIGTERM)
-        deadline = time.monotonic() + 20
-        for child in self.children:
-            try:
-                child.process.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-        for child in self.children:  # the group too: hivemind's DHT process and p2pd may outlive their parent
-            _signal_group(child.process, signal.SIGKILL)
-            try:
-                child.process.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                print(f"warning: {child.name} (pid {child.process.pid}) did not exit after SIGKILL", file=sys.stderr)
+        for process in stop_process_groups([child.process for child in self.children], grace=20.0):
+            print(f"warning: pid {process.pid} did not exit after SIGKILL", file=sys.stderr)
         if self.dht is not None:
             self.dht.shutdown()
             self.dht = None
+
+
+def stop_process_groups(processes: list[subprocess.Popen], grace: float) -> list[subprocess.Popen]:
+    """SIGTERM every process group, wait up to `grace` seconds in all, then SIGKILL the groups (hivemind's
+    DHT process and p2pd may outlive their parent). Returns the processes still alive after that."""
+    for process in processes:  # also when the leader has exited: its group may not have
+        _signal_group(process, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for process in processes:
+        try:
+            process.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    survivors = []
+    for process in processes:
+        _signal_group(process, signal.SIGKILL)
+        try:
+            process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            survivors.append(process)
+    return survivors
 
 
 def _signal_group(process: subprocess.Popen, sig: int) -> None:

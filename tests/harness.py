@@ -20,12 +20,13 @@ ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
 
 def wait_for(predicate: Callable[[], object], timeout: float, what: str, interval: float = 1.0):
     deadline = time.monotonic() + timeout
+    value = None
     while time.monotonic() < deadline:
         value = predicate()
         if value:
             return value
         time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}; last: {value!r}")
 
 
 @contextmanager

@@ -9,6 +9,7 @@ losing its only peer.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -17,11 +18,11 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
+import harness
 import pytest
 from hivemind.dht import DHT
 from prometheus_client.parser import text_string_to_metric_families
@@ -38,6 +39,7 @@ MANIFEST = preset("tiny", stages=3)
 XSS_SCRIPT = "<script>window.__xss=1</script>"
 XSS_IMG = "<img src=x onerror=window.__xss=1>"
 CHROMIUM = "/usr/bin/chromium"
+wait_for = functools.partial(harness.wait_for, interval=0.25)  # the tracker answers fast: poll often
 
 
 def free_port() -> int:
@@ -58,17 +60,6 @@ def get_json(url: str) -> dict:
     status, body = get(url)
     assert status == 200, (url, status, body[:300])
     return json.loads(body)
-
-
-def wait_for(predicate, timeout: float, what: str, interval: float = 0.25):
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        last = predicate()
-        if last:
-            return last
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}; last: {last!r}")
 
 
 class Tracker:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -20,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from benchmarks.netsim.net import Topology
+from swarm.local import stop_process_groups
 from swarm.manifest import Manifest, save_manifest
 
 REPO = Path(__file__).resolve().parents[2]
@@ -129,20 +129,7 @@ class NetSwarm:
     def stop(self) -> None:
         """Stop every process we started, then delete the namespaces (which kills any stragglers)."""
         try:
-            for child in self.children:
-                _signal_group(child.process, signal.SIGTERM)
-            deadline = time.monotonic() + 15
-            for child in self.children:
-                try:
-                    child.process.wait(timeout=max(0.1, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    pass
-            for child in self.children:
-                _signal_group(child.process, signal.SIGKILL)
-                try:
-                    child.process.wait(timeout=5)
-                except subprocess.TimeoutExpired:
-                    pass
+            stop_process_groups([child.process for child in self.children], grace=15.0)
         finally:
             self.topology.close()
 
@@ -236,13 +223,6 @@ class NetSwarm:
 
     def loss_trace(self) -> list[tuple[int, float]]:
         return [(s.tokens, s.loss) for s in self.samples if s.loss is not None]
-
-
-def _signal_group(process: subprocess.Popen, sig: int) -> None:
-    try:
-        os.killpg(process.pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def _rate_label(rate_mbit: float | None) -> str:

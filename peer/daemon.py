@@ -334,6 +334,7 @@ class PeerDaemon:
             optimizer_epoch=runtime.epoch,
             state_sha256=runtime.state_sha256,
             state_hashes=list(runtime.state_hashes),
+            loaded_state=runtime.loaded_state,
             trip_versions=[f"{v}:{n}" for v, n in sorted(self.stats.trip_versions.items())][-16:],
             mixed_trips=self.stats.mixed_trips,
         )

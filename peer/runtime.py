@@ -92,6 +92,7 @@ class StageRuntime:
         self.checkpoint_every = max(checkpoint_every, 1)
         self.state_sha256 = parameters_sha256(self.stage)
         self.state_hashes: deque[str] = deque(maxlen=16)
+        self.loaded_state = ""
         self._hashed_epoch = -1
 
     @property
@@ -226,6 +227,8 @@ class StageRuntime:
         except Exception as exc:  # noqa: BLE001 - a failed download must not kill the peer
             logger.warning("%s could not load state from peers: %s", self.label, exc)
             return False
+        # hashed as received, before our own re-projection, so it compares with the donor's hashes
+        self.loaded_state = f"{self.epoch}:{parameters_sha256(self.stage)[:16]}"
         self.stage.reproject_()
         self._note_state()
         return True

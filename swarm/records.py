@@ -57,6 +57,9 @@ class StagePeerRecord(pydantic.BaseModel):
     state_sha256: _Hash = ""  # hash of the stage's parameters at optimizer_epoch: peers of a stage agree
     # the last few "epoch:hash-prefix" pairs, so peers that announce at different moments can be compared
     state_hashes: pydantic.conlist(pydantic.constr(strict=True, max_length=48), max_items=16) = []
+    # "epoch:hash-prefix" of the parameters as downloaded from the stage's peers when this peer joined
+    # ("" if it started from the seed or a checkpoint): proof of what it joined with, kept for good
+    loaded_state: pydantic.constr(strict=True, max_length=48) = ""
     # drivers: completed trips per U version ("version:count"), and trips whose hops disagreed on U
     trip_versions: pydantic.conlist(pydantic.constr(strict=True, max_length=48), max_items=16) = []
     mixed_trips: _Count = 0

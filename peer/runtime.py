@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 from hivemind.optim.optimizer import Optimizer
+from hivemind.optim.state_averager import TrainingStateAverager
 
 from swarm.boundary import BoundaryCodec
 from swarm.manifest import Manifest
@@ -38,6 +39,39 @@ def pick_device(requested: str) -> torch.device:
 def parameters_sha256(stage: PipelineStage) -> str:
     flat = torch.cat([p.detach().float().flatten().cpu() for p in stage.parameters()])
     return tensor_sha256(flat)
+
+
+class SnapshotStateAverager(TrainingStateAverager):
+    """Serves a joining peer a consistent copy of the stage's state.
+
+    hivemind hands out views of the live tensors and serialises them later, while this peer goes
+    on stepping: a joiner could receive parameters half-way through an update, out of step with
+    the optimizer moments. Copying under the optimizer lock gives it one state that existed.
+    """
+
+    def get_current_state(self):
+        with self.lock_optimizer:
+            metadata, tensors, infos = super().get_current_state()
+            return metadata, [tensor.clone() for tensor in tensors], infos
+
+
+class StageOptimizer(Optimizer):
+    def _make_state_averager(self, **kwargs) -> TrainingStateAverager:
+        return SnapshotStateAverager(
+            dht=self.dht,
+            prefix=f"{self.run_id}_state_averager",
+            min_matchmaking_time=self.matchmaking_time,
+            allreduce_timeout=self.allreduce_timeout,
+            shutdown_timeout=self.shutdown_timeout,
+            offload_optimizer=self.offload_optimizer,
+            custom_gradients=self.offload_optimizer,
+            status_loglevel=self.status_loglevel,
+            next_chunk_timeout=self.next_chunk_timeout,
+            client_mode=self.client_mode,
+            auxiliary=self.auxiliary,
+            start=True,
+            **kwargs,
+        )
 
 
 class StageRuntime:
@@ -63,7 +97,7 @@ class StageRuntime:
         self.codec = BoundaryCodec(manifest, self.stage.subspace)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"stage{index}")
         spec = manifest.optimizer
-        self.optimizer = Optimizer(
+        self.optimizer = StageOptimizer(
             dht=dht,
             run_id=f"{manifest.optimizer_prefix}_stage{index}",
             target_batch_size=manifest.batch.target_batch_size,
@@ -184,7 +218,8 @@ class StageRuntime:
 
     def apply_basis(self, basis: torch.Tensor, version: int) -> None:
         """Switch U between two microbatches (this runs on the stage thread)."""
-        self.stage.apply_basis(basis.to(self.device), version, self.optimizer.opt)
+        with self.optimizer.state_averager.lock_optimizer:  # a joiner never downloads a half-switched state
+            self.stage.apply_basis(basis.to(self.device), version, self.optimizer.opt)
         self._note_state()
 
     def _step(self, batch_size: int) -> None:

@@ -98,7 +98,10 @@ def test_failover_then_auto_join_loads_the_stage_state():
         assert loaded, "the fresh peer joined an occupied stage without loading its state"
         # the parameters it downloaded are bit for bit a state that b1 held (alone in the stage, b1's
         # parameters change only at its epoch boundaries, where it hashes them)
-        wait_for(lambda: note_b1() and loaded.split(":")[1] in b1_hashes, 30, f"b1 to have held the state {loaded}")
+        try:
+            wait_for(lambda: note_b1() and loaded.split(":")[1] in b1_hashes, 30, "b1 to have held that state")
+        except AssertionError:
+            raise AssertionError(f"fresh loaded {loaded}; b1 held {sorted(b1_hashes)}") from None
         # and the two train the stage together from there
         trips = found["fresh"].record.trips
         wait_for(lambda: entries_by_name(swarm)["fresh"].record.trips > trips + 10, 60, "trips through the fresh peer")

@@ -225,7 +225,7 @@ class PeerDaemon:
             )
         except WireError as exc:
             self.stats.error(exc.code)
-            return encode_error(exc.code, exc.message)
+            return encode_error(exc.code, exc.message, exc.hops)
         except Exception as exc:  # noqa: BLE001 - a trip must never take the peer down
             logger.exception("%s trip %s failed", self.label, header.trip_id[:8])
             self.stats.error(ErrorCode.INTERNAL)
@@ -271,7 +271,18 @@ class PeerDaemon:
             except WireError as exc:
                 self.stats.error(exc.code)
                 if exc.code in (ErrorCode.NO_PEER, ErrorCode.WRONG_VERSION):
-                    raise  # the stage behind it is empty, or U is switching: the driver retries the trip
+                    # the stage behind it is empty, or U is switching: the driver retries the trip
+                    # only the next hop's own refusals count against it, not those it relays
+                    if exc.hops == 1 and (seconds := router.refused(peer_id)):
+                        logger.warning(
+                            "%s next hop %s refused trips %d times in a row (%s); banned %.0fs",
+                            self.label,
+                            peer_id[-6:],
+                            router.refusals_before_ban,
+                            exc.code.value,
+                            seconds,
+                        )
+                    raise
                 failures[peer_id] = failures.get(peer_id, 0) + 1
                 if len(candidates) == 1 and failures[peer_id] < 3:
                     # the stage's only peer: a transient failure (a stream reset at first contact)

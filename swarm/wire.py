@@ -22,6 +22,7 @@ from swarm.manifest import INT8_SCALE_BYTES, Manifest, WireDType, token_id_items
 
 MAGIC = b"PSW1"
 MAX_HEADER_BYTES = 4096
+MAX_HOPS = 1024  # a refusal relayed from further down than any pipeline is long is malformed
 Kind = Literal["forward", "backward"]
 
 _TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -49,9 +50,12 @@ class ErrorCode(str, enum.Enum):
 
 
 class WireError(Exception):
-    def __init__(self, code: ErrorCode, message: str):
+    """A refusal. `hops` says how far down the pipeline it was raised (0: here, 1: by the peer we
+    sent to, 2: by the peer after that...), so a hop that relays a refusal is not blamed for it."""
+
+    def __init__(self, code: ErrorCode, message: str, hops: int = 0):
         super().__init__(f"{code.value}: {message}")
-        self.code, self.message = code, message
+        self.code, self.message, self.hops = code, message, hops
 
 
 @dataclass(frozen=True)
@@ -201,9 +205,9 @@ def _parse_header(blob: bytes) -> Header:
 ERROR_MAGIC = b"PSWE"
 
 
-def encode_error(code: ErrorCode, message: str) -> bytes:
+def encode_error(code: ErrorCode, message: str, hops: int = 0) -> bytes:
     """A refusal: the reply a peer sends instead of a message, with a precise code."""
-    return ERROR_MAGIC + json.dumps({"code": code.value, "message": message[:1000]}).encode()
+    return ERROR_MAGIC + json.dumps({"code": code.value, "message": message[:1000], "hops": hops}).encode()
 
 
 def raise_if_error(blob: bytes) -> None:
@@ -212,10 +216,12 @@ def raise_if_error(blob: bytes) -> None:
         return
     try:
         body = json.loads(blob[len(ERROR_MAGIC) : len(ERROR_MAGIC) + 4096])
-        code, message = ErrorCode(body["code"]), str(body["message"])
+        code, message, hops = ErrorCode(body["code"]), str(body["message"]), body.get("hops", 0)
+        if type(hops) is not int or not 0 <= hops < MAX_HOPS:
+            raise ValueError(hops)
     except (ValueError, KeyError, TypeError, RecursionError):
         raise WireError(ErrorCode.MALFORMED, "remote peer sent an unreadable error reply") from None
-    raise WireError(code, f"remote: {message}")
+    raise WireError(code, f"remote: {message}", hops + 1)
 
 
 def decode(blob: bytes, expect: Expectation) -> tuple[Header, torch.Tensor, torch.Tensor | None]:

@@ -61,6 +61,17 @@ def test_ban_backs_off_and_expires():
     assert r.ban("x", now=7.0) == 5.0
 
 
+def test_a_peer_that_keeps_refusing_trips_is_banned_and_one_answer_clears_its_record():
+    r = router(entry("stuck", 1000.0), entry("other", 10.0))
+    assert r.refused("stuck", now=0.0) == 0.0
+    r.forgive("stuck")  # it then carried a trip: the count starts over
+    assert [r.refused("stuck", now=1.0), r.refused("stuck", now=1.0)] == [0.0, 0.0]
+    assert r.refused("stuck", now=1.0) == 5.0  # the third refusal in a row
+    assert [e.record.peer_id for e in r.candidates(1, now=2.0)] == ["other"]
+    r.update({1: [entry("other", 10.0)]}, now=3.0)  # gone from the DHT: nothing kept about it
+    assert r.refusals == {}
+
+
 def test_hop_versions_audit_refuses_malformed_lists():
     import pytest
 

@@ -338,13 +338,17 @@ def test_random_corruption_never_crashes(m):
 def test_error_replies():
     from swarm import wire
 
-    if not hasattr(wire, "encode_error"):
-        pytest.skip("error replies not in this version of the wire module")
     wire.raise_if_error(b"PSW1 not an error")  # an ordinary message passes through
     with pytest.raises(WireError) as info:
         wire.raise_if_error(wire.encode_error(ErrorCode.OVERLOADED, "busy"))
     assert info.value.code == ErrorCode.OVERLOADED and "busy" in str(info.value)
-    for broken in (b'{"code": "no-such-code", "message": "x"}', b"[" * 3000, b"\xff", b'{"code": "timeout"}'):
+    assert info.value.hops == 1  # refused by the peer we sent to
+    with pytest.raises(WireError) as relayed:  # that peer relays a refusal from the one after it
+        wire.raise_if_error(wire.encode_error(info.value.code, info.value.message, info.value.hops))
+    assert relayed.value.hops == 2 and relayed.value.code == ErrorCode.OVERLOADED
+    bad_hops = [b'{"code": "timeout", "message": "x", "hops": %s}' % h for h in (b"-1", b'"1"', b"1e9", b"true")]
+    unreadable = (b'{"code": "no-such-code", "message": "x"}', b"[" * 3000, b"\xff", b'{"code": "timeout"}')
+    for broken in (*unreadable, *bad_hops):
         with pytest.raises(WireError) as info:
             wire.raise_if_error(wire.ERROR_MAGIC + broken)
         assert info.value.code == ErrorCode.MALFORMED

@@ -54,9 +54,14 @@ def code_version() -> str:
     return head.strip() + (" (with uncommitted changes in swarm/ or peer/)" if dirty.strip() else "")
 
 
-def manifest_for(mode: str, stages: int, k: int, seed: int) -> Manifest:
+def manifest_for(mode: str, stages: int, k: int, seed: int, target_batch: int | None = None) -> Manifest:
+    """The tiny preset; `target_batch` sets the samples per optimizer epoch, and with it how often each
+    stage's hivemind optimizer talks to the DHT (progress reports, matchmaking) on the shaped links."""
     compression, wire_dtype = MODES[mode]
-    return preset("tiny", stages=stages, k=k, compression=compression, wire_dtype=wire_dtype, seed=seed)
+    batch = preset("tiny").batch
+    if target_batch is not None:
+        batch = batch.model_copy(update={"target_batch_size": target_batch})
+    return preset("tiny", stages=stages, k=k, compression=compression, wire_dtype=wire_dtype, seed=seed, batch=batch)
 
 
 def measure_cpu_flops(seconds: float = 3.0, n: int = 512) -> float:
@@ -102,7 +107,7 @@ def equivalent_rate_mbit(manifest: Manifest, cpu_flops: float) -> float:
 
 
 def run_mode(mode: str, args, rates: list[float | None], log) -> tuple[list, list]:
-    manifest = manifest_for(mode, args.stages, args.k, args.seed)
+    manifest = manifest_for(mode, args.stages, args.k, args.seed, args.target_batch)
     workdir = Path(tempfile.mkdtemp(prefix=f"netsim-{mode}-"))
     swarm = NetSwarm(manifest, workdir, max_inflight=args.max_inflight, log=log)
     cells = []
@@ -151,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stages", type=int, default=3)
     parser.add_argument("--k", type=int, default=2, help="subspace width (tiny preset: d=256)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--target-batch", type=int, help="samples per optimizer epoch (tiny preset: 16)")
     parser.add_argument("--max-inflight", type=int, default=4)
     parser.add_argument("--window", type=float, default=40.0, help="minimum seconds measured per cell")
     parser.add_argument("--max-window", type=float, default=150.0)
@@ -197,10 +203,11 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     try:
         for mode in modes:
-            manifest = manifest_for(mode, args.stages, args.k, args.seed)
+            manifest = manifest_for(mode, args.stages, args.k, args.seed, args.target_batch)
             data["manifests"][mode] = {"run_id": manifest.run_id, "d_model": manifest.model.d_model, "k": manifest.k,
                                        "compression": manifest.compression, "wire_dtype": manifest.wire_dtype,
                                        "microbatch": manifest.batch.microbatch_size, "seq_len": manifest.batch.seq_len,
+                                       "target_batch": manifest.batch.target_batch_size,
                                        "per_direction_bytes": manifest.compressed_bytes_per_token(),
                                        "flops_per_token_stage": stage_flops_per_token(manifest),
                                        "equivalent_rate_mbit": equivalent_rate_mbit(manifest, cpu_flops)}

@@ -1,31 +1,17 @@
 """Next-hop choice: compatible peers only, least expected queue first, bans with backoff."""
 
+from builders import stage_record
+
 from peer.routing import Router
-from swarm.records import PeerEntry, StagePeerRecord
+from swarm.records import PeerEntry
 
 
 def entry(
     peer_id: str, throughput: float, load: int = 0, t_fixed: str = "a" * 64, u_version: int = 0, state: str = "online"
 ) -> PeerEntry:
-    record = StagePeerRecord(
-        peer_id=peer_id,
-        state=state,
-        stage=1,
-        throughput=float(throughput),
-        load=load,
-        u_version=u_version,
-        u_sha256="b" * 64,
-        t_fixed_sha256=t_fixed,
-        software_version="t",
-        public_name=peer_id,
-        addrs=[],
-        trips=0,
-        tokens=0,
-        bytes_in=0,
-        bytes_out=0,
-        errors=0,
-        loss=None,
-        optimizer_epoch=0,
+    record = stage_record(
+        1, peer_id, peer_id=peer_id, throughput=float(throughput), load=load, t_fixed_sha256=t_fixed,
+        u_version=u_version, state=state,
     )
     return PeerEntry(record=record, expiration=0.0, owner=b"")
 

@@ -24,12 +24,13 @@ from pathlib import Path
 
 import harness
 import pytest
+from builders import stage_record
 from hivemind.dht import DHT
 from prometheus_client.parser import text_string_to_metric_families
 
 from swarm.manifest import save_manifest
 from swarm.presets import preset
-from swarm.records import SOFTWARE_VERSION, StagePeerRecord, announce, load_or_create_rsa_key, make_validators
+from swarm.records import StagePeerRecord, announce, load_or_create_rsa_key, make_validators
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -141,26 +142,15 @@ class FakePeer:
     def record(self) -> StagePeerRecord:
         fields = dict(
             peer_id=str(self.dht.peer_id),
-            state="online",
-            stage=self.stage,
             throughput=100.0 + 10 * self.stage,
             load=1,
-            u_version=0,
-            u_sha256=MANIFEST.u_sha256,
-            t_fixed_sha256=MANIFEST.t_fixed_sha256,
-            software_version=SOFTWARE_VERSION,
-            public_name=self.name,
             addrs=self.addrs,
             trips=self.count,
             tokens=1024 * self.count,
-            bytes_in=0,
             bytes_out=100 * self.count,
-            errors=0,
             loss=(5.0 / (1 + 0.1 * self.count)) if self.stage == 0 else None,
-            optimizer_epoch=0,
         )
-        fields.update(self.fields)
-        return StagePeerRecord(**fields)
+        return stage_record(self.stage, self.name, MANIFEST, **{**fields, **self.fields})
 
     def _loop(self) -> None:
         while not self.closed.is_set():

@@ -11,12 +11,13 @@ import math
 import socket
 
 import pytest
+from builders import stage_record
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from swarm.manifest import save_manifest
 from swarm.presets import preset
-from swarm.records import SOFTWARE_VERSION, PeerEntry, StagePeerRecord
+from swarm.records import PeerEntry, StagePeerRecord
 from tracker.app import create_app
 from tracker.cli import build_parser, default_host_maddrs, main
 from tracker.history import History, with_rates
@@ -41,28 +42,7 @@ XSS_IMG = "<img src=x onerror=window.__xss=1>"
 
 
 def record(stage: int, name: str = "peer", **changes) -> StagePeerRecord:
-    fields = dict(
-        peer_id=f"12D3Koo-{stage}-{name}",
-        state="online",
-        stage=stage,
-        throughput=100.0,
-        load=0,
-        u_version=0,
-        u_sha256=MANIFEST.u_sha256,
-        t_fixed_sha256=MANIFEST.t_fixed_sha256,
-        software_version=SOFTWARE_VERSION,
-        public_name=name,
-        addrs=[],
-        trips=0,
-        tokens=0,
-        bytes_in=0,
-        bytes_out=0,
-        errors=0,
-        loss=None,
-        optimizer_epoch=0,
-    )
-    fields.update(changes)
-    return StagePeerRecord(**fields)
+    return stage_record(stage, name, MANIFEST, **changes)
 
 
 def view(rec: StagePeerRecord, last_seen: float = NOW, owner: bytes | None = None) -> PeerView:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import torch
 from hivemind.dht import DHT
 
@@ -23,6 +25,29 @@ def test_state_served_to_joiners_is_a_copy_not_the_live_tensors():
         assert parameters_sha256(runtime.stage) != before
         served = torch.cat([t.flatten() for t in tensors[: len(list(runtime.stage.parameters()))]])
         assert tensor_sha256(served) == before
+    finally:
+        runtime.shutdown()
+        dht.shutdown()
+
+
+def test_a_stage_alone_books_no_averaging_groups_and_still_steps():
+    manifest = preset("tiny", stages=2)
+    dht = DHT(start=True)
+    runtime = StageRuntime(manifest, 1, dht, torch.device("cpu"), "[test stage 1]", matchmaking_time=3.0)
+    try:
+        batch = manifest.batch
+        tokens = torch.randint(0, manifest.model.vocab_size, (batch.microbatch_size, batch.seq_len))
+        hidden = runtime.stage.subspace.t_fixed[tokens].detach().clone()
+        booked = []
+        deadline = time.monotonic() + 15  # long enough for the progress tracker to estimate the epoch's end
+        while time.monotonic() < deadline:
+            leaf, output, residual = runtime.forward(hidden, tokens)
+            runtime.backward(leaf, output, None, tokens, batch.microbatch_size, residual)
+            optimizer = runtime.optimizer
+            booked.append(optimizer.scheduled_grads is not None or optimizer.scheduled_state is not None)
+            time.sleep(0.1)  # trips arrive one by one
+        assert runtime.epoch >= 5  # epochs still end, with local gradients
+        assert not any(booked)  # and no matchmaking was started for them
     finally:
         runtime.shutdown()
         dht.shutdown()

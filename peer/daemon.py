@@ -265,21 +265,24 @@ class PeerDaemon:
                     max_reply=expect.max_bytes,
                 )
                 raise_if_error(reply)
-                checked = check_reply(reply)
+                try:
+                    checked = check_reply(reply)
+                except WireError as exc:  # the next hop's reply is at fault: upstream must not blame us
+                    raise WireError(exc.code, exc.message, hops=1) from None
                 router.forgive(peer_id)
                 return checked
             except WireError as exc:
                 self.stats.error(exc.code)
                 if exc.code in (ErrorCode.NO_PEER, ErrorCode.WRONG_VERSION):
-                    # the stage behind it is empty, or U is switching: the driver retries the trip
-                    # only the next hop's own refusals count against it, not those it relays
-                    if exc.hops == 1 and (seconds := router.refused(peer_id)):
+                    # the stage behind it is empty, or U is switching: the driver retries the trip.
+                    # A next hop that keeps its own U apart from ours for long is banned, unless it is
+                    # the stage's only peer; refusals it relays from further down do not count
+                    stuck = exc.code == ErrorCode.WRONG_VERSION and exc.hops == 1 and len(candidates) > 1
+                    if stuck and (seconds := router.refused(peer_id)):
                         logger.warning(
-                            "%s next hop %s refused trips %d times in a row (%s); banned %.0fs",
+                            "%s next hop %s kept refusing trips for our U version; banned %.0fs",
                             self.label,
                             peer_id[-6:],
-                            router.refusals_before_ban,
-                            exc.code.value,
                             seconds,
                         )
                     raise

@@ -6,8 +6,9 @@ dead peer costs one timeout, not one per trip. Peers whose `T_fixed` hash differ
 never chosen: they could not decode what we send. The `U` version is not filtered here: records
 lag a switch by seconds, and a peer at another version answers at once with the version error,
 which the driver resolves by running the trip again. A peer that keeps refusing that way (stuck
-at an old `U`, or claiming the stage after it is empty when it is not) is banned after a few
-refusals in a row, so the trips it turns away go to the stage's other peers.
+at another `U`) is banned once it has refused over several seconds with no trip carried between,
+so the trips it turns away go to the stage's other peers; the burst of refusals every switch
+causes (all trips in flight at once) counts once.
 """
 
 from __future__ import annotations
@@ -32,10 +33,11 @@ class Router:
     base_ban: float = 5.0
     max_ban: float = 60.0
     refusals_before_ban: int = 3
+    refusal_spacing: float = 2.0  # refusals closer together than this are one burst
     stages: dict[int, list[PeerEntry]] = field(default_factory=dict)
     bans: dict[str, Ban] = field(default_factory=dict)
     inflight: dict[str, int] = field(default_factory=dict)
-    refusals: dict[str, int] = field(default_factory=dict)
+    refusals: dict[str, tuple[int, float]] = field(default_factory=dict)  # peer -> (count, last counted)
     rng: random.Random = field(default_factory=random.Random)
 
     def update(self, stages: dict[int, list[PeerEntry]], now: float | None = None) -> None:
@@ -78,11 +80,15 @@ class Router:
         return seconds
 
     def refused(self, peer_id: str, now: float | None = None) -> float:
-        """A refusal that is no fault when it happens once (a `U` switch in progress, a record that
-        lags): count it, and ban the peer once it refuses several trips in a row. Returns the ban in
-        seconds, 0 while the peer is still given the benefit of the doubt."""
-        self.refusals[peer_id] = self.refusals.get(peer_id, 0) + 1
-        if self.refusals[peer_id] < self.refusals_before_ban:
+        """A version refusal is no fault while a switch is in progress: count it (one per burst),
+        and ban the peer once it has refused that way several times without carrying a trip in
+        between. Returns the ban in seconds, 0 while the peer keeps the benefit of the doubt."""
+        now = time.monotonic() if now is None else now
+        count, last = self.refusals.get(peer_id, (0, -float("inf")))
+        if now - last < self.refusal_spacing:
+            return 0.0
+        if count + 1 < self.refusals_before_ban:
+            self.refusals[peer_id] = (count + 1, now)
             return 0.0
         del self.refusals[peer_id]
         return self.ban(peer_id, now)

@@ -50,15 +50,17 @@ class SnapshotStateAverager(TrainingStateAverager):
     """
 
     def get_current_state(self):
+        # hivemind's own locking first (it may wait out an averaging round), and only then the
+        # optimizer lock, held just for the copy: the stage thread never waits on a download
+        metadata, tensors, infos = super().get_current_state()
         with self.lock_optimizer:
-            metadata, tensors, infos = super().get_current_state()
             return metadata, [tensor.clone() for tensor in tensors], infos
 
 
 class StageOptimizer(Optimizer):
     """hivemind's Optimizer, serving consistent state to joiners, and quiet while a stage has one peer.
 
-    hivemind books an averaging group ahead of every epoch's end even when no other peer trains
+    hivemind books a gradient-averaging group ahead of every epoch's end even when no other peer trains
     the stage, and cancels it at the end. Looking for a group polls the DHT many times a second, and
     with short epochs a stage looks for one all the time: measured on a 3-stage local swarm, ~100
     DHT lookups a second, the bulk of each peer's non-trip traffic. Alone in its stage a peer has
@@ -68,10 +70,6 @@ class StageOptimizer(Optimizer):
     def _maybe_schedule_gradient_averaging(self) -> None:
         if self.tracker.global_progress.num_peers > 1:
             super()._maybe_schedule_gradient_averaging()
-
-    def _maybe_schedule_state_averaging(self) -> None:
-        if self.tracker.global_progress.num_peers > 1:
-            super()._maybe_schedule_state_averaging()
 
     def _make_state_averager(self, **kwargs) -> TrainingStateAverager:
         return SnapshotStateAverager(
@@ -274,10 +272,14 @@ class StageRuntime:
         return tokens.numel() / best
 
     def load_from_peers(self) -> bool:
+        before = (self.epoch, parameters_sha256(self.stage))
         try:
             self.optimizer.load_state_from_peers()
         except Exception as exc:  # noqa: BLE001 - a failed download must not kill the peer
             logger.warning("%s could not load state from peers: %s", self.label, exc)
+            return False
+        if (self.epoch, parameters_sha256(self.stage)) == before:  # hivemind returns quietly if no donor answered
+            logger.warning("%s no peer of the stage served its state", self.label)
             return False
         # hashed as received, before our own re-projection, so it compares with the donor's hashes
         self.loaded_state = f"{self.epoch}:{parameters_sha256(self.stage)[:16]}"

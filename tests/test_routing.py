@@ -51,10 +51,13 @@ def test_a_peer_that_keeps_refusing_trips_is_banned_and_one_answer_clears_its_re
     r = router(entry("stuck", 1000.0), entry("other", 10.0))
     assert r.refused("stuck", now=0.0) == 0.0
     r.forgive("stuck")  # it then carried a trip: the count starts over
-    assert [r.refused("stuck", now=1.0), r.refused("stuck", now=1.0)] == [0.0, 0.0]
-    assert r.refused("stuck", now=1.0) == 5.0  # the third refusal in a row
-    assert [e.record.peer_id for e in r.candidates(1, now=2.0)] == ["other"]
-    r.update({1: [entry("other", 10.0)]}, now=3.0)  # gone from the DHT: nothing kept about it
+    # a U switch refuses every trip in flight at once: one burst counts once
+    assert [r.refused("stuck", now=10.0 + i / 100) for i in range(10)] == [0.0] * 10
+    assert r.refused("stuck", now=12.5) == 0.0
+    assert r.refused("stuck", now=15.0) == 5.0  # the third burst with no trip carried between
+    assert [e.record.peer_id for e in r.candidates(1, now=16.0)] == ["other"]
+    r.refused("other", now=16.0)
+    r.update({1: [entry("stuck", 1000.0)]}, now=17.0)  # gone from the DHT: nothing kept about it
     assert r.refusals == {}
 
 

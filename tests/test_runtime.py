@@ -43,8 +43,7 @@ def test_a_stage_alone_books_no_averaging_groups_and_still_steps():
         while time.monotonic() < deadline:
             leaf, output, residual = runtime.forward(hidden, tokens)
             runtime.backward(leaf, output, None, tokens, batch.microbatch_size, residual)
-            optimizer = runtime.optimizer
-            booked.append(optimizer.scheduled_grads is not None or optimizer.scheduled_state is not None)
+            booked.append(runtime.optimizer.scheduled_grads is not None)
             time.sleep(0.1)  # trips arrive one by one
         assert runtime.epoch >= 5  # epochs still end, with local gradients
         assert not any(booked)  # and no matchmaking was started for them

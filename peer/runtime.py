@@ -278,11 +278,12 @@ class StageRuntime:
         except Exception as exc:  # noqa: BLE001 - a failed download must not kill the peer
             logger.warning("%s could not load state from peers: %s", self.label, exc)
             return False
-        if (self.epoch, parameters_sha256(self.stage)) == before:  # hivemind returns quietly if no donor answered
+        # hashed as received, before our own re-projection, so it compares with the donor's hashes
+        received = (self.epoch, parameters_sha256(self.stage))
+        if received == before:  # hivemind returns quietly if no donor answered
             logger.warning("%s no peer of the stage served its state", self.label)
             return False
-        # hashed as received, before our own re-projection, so it compares with the donor's hashes
-        self.loaded_state = f"{self.epoch}:{parameters_sha256(self.stage)[:16]}"
+        self.loaded_state = f"{received[0]}:{received[1][:16]}"
         self.stage.reproject_()
         self._note_state()
         return True

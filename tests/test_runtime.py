@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 
+import pytest
 import torch
 from hivemind.dht import DHT
 
@@ -11,42 +13,42 @@ from peer.runtime import StageRuntime, parameters_sha256
 from swarm.presets import preset
 from swarm.subspace import tensor_sha256
 
+MANIFEST = preset("tiny", stages=2)
 
-def test_state_served_to_joiners_is_a_copy_not_the_live_tensors():
-    manifest = preset("tiny", stages=2)
+
+@pytest.fixture
+def runtime() -> Iterator[StageRuntime]:
+    """The tail stage of a 2-stage run, alone on its own DHT node."""
     dht = DHT(start=True)
-    runtime = StageRuntime(manifest, 1, dht, torch.device("cpu"), "[test stage 1]")
+    stage = StageRuntime(MANIFEST, 1, dht, torch.device("cpu"), "[test stage 1]")
     try:
-        before = parameters_sha256(runtime.stage)
-        _, tensors, _ = runtime.optimizer.state_averager.get_current_state()
-        with torch.no_grad():  # the peer goes on training while the joiner's download is serialised
-            for param in runtime.stage.parameters():
-                param.add_(1.0)
-        assert parameters_sha256(runtime.stage) != before
-        served = torch.cat([t.flatten() for t in tensors[: len(list(runtime.stage.parameters()))]])
-        assert tensor_sha256(served) == before
+        yield stage
     finally:
-        runtime.shutdown()
+        stage.shutdown()
         dht.shutdown()
 
 
-def test_a_stage_alone_books_no_averaging_groups_and_still_steps():
-    manifest = preset("tiny", stages=2)
-    dht = DHT(start=True)
-    runtime = StageRuntime(manifest, 1, dht, torch.device("cpu"), "[test stage 1]", matchmaking_time=3.0)
-    try:
-        batch = manifest.batch
-        tokens = torch.randint(0, manifest.model.vocab_size, (batch.microbatch_size, batch.seq_len))
-        hidden = runtime.stage.subspace.t_fixed[tokens].detach().clone()
-        booked = []
-        deadline = time.monotonic() + 15  # long enough for the progress tracker to estimate the epoch's end
-        while time.monotonic() < deadline:
-            leaf, output, residual = runtime.forward(hidden, tokens)
-            runtime.backward(leaf, output, None, tokens, batch.microbatch_size, residual)
-            booked.append(runtime.optimizer.scheduled_grads is not None)
-            time.sleep(0.1)  # trips arrive one by one
-        assert runtime.epoch >= 5  # epochs still end, with local gradients
-        assert not any(booked)  # and no matchmaking was started for them
-    finally:
-        runtime.shutdown()
-        dht.shutdown()
+def test_state_served_to_joiners_is_a_copy_not_the_live_tensors(runtime: StageRuntime):
+    before = parameters_sha256(runtime.stage)
+    _, tensors, _ = runtime.optimizer.state_averager.get_current_state()
+    with torch.no_grad():  # the peer goes on training while the joiner's download is serialised
+        for param in runtime.stage.parameters():
+            param.add_(1.0)
+    assert parameters_sha256(runtime.stage) != before
+    served = torch.cat([t.flatten() for t in tensors[: len(list(runtime.stage.parameters()))]])
+    assert tensor_sha256(served) == before
+
+
+def test_a_stage_alone_books_no_averaging_groups_and_still_steps(runtime: StageRuntime):
+    batch = MANIFEST.batch
+    tokens = torch.randint(0, MANIFEST.model.vocab_size, (batch.microbatch_size, batch.seq_len))
+    hidden = runtime.stage.subspace.t_fixed[tokens].detach().clone()
+    booked = []
+    deadline = time.monotonic() + 15  # long enough for the progress tracker to estimate the epoch's end
+    while time.monotonic() < deadline:
+        leaf, output, residual = runtime.forward(hidden, tokens)
+        runtime.backward(leaf, output, None, tokens, batch.microbatch_size, residual)
+        booked.append(runtime.optimizer.scheduled_grads is not None)
+        time.sleep(0.1)  # trips arrive one by one
+    assert runtime.epoch >= 5  # epochs still end, with local gradients
+    assert not any(booked)  # and no matchmaking was started for them

@@ -3,8 +3,12 @@
 It starts a bootstrap DHT node in this process (which also watches the peers' records), a
 tracker, and one `protocol-peer` process per slot, all on loopback; it stops when the slowest
 stage has made `--steps` optimizer steps, and always stops every child (process groups, so
-hivemind's DHT processes and p2pd daemons go too) and removes its temporary directory.
-Peers are separate programs, started as commands: `swarm` never imports `peer` or `tracker`.
+hivemind's DHT processes and p2pd daemons go too). The status page is part of what a newcomer
+runs this for, so the tracker is checked like a peer: its page and `/api/v1/swarm` are fetched
+during the run (the summary reports what was fetched), and a dead tracker fails the run. The
+temporary directory is removed after a clean run and kept, with its path printed, whenever a
+child failed. Peers are separate programs, started as commands: `swarm` never imports `peer`
+or `tracker`.
 """
 
 from __future__ import annotations
@@ -29,6 +33,59 @@ from swarm.records import PeerEntry, fetch_stages, load_or_create_rsa_key, make_
 
 class LocalSwarmError(RuntimeError):
     pass
+
+
+class ChildFailed(LocalSwarmError):
+    """A child process exited during the run: its log, and the working directory, are evidence to keep."""
+
+
+TRACKER_PROBE_INTERVAL = 5.0
+
+
+@dataclass
+class TrackerProbe:
+    """What the tracker actually served during the run, fetched over HTTP like a browser would.
+
+    The page counts when it answers 200 and names this run; the API when `/api/v1/swarm` answers
+    200 with this run's id and one row per stage; `healthy_seen` when the API once reported every
+    stage served. Failures before the first success are the tracker starting up, not errors.
+    """
+
+    url: str
+    run_id: str
+    num_stages: int
+    page_fetches: int = 0
+    api_fetches: int = 0
+    healthy_seen: bool = False
+    last_error: str | None = None
+    last_probe: float = -float("inf")
+
+    def probe(self, timeout: float = 5.0) -> None:
+        import httpx
+
+        self.last_probe = time.monotonic()
+        try:
+            page = httpx.get(self.url + "/", timeout=timeout)
+            if page.status_code == 200 and self.run_id in page.text:
+                self.page_fetches += 1
+            else:
+                self.last_error = f"GET / answered {page.status_code}"
+            api = httpx.get(self.url + "/api/v1/swarm", params={"history": 0}, timeout=timeout)
+            body = api.json() if api.status_code == 200 else {}
+            if body.get("run_id") == self.run_id and len(body.get("stages", [])) == self.num_stages:
+                self.api_fetches += 1
+                self.healthy_seen = self.healthy_seen or body.get("healthy") is True
+            else:
+                self.last_error = f"GET /api/v1/swarm answered {api.status_code}"
+        except (httpx.HTTPError, ValueError) as exc:
+            self.last_error = f"{type(exc).__name__}: {exc}"
+
+    def due(self) -> bool:
+        return time.monotonic() - self.last_probe >= TRACKER_PROBE_INTERVAL
+
+    @property
+    def ok(self) -> bool:
+        return self.page_fetches > 0 and self.api_fetches > 0
 
 
 @dataclass
@@ -137,7 +194,9 @@ class LocalSwarm:
         self.dht = DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], record_validators=validators)
         bootstrap = self.bootstrap
         tracker = shutil.which("protocol-tracker")
-        if self.with_tracker and tracker:
+        if self.with_tracker:
+            if tracker is None:
+                raise LocalSwarmError("protocol-tracker is not installed (pip install -e .)")
             port = free_port()
             self._spawn(
                 "tracker",
@@ -196,16 +255,13 @@ class LocalSwarm:
         )
 
     def check_children(self) -> None:
-        """A dead peer ends the run; a dead tracker only costs the status page."""
+        """Any child that exits before the end fails the run: a dead peer stalls its stage, a dead
+        tracker takes the status page with it."""
         for child in self.children:
             code = child.process.poll()
-            if code is not None and child.name == "tracker":
-                if self.tracker_url:
-                    print(f"warning: the tracker exited with code {code}; see {child.log}", file=sys.stderr)
-                    self.tracker_url = None
-            elif code is not None:
+            if code is not None:
                 tail = child.log.read_text(errors="replace")[-2000:]
-                raise LocalSwarmError(f"{child.name} exited with code {code}; its log ends:\n{tail}")
+                raise ChildFailed(f"{child.name} exited with code {code}; its log ends:\n{tail}")
 
     def poll(self) -> dict[int, list[PeerEntry]]:
         return fetch_stages(self.dht, self.manifest)
@@ -257,12 +313,14 @@ def run_local(args: argparse.Namespace) -> dict:
     workdir = Path(tempfile.mkdtemp(prefix="protocol-swarm-"))
     swarm = LocalSwarm(manifest, args.peers_per_stage, workdir, args.max_inflight)
     progress = Progress()
+    tracker: TrackerProbe | None = None
     bar = None
+    keep = args.keep_logs
     try:
         swarm.start()
-        if swarm.tracker_url and not args.json:
-            print(f"tracker: {swarm.tracker_url}", flush=True)
+        tracker = TrackerProbe(swarm.tracker_url, manifest.run_id, manifest.num_stages)
         if not args.json:
+            print(f"tracker: {swarm.tracker_url}", flush=True)
             from tqdm import tqdm
 
             bar = tqdm(total=args.steps, desc=f"local swarm {manifest.compression}", unit="step")
@@ -275,6 +333,8 @@ def run_local(args: argparse.Namespace) -> dict:
             time.sleep(1.0)
             stages = swarm.poll()
             progress.observe(stages)
+            if tracker.due():
+                tracker.probe()
             if progress.online_at is None and all(
                 any(e.record.state == "online" for e in stages.get(s, [])) for s in range(manifest.num_stages)
             ):
@@ -286,13 +346,23 @@ def run_local(args: argparse.Namespace) -> dict:
                     bar.set_postfix(loss=f"{progress.loss_last:.3f}", tokens=progress.driver_tokens())
             epoch = max(epoch, new_epoch)
         progress.observe(swarm.poll())
+        tracker.probe()  # the page and the API once more at the end, with every peer still up
+        swarm.check_children()
+        if not tracker.ok:
+            raise LocalSwarmError(
+                f"the tracker at {swarm.tracker_url} never served its page and /api/v1/swarm "
+                f"(last error: {tracker.last_error}); see {workdir / 'tracker.log'}"
+            )
         elapsed = time.monotonic() - (progress.online_at or progress.started)
+    except ChildFailed:
+        keep = True
+        raise
     finally:
         if bar is not None:
             bar.close()
         swarm.stop()
-        if args.keep_logs:
-            print(f"logs kept in {workdir}", file=sys.stderr)
+        if keep:
+            print(f"protocol-swarm local: logs kept in {workdir}", file=sys.stderr)
         else:
             shutil.rmtree(workdir, ignore_errors=True)
     tokens = progress.driver_tokens()
@@ -311,6 +381,10 @@ def run_local(args: argparse.Namespace) -> dict:
         "dense_wire_bytes_per_token": 2 * manifest.dense_bytes_per_token(),
         "seconds": elapsed,
         "tracker": swarm.tracker_url,
+        "tracker_ok": tracker.ok,
+        "tracker_page_fetches": tracker.page_fetches,
+        "tracker_api_fetches": tracker.api_fetches,
+        "tracker_saw_healthy": tracker.healthy_seen,
         "workdir": str(workdir),
         "peers": [
             {
@@ -335,7 +409,7 @@ def cmd_local(args: argparse.Namespace) -> int:
     try:
         summary = run_local(args)
     except LocalSwarmError as exc:
-        print(f"protocol-swarm local: {exc}", file=sys.stderr)
+        print(f"protocol-swarm local: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("protocol-swarm local: interrupted; all peers stopped", file=sys.stderr)
@@ -353,6 +427,10 @@ def cmd_local(args: argparse.Namespace) -> int:
             f"wire {summary['wire_bytes_per_token']:.1f} bytes/token per boundary "
             f"(dense would send {summary['dense_wire_bytes_per_token']})"
         )
+        print(
+            f"tracker {summary['tracker']}: page served {summary['tracker_page_fetches']} times, "
+            f"/api/v1/swarm {summary['tracker_api_fetches']} times"
+        )
         for peer in summary["peers"]:
             print(f"  stage {peer['stage']} {peer['name']:<16} trips {peer['trips']:>6} errors {peer['errors']}")
     return 0
@@ -369,6 +447,8 @@ def add_local_parser(sub) -> None:
     local.add_argument("--subspace-update-interval", type=int, help="optimizer epochs between U updates (0 = never)")
     local.add_argument("--max-inflight", type=int, default=4, help="trips each driver keeps in flight")
     local.add_argument("--timeout", type=float, default=900.0, help="give up after this many seconds")
-    local.add_argument("--keep-logs", action="store_true", help="keep the working directory with peer logs")
+    local.add_argument(
+        "--keep-logs", action="store_true", help="keep the working directory with peer logs (kept anyway on failure)"
+    )
     local.add_argument("--json", action="store_true", help="print one JSON summary as the last line")
     local.set_defaults(func=cmd_local)

@@ -5,19 +5,42 @@ so only that peer can write it) and `{run_id}_subspace` (U versions and per-stag
 hivemind's `SchemaValidator` joins a prefix to a field name with '_', so the keys use '_' where
 DESIGN.md wrote '.'. Values are checked with strict pydantic v1 types (hivemind's validator
 refuses any record that would need a type conversion).
+
+A record speaks only for its signer. A stage record is signed by an RSA key (the subkey carries
+its public key) and names a libp2p `peer_id`; a peer signs its records with its libp2p identity
+key itself (hivemind identities are RSA), so the two are one key and the binding is checkable by
+anyone: `peer_id` must be the libp2p id derived from the signer's public key. `BoundPeerIdValidator`
+refuses any other stage record at storage, and `parse_stage_entries` drops it on reading (against
+nodes that store without checking). So a record signed with key B cannot name peer A: at most one
+signer, A's own key, can ever publish records under A's id, and a record cannot move trips,
+placement or the tracker's numbers onto a peer that did not write it. (Dialling is authenticated
+by libp2p as well: a trip sent to a `peer_id` reaches only the holder of that id.)
+
+What a record *claims* about itself (throughput, trips, epochs) stays a claim: `plausible_throughput`
+bounds a throughput claim by what the stage's arithmetic allows on any hardware (see there).
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import math
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Optional
 
+import multihash
 import pydantic.v1 as pydantic
+from cryptography.hazmat.primitives import serialization
 from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.routing import DHTID
 from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
+from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.p2p import PeerID
+from hivemind.proto import crypto_pb2
+from hivemind.utils import MSGPackSerializer
 from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.timed_storage import get_dht_time
 
@@ -142,9 +165,114 @@ def load_or_create_rsa_key(path: str | Path | None) -> RSAPrivateKey:
     return key
 
 
+def load_identity_key(identity_path: str | Path) -> RSAPrivateKey:
+    """The RSA key inside a libp2p identity file (hivemind's `P2P.generate_identity` format): signing
+    records with it binds them to the peer id libp2p derives from the same key."""
+    data = crypto_pb2.PrivateKey.FromString(Path(identity_path).read_bytes())
+    if data.key_type != crypto_pb2.KeyType.RSA:
+        raise ValueError(f"identity {identity_path} is not an RSA key")
+    key = RSAPrivateKey.__new__(RSAPrivateKey)
+    key.__setstate__({"_private_key": data.data})
+    return key
+
+
+_OWNER_RE = re.compile(RSASignatureValidator.PUBLIC_KEY_REGEX)
+
+
+@functools.lru_cache(maxsize=4096)
+def peer_id_of_owner(owner: bytes) -> str | None:
+    """The libp2p peer id (base58) of the RSA key in a subkey `[owner:ssh-rsa ...]`, None if it has none.
+
+    The same derivation as hivemind's `PeerID.from_identity`: sha2-256 multihash of the protobuf
+    `PublicKey(RSA, DER SubjectPublicKeyInfo)`."""
+    found = _OWNER_RE.findall(owner)
+    if len(set(found)) != 1:
+        return None
+    try:
+        public = serialization.load_ssh_public_key(found[0])
+        der = public.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+    except (ValueError, TypeError):
+        return None
+    encoded = crypto_pb2.PublicKey(key_type=crypto_pb2.RSA, data=der).SerializeToString()
+    digest = multihash.encode(hashlib.sha256(encoded).digest(), multihash.coerce_code("sha2-256"))
+    return PeerID(digest).to_base58()
+
+
+class BoundPeerIdValidator(RecordValidatorBase):
+    """Refuses a stage record whose `peer_id` is not the id of the key that signed it (runs after the
+    signature check and the schema, on the stripped value). Deletions and other keys pass."""
+
+    def __init__(self, manifest: Manifest):
+        keys = (stage_key(manifest, i) for i in range(manifest.num_stages))
+        self._stage_keys = {DHTID.generate(source=key).to_bytes() for key in keys}
+
+    def validate(self, record: DHTRecord) -> bool:
+        if record.key not in self._stage_keys:
+            return True
+        try:
+            value = MSGPackSerializer.loads(record.value)
+        except Exception:  # noqa: BLE001 - the schema validator refuses what does not parse
+            return False
+        if value is None:
+            return True
+        claimed = value.get("peer_id") if isinstance(value, dict) else None
+        return isinstance(claimed, str) and claimed == peer_id_of_owner(record.subkey or b"")
+
+    @property
+    def priority(self) -> int:
+        return -10  # validated last: after the signature is checked and stripped
+
+    def merge_with(self, other: RecordValidatorBase) -> bool:
+        return isinstance(other, BoundPeerIdValidator)
+
+
 def make_validators(manifest: Manifest, rsa_key: RSAPrivateKey) -> tuple[RSASignatureValidator, list]:
     signer = RSASignatureValidator(rsa_key)
-    return signer, [SchemaValidator(_run_schema(manifest), allow_extra_keys=True, prefix=manifest.run_id), signer]
+    schema = SchemaValidator(_run_schema(manifest), allow_extra_keys=True, prefix=manifest.run_id)
+    return signer, [schema, signer, BoundPeerIdValidator(manifest)]
+
+
+# --- plausibility of claims -----------------------------------------------------------------------
+
+# A generous ceiling on what one peer's hardware does: 2 PFLOP/s is about a dense bf16 H100 SXM
+# (~1 PFLOP/s) twice over, so no honest volunteer gets near it on one stage.
+HARDWARE_FLOPS_CEILING = 2e15
+
+
+def stage_flops_per_token(manifest: Manifest, stage: int) -> float:
+    """A lower bound on the FLOPs one token costs a stage for forward + backward: 6 × the stage's
+    matrix parameters (attention projections, SwiGLU, the LM head on the tail) plus causal attention
+    scores (6 × seq_len × d_model per layer). Embedding look-ups, norms and projections onto U are left
+    out, so the bound errs on the generous side."""
+    shape = manifest.model
+    d, head = shape.d_model, shape.d_model // shape.n_heads
+    attention = 2 * d * d + 2 * d * head * shape.n_kv_heads
+    per_layer = attention + 3 * d * shape.d_ff
+    params = len(manifest.layers_of(stage)) * per_layer
+    if stage == manifest.num_stages - 1:
+        params += d * shape.vocab_size
+    scores = len(manifest.layers_of(stage)) * 6 * manifest.batch.seq_len * d
+    return 6.0 * params + scores
+
+
+def plausible_throughput(manifest: Manifest, stage: int) -> float:
+    """The most tokens/s a peer of `stage` can serve: HARDWARE_FLOPS_CEILING over the stage's FLOPs per
+    token (e.g. 4.3e8 for the one-layer middle stage of the 3-stage tiny preset, 3.6e5 for a 4-layer stage of
+    the 8b preset over 8 stages)."""
+    return HARDWARE_FLOPS_CEILING / max(stage_flops_per_token(manifest, stage), 1.0)
+
+
+def claimed_throughput(record: StagePeerRecord, manifest: Manifest) -> float:
+    """A record's throughput claim, clamped to the plausible bound of its stage."""
+    stage = min(record.stage, manifest.num_stages - 1)
+    return min(record.throughput, plausible_throughput(manifest, stage))
+
+
+def plausible_loss_bound(manifest: Manifest) -> float:
+    """The largest next-token loss a trip may report: a model no better than uniform scores ln(V); an
+    honest, badly trained one may be over-confident and wrong by a few times that, never by more than
+    2·ln(V) + 10 nats (e.g. 21.1 for V = 256, 31.6 for V = 50304). Negative or larger is a lie or a bug."""
+    return 2.0 * math.log(manifest.model.vocab_size) + 10.0
 
 
 @dataclass(frozen=True)
@@ -172,6 +300,8 @@ def parse_stage_entries(raw: Any) -> list[PeerEntry]:
             PeerID.from_base58(record.peer_id)  # a record nobody can dial is worthless to a router
         except (pydantic.ValidationError, ValueError):
             continue
+        if record.peer_id != peer_id_of_owner(subkey if isinstance(subkey, bytes) else b""):
+            continue  # signed by a key that is not this peer id's: it speaks for someone else
         entries.append(PeerEntry(record=record, expiration=float(item.expiration_time), owner=subkey))
     return entries
 

@@ -405,3 +405,19 @@ def test_tracker_never_imports_the_peer_daemon():
             if isinstance(node, ast.ImportFrom) and node.module:
                 names = [node.module]
             assert not any(n == "peer" or n.startswith("peer.") for n in names), path
+
+
+def test_throughput_is_a_claim_clamped_to_what_hardware_can_do():
+    """A record claiming 1e12 tokens/s is shown, and counted in capacity, at the stage's plausible bound."""
+    from swarm.records import plausible_throughput
+
+    stages = {i: [view(record(i, "honest"))] for i in range(MANIFEST.num_stages)}
+    stages[1].append(view(record(1, "liar", throughput=1e12)))
+    s = summarize(MANIFEST, stages, now=NOW)
+    bound = plausible_throughput(MANIFEST, 1)
+    row = s["stages"][1]
+    liar = next(p for p in row["peers"] if p["public_name"] == "liar")
+    assert liar["claimed_throughput"] == liar["throughput"] == bound
+    assert liar["claimed_throughput_raw"] == 1e12
+    assert row["throughput"] == row["claimed_throughput"] == bound + 100.0 and row["throughput_bound"] == bound
+    assert s["totals"]["capacity_tokens_per_s"] == 100.0  # the other stages' honest claims

@@ -14,7 +14,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from swarm.manifest import Manifest
-from swarm.records import RECORD_TTL, SOFTWARE_VERSION, PeerEntry, StagePeerRecord
+from swarm.records import (
+    RECORD_TTL,
+    SOFTWARE_VERSION,
+    PeerEntry,
+    StagePeerRecord,
+    claimed_throughput,
+    plausible_throughput,
+)
 
 # A peer re-announces every RECORD_TTL / 3; missing two and a half of those means it is in trouble
 # (its record is still alive, but it may be about to vanish).
@@ -109,14 +116,20 @@ def peer_warnings(
     return out
 
 
-def peer_summary(view: PeerView, now: float) -> dict[str, Any]:
+def peer_summary(view: PeerView, now: float, manifest: Manifest | None = None) -> dict[str, Any]:
+    """One peer's row. Its numbers are what it claims of itself; `throughput` is that claim clamped to
+    what the stage's arithmetic allows on any hardware (`swarm.records.plausible_throughput`), also
+    given as `claimed_throughput`, with the unclamped claim in `claimed_throughput_raw`."""
     r = view.record
+    claim = claimed_throughput(r, manifest) if manifest is not None else r.throughput
     return dict(
         key=view.key,
         peer_id=r.peer_id,
         public_name=r.public_name,
         state=r.state,
-        throughput=r.throughput,
+        throughput=claim,
+        claimed_throughput=claim,
+        claimed_throughput_raw=r.throughput,
         load=r.load,
         u_version=r.u_version,
         u_sha256=r.u_sha256,
@@ -153,7 +166,8 @@ def summarize(
     `healthy` holds only when every stage has a serving peer (online, right T_fixed): a trip
     needs every stage, so one empty stage stops training for the whole swarm.
     Totals: `capacity_tokens_per_s` is the pipeline's bottleneck (the weakest stage's summed
-    throughput); `tokens_trained` sums the stage-0 drivers' counters (every trip starts there);
+    throughput, as its peers claim it, each claim clamped to `throughput_bound`: see `peer_summary`);
+    `tokens_trained` sums the stage-0 drivers' counters (every trip starts there);
     `dense_equivalent_bytes` is what the same tokens would have cost uncompressed across the same
     boundaries, so `bytes_sent / dense_equivalent_bytes` is the achieved compression.
     """
@@ -174,10 +188,13 @@ def summarize(
     tokens_trained, losses = 0, []
     per_stage = peers_listed_per_stage(manifest.num_stages)
     for i in range(manifest.num_stages):
-        views = sorted(stages.get(i, ()), key=lambda v: (v.record.state != "online", -v.record.throughput, v.key))
+        bound = plausible_throughput(manifest, i)
+        views = sorted(
+            stages.get(i, ()), key=lambda v: (v.record.state != "online", -min(v.record.throughput, bound), v.key)
+        )
         serving = [v for v in views if is_serving(v.record, manifest)]
         online = [v for v in views if v.record.state == "online"]
-        stage_capacity = sum(v.record.throughput for v in serving)
+        stage_capacity = sum(claimed_throughput(v.record, manifest) for v in serving)
         capacity.append(stage_capacity)
         directions = boundary_directions(i, manifest.num_stages)
         for v in views:
@@ -206,9 +223,11 @@ def summarize(
                 peers_total=len(views),
                 peers_online=len(online),
                 peers_serving=len(serving),
-                throughput=stage_capacity,
+                throughput=stage_capacity,  # claimed by its peers, each claim clamped to the bound
+                claimed_throughput=stage_capacity,
+                throughput_bound=bound,
                 load=sum(v.record.load for v in views),
-                peers=[peer_summary(v, now) for v in views[:per_stage]],
+                peers=[peer_summary(v, now, manifest) for v in views[:per_stage]],
                 peers_omitted=max(0, len(views) - per_stage),
             )
         )

@@ -1,0 +1,98 @@
+"""A record speaks only for its signer (real RSA identities, real hivemind validators), and claims are clamped."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+from builders import stage_record
+from hivemind.dht.routing import DHTID
+from hivemind.dht.validation import CompositeValidator, DHTRecord
+from hivemind.p2p import P2P, PeerID
+from hivemind.utils import MSGPackSerializer
+from hivemind.utils.timed_storage import ValueWithExpiration, get_dht_time
+
+from swarm.presets import preset
+from swarm.records import (
+    claimed_throughput,
+    load_identity_key,
+    make_validators,
+    parse_stage_entries,
+    peer_id_of_owner,
+    plausible_loss_bound,
+    plausible_throughput,
+    stage_key,
+)
+
+MANIFEST = preset("tiny", stages=3)
+
+
+def identity(tmp_path, name):
+    """A libp2p identity as hivemind writes it, its peer id, and the validators of a peer signing with it."""
+    path = tmp_path / name
+    P2P.generate_identity(str(path))
+    peer_id = PeerID.from_identity(path.read_bytes()).to_base58()
+    signer, validators = make_validators(MANIFEST, load_identity_key(path))
+    return peer_id, signer, CompositeValidator(validators)
+
+
+def signed(validator: CompositeValidator, signer, record) -> DHTRecord:
+    """What a DHT node stores for `record` under the stage key, signed as `signer` (as `DHTNode.store` does)."""
+    unsigned = DHTRecord(
+        key=DHTID.generate(source=stage_key(MANIFEST, record.stage)).to_bytes(),
+        subkey=MSGPackSerializer.dumps(signer.local_public_key),
+        value=MSGPackSerializer.dumps(record.dict()),
+        expiration_time=get_dht_time() + 30,
+    )
+    return DHTRecord(unsigned.key, unsigned.subkey, validator.sign_value(unsigned), unsigned.expiration_time)
+
+
+def test_the_signer_is_the_libp2p_identity(tmp_path):
+    peer_id, signer, _ = identity(tmp_path, "a.id")
+    assert peer_id_of_owner(signer.local_public_key) == peer_id
+    assert peer_id_of_owner(b"no key here") is None
+
+
+def test_a_record_naming_another_peer_is_refused_at_storage(tmp_path):
+    a_id, a_signer, a_validator = identity(tmp_path, "a.id")
+    _, b_signer, b_validator = identity(tmp_path, "b.id")
+    _, _, storing_node = identity(tmp_path, "c.id")  # a third node checks what it is asked to store
+    own = signed(a_validator, a_signer, stage_record(1, "a", peer_id=a_id))
+    forged = signed(b_validator, b_signer, stage_record(1, "b", peer_id=a_id, throughput=1e12, trips=10**9))
+    assert storing_node.validate(own)
+    assert not storing_node.validate(forged)
+    # the signature itself is fine: only the claimed id is wrong
+    b_id = peer_id_of_owner(b_signer.local_public_key)
+    assert storing_node.validate(signed(b_validator, b_signer, stage_record(1, "b", peer_id=b_id)))
+    # deleting one's own record (value None) is not a claim
+    deletion = DHTRecord(own.key, own.subkey, MSGPackSerializer.dumps(None), own.expiration_time)
+    assert storing_node.validate(
+        DHTRecord(deletion.key, deletion.subkey, a_validator.sign_value(deletion), deletion.expiration_time)
+    )
+
+
+def test_reading_keeps_one_record_per_peer_id_its_own(tmp_path):
+    a_id, a_signer, _ = identity(tmp_path, "a.id")
+    _, b_signer, _ = identity(tmp_path, "b.id")
+    expires = get_dht_time() + 30
+    raw = SimpleNamespace(
+        value={
+            a_signer.local_public_key: ValueWithExpiration(stage_record(1, "a", peer_id=a_id).dict(), expires),
+            b_signer.local_public_key: ValueWithExpiration(
+                stage_record(1, "b", peer_id=a_id, throughput=1e12).dict(), expires
+            ),
+        }
+    )
+    entries = parse_stage_entries(raw)
+    assert [(e.record.public_name, e.owner) for e in entries] == [("a", a_signer.local_public_key)]
+
+
+def test_claims_are_clamped_to_what_hardware_can_do():
+    for stage in range(MANIFEST.num_stages):
+        bound = plausible_throughput(MANIFEST, stage)
+        assert 1e6 < bound < 1e10  # a tiny stage: generous, but finite
+        assert claimed_throughput(stage_record(stage, throughput=1e12), MANIFEST) == bound
+        assert claimed_throughput(stage_record(stage, throughput=5e3), MANIFEST) == 5e3
+    big = preset("8b", stages=8)
+    assert plausible_throughput(big, 3) < 1e6  # 4 layers of an 8B model: under a million tokens/s anywhere
+    assert plausible_loss_bound(MANIFEST) > 2 * math.log(256)

@@ -1,7 +1,15 @@
 """Choosing the next hop: which peer of a stage gets a trip.
 
 Like SWARM's balancer: the least expected queue (trips in flight over throughput), random
-tie-break, and a peer that failed is banned for a while (doubling on repeated failures) so a
+tie-break. The throughput is what *this* peer measured of each candidate, never what the candidate
+claims: an EWMA of the seconds per token of its own trips to it (send to checked reply), halved
+for every failure. A claimed throughput is only a prior for a peer not measured yet, and a capped
+one: at most `prior_factor` times the best rate measured in the stage (or, with nothing measured,
+the stage's plausible bound from the manifest), and an unmeasured peer with a trip in flight is
+tried again only when nothing else is left. So a record claiming 1e12 tokens/s buys one probe;
+after that its own answers decide. (A peer that answers well-formed lies *faster* than honest
+peers compute would still win trips: measuring speed cannot tell such answers from honest ones,
+only the checks on the reply can.) A peer that failed is banned for a while (doubling on repeated failures) so a
 dead peer costs one timeout, not one per trip. Peers whose `T_fixed` hash differs from ours are
 never chosen: they could not decode what we send. The `U` version is not filtered here: records
 lag a switch by seconds, and a peer at another version answers at once with the version error,
@@ -27,9 +35,19 @@ class Ban:
 
 
 @dataclass
+class Measure:
+    seconds_per_token: float | None = None  # EWMA over answered trips; None: never answered yet
+    samples: int = 0
+    failures: int = 0  # since the last answer
+
+
+@dataclass
 class Router:
     t_fixed_sha256: str
     own_peer_id: str
+    claim_bounds: dict[int, float] = field(default_factory=dict)  # stage -> most tokens/s a claim may say
+    prior_factor: float = 2.0  # an unmeasured peer's claim counts for at most this times the best measured
+    ewma_alpha: float = 0.3
     base_ban: float = 5.0
     max_ban: float = 60.0
     refusals_before_ban: int = 3
@@ -38,6 +56,7 @@ class Router:
     bans: dict[str, Ban] = field(default_factory=dict)
     inflight: dict[str, int] = field(default_factory=dict)
     refusals: dict[str, tuple[int, float]] = field(default_factory=dict)  # peer -> (count, last counted)
+    measures: dict[str, Measure] = field(default_factory=dict)
     rng: random.Random = field(default_factory=random.Random)
 
     def update(self, stages: dict[int, list[PeerEntry]], now: float | None = None) -> None:
@@ -47,6 +66,37 @@ class Router:
         self.bans = {peer: ban for peer, ban in self.bans.items() if ban.until > now}
         listed = {e.record.peer_id for entries in stages.values() for e in entries}
         self.refusals = {peer: n for peer, n in self.refusals.items() if peer in listed}
+        self.measures = {peer: m for peer, m in self.measures.items() if peer in listed}
+
+    def observe(self, peer_id: str, seconds: float, tokens: int) -> None:
+        """A trip to `peer_id` came back checked after `seconds`."""
+        sample = max(seconds, 1e-6) / max(tokens, 1)
+        m = self.measures.setdefault(peer_id, Measure())
+        if m.seconds_per_token is None:
+            m.seconds_per_token = sample
+        else:
+            m.seconds_per_token += self.ewma_alpha * (sample - m.seconds_per_token)
+        m.samples += 1
+        m.failures = 0
+
+    def failed(self, peer_id: str) -> None:
+        """A trip to `peer_id` failed (no answer, or one that did not pass the checks)."""
+        self.measures.setdefault(peer_id, Measure()).failures += 1
+
+    def rate(self, entry: PeerEntry, stage: int, best_measured: float | None) -> float:
+        """Tokens/s we expect of `entry`: measured if we can, else its claim capped as described above."""
+        m = self.measures.get(entry.record.peer_id, Measure())
+        if m.seconds_per_token is not None:
+            rate = 1.0 / m.seconds_per_token
+        else:
+            rate = min(entry.record.throughput, self.claim_bounds.get(stage, float("inf")))
+            if best_measured is not None:
+                rate = min(rate, best_measured * self.prior_factor)
+        return max(rate, 1e-3) * 0.5 ** min(m.failures, 30)
+
+    def measured_rate(self, peer_id: str) -> float | None:
+        m = self.measures.get(peer_id)
+        return None if m is None or m.seconds_per_token is None else 1.0 / m.seconds_per_token
 
     def compatible(self, entry: PeerEntry) -> bool:
         record = entry.record
@@ -65,9 +115,17 @@ class Router:
             if self.compatible(e) and self.bans.get(e.record.peer_id, Ban(0, 0)).until <= now
         ]
 
-        def expected_wait(entry: PeerEntry) -> tuple[float, float]:
-            load = entry.record.load + self.inflight.get(entry.record.peer_id, 0) + 1
-            return load / max(entry.record.throughput, 1e-3), self.rng.random()
+        measured = [r for e in usable if (r := self.measured_rate(e.record.peer_id)) is not None]
+        best = max(measured, default=None)
+
+        def expected_wait(entry: PeerEntry) -> tuple[bool, float, float]:
+            peer_id = entry.record.peer_id
+            ours = self.inflight.get(peer_id, 0)
+            unmeasured = self.measured_rate(peer_id) is None
+            # a measured peer's service times already include the queue other senders make there;
+            # an unmeasured one gets one probe at a time, its claimed queue counted
+            queue = ours + 1 + (entry.record.load if unmeasured else 0)
+            return unmeasured and ours > 0, queue / self.rate(entry, stage, best), self.rng.random()
 
         return sorted(usable, key=expected_wait)
 

@@ -93,3 +93,117 @@ def test_identity_key_is_private_from_creation(tmp_path):
     first = load_or_create_rsa_key(path)
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     assert load_or_create_rsa_key(path).to_bytes() == first.to_bytes()
+
+
+def test_measured_rates_replace_claims_and_an_unmeasured_claim_buys_one_probe():
+    r = router(entry("honest", 5_000.0), entry("liar", 1e12))
+    r.claim_bounds = {1: 1e8}
+    assert r.candidates(1)[0].record.peer_id == "liar"  # nothing measured yet: the (clamped) claim decides
+    r.observe("honest", seconds=1.0, tokens=1000)  # 1000 tokens/s measured
+    # the liar's claim now counts for at most 2x the best measured peer: still worth one probe
+    assert r.rate(r.stages[1][1], 1, 1000.0) == 2000.0
+    assert r.candidates(1)[0].record.peer_id == "liar"
+    r.inflight["liar"] = 1  # the probe is in flight: no second trip for an unmeasured peer
+    r.inflight["honest"] = 5
+    assert [e.record.peer_id for e in r.candidates(1)] == ["honest", "liar"]
+    r.inflight = {}
+    r.observe("liar", seconds=10.0, tokens=1000)  # it answered, slowly: its claim no longer matters
+    assert [e.record.peer_id for e in r.candidates(1)] == ["honest", "liar"]
+    r.failed("honest")
+    r.failed("honest")  # two failures halve the measured rate twice
+    assert r.rate(r.stages[1][0], 1, None) == 250.0
+    r.observe("honest", seconds=1.0, tokens=1000)  # an answer clears the failures
+    assert r.rate(r.stages[1][0], 1, None) == 1000.0
+    r.update({1: [entry("honest", 5_000.0)]})  # gone from the DHT: its measurements go too
+    assert set(r.measures) == {"honest"}
+
+
+def simulate(behaviours: dict[str, tuple[float, bool]], claims: dict[str, float], trips: int, inflight: int = 4):
+    """A driver keeping `inflight` trips in flight through the daemon's routing steps, in simulated time.
+
+    behaviours: peer -> (seconds one trip takes it, whether its answer passes the checks); each peer
+    serves one trip at a time (a queue). Returns which peer carried each trip, in order of sending."""
+    import heapq
+
+    r = router(*(entry(name, claim) for name, claim in claims.items()))
+    r.claim_bounds = {1: 2e8}
+    r.rng.seed(0)
+    busy_until = dict.fromkeys(behaviours, 0.0)
+    events, carried, now, sent = [], [], 0.0, 0
+
+    def send(now: float) -> None:
+        nonlocal sent
+        peer = r.candidates(1, now=now)[0].record.peer_id
+        r.inflight[peer] = r.inflight.get(peer, 0) + 1
+        seconds, ok = behaviours[peer]
+        busy_until[peer] = max(busy_until[peer], now) + seconds
+        heapq.heappush(events, (busy_until[peer], sent, peer, now, ok))
+        carried.append(peer)
+        sent += 1
+
+    for _ in range(inflight):
+        send(now)
+    while sent < trips:
+        now, _, peer, started, ok = heapq.heappop(events)
+        r.inflight[peer] -= 1
+        if ok:
+            r.observe(peer, now - started, tokens=1024)
+            r.forgive(peer)
+        else:
+            r.failed(peer)
+            r.ban(peer, now=now)
+        send(now)
+    return carried
+
+
+def test_a_claim_of_1e12_does_not_draw_the_stage_from_a_measured_honest_peer():
+    # the liar is slower than the honest peer (it is a small machine, or it stalls on purpose)
+    carried = simulate({"honest": (0.1, True), "liar": (1.0, True)}, {"honest": 5_000.0, "liar": 1e12}, trips=500)
+    after = carried[20:]  # the first few trips are the measurement
+    assert after.count("honest") / len(after) >= 0.9, after.count("liar")
+    assert carried.count("liar") <= 15
+    # the liar answers at honest speed but its replies fail the checks (zero gradients, absurd loss): banned
+    carried = simulate({"honest": (0.1, True), "liar": (0.1, False)}, {"honest": 5_000.0, "liar": 1e12}, trips=500)
+    after = carried[20:]
+    assert after.count("honest") / len(after) >= 0.9, after.count("liar")
+
+
+def test_two_honest_peers_share_by_measured_speed():
+    carried = simulate({"a": (0.1, True), "b": (0.1, True)}, {"a": 5_000.0, "b": 50_000.0}, trips=400)
+    share = carried[50:].count("a") / len(carried[50:])
+    assert 0.3 < share < 0.7  # b's tenfold claim does not matter once both are measured equal
+
+
+def test_refusals_are_one_line_per_sender_per_interval():
+    from peer.refusals import OTHERS, RefusalLog
+
+    log = RefusalLog(interval=30.0, max_senders=2, started=0.0)
+    for i in range(9000):
+        log.note("QmAttacker", "unknown_sender" if i % 3 else "malformed")
+    log.note("QmOther", "overloaded")
+    assert log.flush(now=10.0) == []  # not yet: one line per interval
+    lines = log.flush(now=30.0)
+    assert lines == [
+        "refused 9000 trip(s) from QmAttacker in 30s: unknown_sender 6000, malformed 3000",
+        "refused 1 trip(s) from QmOther in 30s: overloaded 1",
+    ]
+    assert sum(len(line) + 1 for line in lines) < 200  # bytes for 9k refused trips, before the log prefix
+    for i in range(100):  # a hundred fresh identities: bounded lines and memory
+        log.note(f"Qm{i}", "unknown_sender")
+    lines = log.flush(now=60.0)
+    assert len(lines) == 3 and lines[0].startswith(f"refused 98 trip(s) from {OTHERS}")  # most first
+    assert log.flush(now=90.0) == []  # nothing refused: nothing written
+
+
+def test_sender_limits_cap_in_flight_and_rate():
+    from peer.refusals import SenderLimits
+
+    limits = SenderLimits(rate=10.0, burst=4.0, max_inflight=3)
+    assert [limits.admit("a", now=0.0) for _ in range(3)] == [None] * 3
+    assert "in flight" in limits.admit("a", now=0.0)
+    assert limits.admit("b", now=0.0) is None  # another sender has its own allowance
+    limits.release("a")
+    assert limits.admit("a", now=0.0) is None  # the 4th token of the burst
+    limits.release("a")
+    assert "trips/s" in limits.admit("a", now=0.0)  # burst spent
+    assert limits.admit("a", now=0.1) is None  # 0.1 s at 10/s refills one

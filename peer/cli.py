@@ -10,6 +10,7 @@ import logging
 import os
 import shlex
 import sys
+import traceback
 
 from peer.daemon import PeerDaemon, PeerOptions
 from swarm.manifest import Manifest, ManifestError, load_manifest, parse_manifest
@@ -200,11 +201,22 @@ def main(argv: list[str] | None = None) -> int:
         uvloop.install()
     except ImportError:
         pass
+    code = 0
+    loop = asyncio.new_event_loop()
     try:
-        asyncio.run(daemon.main())
+        loop.run_until_complete(daemon.main())
     except KeyboardInterrupt:
-        return 130
-    return 0
+        code = 130
+    except BaseException:  # noqa: BLE001 - reported, then the same hard exit
+        traceback.print_exc()
+        code = 1
+    # The peer has left, saved its checkpoint and stopped its child processes. A DHT call abandoned at
+    # its timeout (p2pd killed by a group signal) may still hold a worker thread that interpreter
+    # shutdown would join forever, so the process ends here, after flushing its logs.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

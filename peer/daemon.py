@@ -6,16 +6,34 @@ answers with its own input gradient. The trip's activations therefore live exact
 the handler coroutine; when the caller goes away libp2p closes the stream, the coroutine is
 cancelled and the state is released. A failed next hop is retried on another peer of the
 same stage while this hop still holds its activations.
+
+Who may send what. A forward trip for stage s is accepted only from a libp2p peer id (authenticated
+by libp2p: `remote`) that holds a live record of this run for stage s−1 (for s = 1 that is a driver);
+anyone else is answered `unknown_sender` before the message is decoded, and counted. A backward
+reply is read only from the stream this peer opened to the peer it chose (`send_trip` dials that
+peer id, and libp2p authenticates the peer at the other end), so nobody else can answer for it.
+Known senders are held to a token bucket and an in-flight cap (`sender_limits`), and every refusal
+is logged once per sender per interval (`peer.refusals`), not once per trip.
+
+Stopping. SIGINT or SIGTERM, to the process or to its whole process group (Ctrl-C, systemd):
+the peer leaves its stage, saves its checkpoint and exits; a second SIGINT exits at once. The
+DHT's child process is started with both signals ignored, so a group signal cannot kill it under
+the parent, and p2pd dying first only makes the leave's DHT calls time out (they are bounded).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import inspect
 import json
 import logging
+import math
+import multiprocessing
 import os
 import random
 import signal
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -24,9 +42,11 @@ from pathlib import Path
 from typing import TypeVar
 
 from hivemind.dht import DHT
-from hivemind.p2p import PeerID
+from hivemind.p2p import P2P, PeerID
+from hivemind.utils.timed_storage import get_dht_time
 
 from peer.placement import choose_stage, should_move
+from peer.refusals import RefusalLog, SenderLimits
 from peer.routing import Router
 from peer.runtime import StageRuntime, pick_device
 from peer.transport import TripServicer, send_trip
@@ -36,13 +56,21 @@ from swarm.records import (
     SOFTWARE_VERSION,
     StagePeerRecord,
     announce,
+    claimed_throughput,
     fetch_stages,
-    load_or_create_rsa_key,
+    load_identity_key,
     make_validators,
+    plausible_loss_bound,
+    plausible_throughput,
 )
 from swarm.wire import ErrorCode, WireError, encode_error, expectation_for, raise_if_error
 
 logger = logging.getLogger("peer")
+
+_OUT_OF_RANGE = getattr(ErrorCode, "OUT_OF_RANGE", ErrorCode.MALFORMED)
+SENDER_REFRESH_INTERVAL = 2.0  # at most one DHT read per this many seconds on behalf of unknown senders
+LEAVE_DHT_TIMEOUT = 5.0  # a DHT call while leaving gives up after this (p2pd may already be gone)
+SIGNAL_DRAIN_TIMEOUT = 15.0  # stopped by a signal: trips in flight get at most this long (exit within 30 s)
 
 
 @dataclass
@@ -83,6 +111,17 @@ class Stats:
         self.errors[code.value] += 1
 
 
+def check_loss(loss: float | None, manifest: Manifest) -> float | None:
+    """A loss carried back by a reply: None, or finite within [0, plausible_loss_bound]; anything else is
+    refused (a fake but plausible loss cannot be told from a real one; routing keeps liars to few trips)."""
+    if loss is None:
+        return None
+    bound = plausible_loss_bound(manifest)
+    if not (isinstance(loss, (int, float)) and math.isfinite(loss) and 0.0 <= loss <= bound):
+        raise WireError(_OUT_OF_RANGE, f"reported loss {loss!r} is outside [0, {bound:.1f}]")
+    return float(loss)
+
+
 T = TypeVar("T")
 
 
@@ -96,6 +135,59 @@ def hop_versions(extra: dict, num_stages: int) -> list[int]:
     ):
         raise WireError(ErrorCode.MALFORMED, "backward message lacks a valid list of hop versions")
     return versions
+
+
+@contextlib.contextmanager
+def stop_signals_ignored_by_children():
+    """SIGINT and SIGTERM ignored while child processes are forked (hivemind's DHT, its averagers): they
+    inherit it, so a signal to the whole process group (Ctrl-C, systemd's KillMode) reaches only us,
+    and we stop them in order. p2pd, exec'd by the DHT process, keeps SIGINT ignored too (Go respects
+    an inherited SIG_IGN for SIGINT) but dies on SIGTERM; the leave tolerates that (bounded DHT calls).
+    Our own handlers are restored afterwards (a signal arriving meanwhile is lost: send it again)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (Linux /proc), children before their own children; [] if unknown."""
+    found, queue = [], [pid]
+    while queue:
+        parent = queue.pop(0)
+        try:
+            tasks = os.listdir(f"/proc/{parent}/task")
+        except OSError:
+            continue
+        for task in tasks:
+            try:
+                children = Path(f"/proc/{parent}/task/{task}/children").read_text().split()
+            except OSError:
+                continue
+            for child in map(int, children):
+                if child not in found:
+                    found.append(child)
+                    queue.append(child)
+    return found
+
+
+def kill_descendants() -> None:
+    """SIGKILL what is left below us (DHT and averager processes, p2pd): they ignore the stop signals."""
+    for pid in descendants(os.getpid()):
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 1.0
+    while time.monotonic() < deadline:  # reap our own children (grandchildren are reparented)
+        try:
+            if os.waitpid(-1, os.WNOHANG) == (0, 0):
+                time.sleep(0.02)
+        except ChildProcessError:
+            break
 
 
 class StageMove(Exception):
@@ -118,6 +210,29 @@ class PeerDaemon:
         self.p2p = None
         self.router: Router | None = None
         self.rng = random.Random()
+        self.refusal_log = RefusalLog(interval=max(6 * options.log_interval, 10.0), started=time.monotonic())
+        self.sender_limits = self._sender_limits()
+        self._sender_refresh_at = -float("inf")
+        self._sender_refresh_lock: asyncio.Lock | None = None
+        self._temp_identity: Path | None = None
+        self._stop_signals: list[float] = []
+
+    def _sender_limits(self) -> SenderLimits:
+        """Per-sender limits, sized so honest traffic never meets them.
+
+        In flight: half of the global cap (`overload_cap`), so one sender can never take every slot;
+        an honest driver keeps `--max-inflight` trips in flight (default 4, an eighth of it for a
+        2-stage run and less for longer ones), and an honest relay only carries more when this peer
+        is near its global cap anyway. Rate: a sender refills a slot only when we answered, so honest
+        trips arrive no faster than we complete them (plus a few quick retries after refusals); the
+        bucket allows 4× our measured rate, at least 20 trips/s, in bursts of twice the in-flight cap.
+        The rate is set once the stage's throughput is measured (`serve`)."""
+        cap = max(self.overload_cap // 2, 1)
+        return SenderLimits(rate=20.0, burst=2.0 * cap, max_inflight=cap)
+
+    @property
+    def overload_cap(self) -> int:
+        return 4 * max(self.options.max_inflight, 1) * self.manifest.num_stages
 
     # --- identity and logging -------------------------------------------------------------------
 
@@ -133,27 +248,42 @@ class PeerDaemon:
     # --- start-up ---------------------------------------------------------------------------------
 
     def start_dht(self) -> None:
-        rsa_key = load_or_create_rsa_key(self.options.identity + ".rsa" if self.options.identity else None)
-        self.signer, validators = make_validators(self.manifest, rsa_key)
-        kwargs = dict(
+        """Join the DHT. Records are signed with the libp2p identity key itself, so they are bound to this
+        peer id (swarm.records); without --identity a fresh one is made for this run in a private
+        temporary directory. The DHT's child process (and the p2pd it starts) inherit SIGINT and SIGTERM
+        ignored: a signal to the whole process group reaches only this process, which then leaves
+        in order and stops them itself."""
+        identity = self.options.identity
+        kwargs: dict = dict(
             start=True,
-            record_validators=validators,
             host_maddrs=self.options.host_maddrs,
             initial_peers=self.options.initial_peers,
         )
+        if identity is None:
+            import tempfile
+
+            self._temp_identity = Path(tempfile.mkdtemp(prefix="protocol-peer-id-"))
+            identity = str(self._temp_identity / "identity")
+        if not os.path.exists(identity):
+            Path(identity).parent.mkdir(parents=True, exist_ok=True)
+            P2P.generate_identity(identity)
+            kwargs["check_if_identity_free"] = False  # made just now: nobody else can hold it
+        self.signer, validators = make_validators(self.manifest, load_identity_key(identity))
+        kwargs["record_validators"] = validators
+        kwargs["identity_path"] = identity
         if self.options.announce_maddrs:
             kwargs["announce_maddrs"] = self.options.announce_maddrs
-        if self.options.identity:
-            kwargs["identity_path"] = self.options.identity
-        self.dht = DHT(**kwargs)
+        with stop_signals_ignored_by_children():
+            self.dht = DHT(**kwargs)
 
     async def _fetch(self) -> dict:
         return await asyncio.to_thread(fetch_stages, self.dht, self.manifest)
 
     def _online_loads(self, stages: dict, t_fixed: str) -> dict[int, list[float]]:
+        """Claimed throughputs of other online peers per stage, each clamped to the stage's plausible bound."""
         return {
             stage: [
-                e.record.throughput
+                claimed_throughput(e.record, self.manifest)
                 for e in entries
                 if e.record.state == "online"
                 and e.record.t_fixed_sha256 == t_fixed
@@ -181,27 +311,81 @@ class PeerDaemon:
 
     async def handle_trip(self, blob: bytes, remote: PeerID) -> bytes:
         self.stats.bytes_in += len(blob)
-        reply = await self._serve_trip(blob)
+        sender = remote.to_base58()
+        reply = await self._admit(sender)
+        if reply is None:
+            try:
+                reply = await self._serve_trip(blob, sender)
+            finally:
+                self.sender_limits.release(sender)
         self.stats.bytes_out += len(reply)
         return reply
 
-    async def _serve_trip(self, blob: bytes) -> bytes:
+    def _refuse(self, sender: str, code: ErrorCode, message: str, hops: int = 0) -> bytes:
+        """Count a refusal and note it for the aggregated log line; the reply to send back."""
+        self.stats.error(code)
+        if hops == 0:  # refusals relayed from further down are the next hop's, logged there
+            self.refusal_log.note(sender, code.value)
+        return encode_error(code, message, hops)
+
+    def _upstream(self) -> set[str]:
+        """Peer ids with a live record of this run for the stage before ours (for stage 1: the drivers)."""
+        router, now = self.router, get_dht_time()
+        if router is None or not self.index:
+            return set()
+        return {e.record.peer_id for e in router.stages.get(self.index - 1, []) if e.expiration > now}
+
+    def admit_stream(self, peer: PeerID) -> ErrorCode | None:
+        """The transport asks this before reading a stream: a sender that is not upstream of us is refused
+        at once, unless a DHT re-read is due (then `handle_trip` reads the message and checks again after
+        re-reading, so a peer that joined a moment ago is served). Everything else is decided there."""
+        if self.router is None or not self.index or self.state != "online":
+            return None
+        if peer.to_base58() in self._upstream():
+            return None
+        if time.monotonic() - self._sender_refresh_at >= SENDER_REFRESH_INTERVAL:
+            return None
+        return ErrorCode.UNKNOWN_SENDER
+
+    async def _admit(self, sender: str) -> bytes | None:
+        """None if `sender` may send us a trip now (its slot then taken), else the refusal. Nothing of the
+        message is read before this: an unknown sender costs a set lookup and, at most once per
+        SENDER_REFRESH_INTERVAL for all of them together, a DHT read (so an honest peer that joined
+        seconds ago is refused at most until that read)."""
         runtime = self.runtime
         if runtime is None or self.state != "online":
-            self.stats.error(ErrorCode.LEAVING)
-            return encode_error(ErrorCode.LEAVING, f"peer is {self.state}, not serving")
+            return self._refuse(sender, ErrorCode.LEAVING, f"peer is {self.state}, not serving")
         if runtime.stage.is_head:
-            self.stats.error(ErrorCode.WRONG_STAGE)
-            return encode_error(ErrorCode.WRONG_STAGE, "stage 0 drives trips and accepts none")
-        if self.load >= 4 * max(self.options.max_inflight, 1) * self.manifest.num_stages:
-            self.stats.error(ErrorCode.OVERLOADED)
-            return encode_error(ErrorCode.OVERLOADED, f"{self.load} trips in flight")
+            return self._refuse(sender, ErrorCode.WRONG_STAGE, "stage 0 drives trips and accepts none")
+        if sender not in self._upstream():
+            if self._sender_refresh_lock is None:
+                self._sender_refresh_lock = asyncio.Lock()
+            async with self._sender_refresh_lock:
+                if time.monotonic() - self._sender_refresh_at >= SENDER_REFRESH_INTERVAL and self.router is not None:
+                    self._sender_refresh_at = time.monotonic()
+                    try:
+                        self.router.update(await asyncio.wait_for(self._fetch(), 5.0))
+                    except Exception as exc:  # noqa: BLE001 - refuse now; the next miss reads again
+                        logger.warning("%s could not read the DHT for a sender check: %s", self.label, exc)
+            if sender not in self._upstream():
+                return self._refuse(
+                    sender, ErrorCode.UNKNOWN_SENDER, f"no live record of stage {self.index - 1} for this peer id"
+                )
+        why = self.sender_limits.admit(sender, time.monotonic())
+        if why is not None:
+            return self._refuse(sender, ErrorCode.OVERLOADED, why)
+        return None
+
+    async def _serve_trip(self, blob: bytes, sender: str) -> bytes:
+        runtime = self.runtime
+        if runtime is None or self.state != "online":  # it may have changed while the sender was checked
+            return self._refuse(sender, ErrorCode.LEAVING, f"peer is {self.state}, not serving")
+        if self.load >= self.overload_cap:
+            return self._refuse(sender, ErrorCode.OVERLOADED, f"{self.load} trips in flight")
         try:
             header, hidden, tokens = runtime.codec.decode_forward(blob, stage=self.index)
         except WireError as exc:
-            self.stats.error(exc.code)
-            logger.info("%s refused a trip: %s", self.label, exc)
-            return encode_error(exc.code, exc.message)
+            return self._refuse(sender, exc.code, exc.message)
         self.load += 1
         try:
             version = header.u_version  # decode checked it against ours; every later step re-checks
@@ -224,14 +408,17 @@ class PeerDaemon:
                 grad, header.trip_id, to_stage=self.index - 1, loss=loss, extra={"versions": versions}
             )
         except WireError as exc:
-            self.stats.error(exc.code)
-            return encode_error(exc.code, exc.message, exc.hops)
+            return self._refuse(sender, exc.code, exc.message, exc.hops)
         except Exception as exc:  # noqa: BLE001 - a trip must never take the peer down
             logger.exception("%s trip %s failed", self.label, header.trip_id[:8])
             self.stats.error(ErrorCode.INTERNAL)
             return encode_error(ErrorCode.INTERNAL, f"{type(exc).__name__}")
         finally:
             self.load -= 1
+
+    @property
+    def tokens_per_trip(self) -> int:
+        return self.manifest.batch.microbatch_size * self.manifest.batch.seq_len
 
     def hop_timeout(self) -> float:
         """Time for the rest of the pipeline: a hop waits longer than the hop after it, so a stall far
@@ -255,6 +442,7 @@ class PeerDaemon:
                 raise WireError(ErrorCode.NO_PEER, f"stage {target} has no live compatible peer")
             peer_id = candidates[0].record.peer_id
             router.inflight[peer_id] = router.inflight.get(peer_id, 0) + 1
+            started = time.monotonic()
             try:
                 reply = await send_trip(
                     self.p2p,
@@ -269,6 +457,8 @@ class PeerDaemon:
                     checked = check_reply(reply)
                 except WireError as exc:  # the next hop's reply is at fault: upstream must not blame us
                     raise WireError(exc.code, exc.message, hops=1) from None
+                # what we measured of it, not what it claims, decides how many trips it gets (routing)
+                router.observe(peer_id, time.monotonic() - started, self.tokens_per_trip)
                 router.forgive(peer_id)
                 return checked
             except WireError as exc:
@@ -295,6 +485,7 @@ class PeerDaemon:
                     )
                     await asyncio.sleep(0.2 * failures[peer_id])
                     continue
+                router.failed(peer_id)
                 seconds = router.ban(peer_id)
                 logger.warning(
                     "%s next hop %s failed (%s); banned %.0fs, failing over (attempt %d)",
@@ -315,6 +506,7 @@ class PeerDaemon:
 
         def check(reply: bytes) -> tuple:
             header, grad = runtime.codec.decode_backward(reply, stage=self.index)
+            check_loss(header.loss, self.manifest)
             return header, grad, hop_versions(header.extra, self.manifest.num_stages)
 
         return check
@@ -353,12 +545,14 @@ class PeerDaemon:
             mixed_trips=self.stats.mixed_trips,
         )
 
-    async def announce_now(self) -> None:
+    async def announce_now(self, timeout: float | None = None) -> None:
         record = self.record()
         try:
-            await asyncio.to_thread(announce, self.dht, self.manifest, self.signer, record)
+            await asyncio.wait_for(
+                asyncio.to_thread(announce, self.dht, self.manifest, self.signer, record), timeout=timeout
+            )
         except Exception as exc:  # noqa: BLE001 - the DHT may be briefly unreachable; retry next round
-            logger.warning("%s announce failed: %s", self.label, exc)
+            logger.warning("%s announce failed: %s", self.label, exc or type(exc).__name__)
 
     async def announce_loop(self) -> None:
         while True:
@@ -407,6 +601,8 @@ class PeerDaemon:
                 self.load,
                 dict(self.stats.errors) or 0,
             )
+            for line in self.refusal_log.flush(now):
+                logger.warning("%s %s", self.label, line)
             last_tokens, last_time = tokens, now
 
     # --- serving one stage -------------------------------------------------------------------------
@@ -415,20 +611,23 @@ class PeerDaemon:
         """Serve `index` until stopped (returns None) or a rebalance says move (returns the target)."""
         self.index, self.state = index, "joining"
         device = pick_device(self.options.device)
-        runtime = StageRuntime(
-            self.manifest,
-            index,
-            self.dht,
-            device,
-            self.label,
-            self.options.checkpoint_dir,
-            self.options.fault_t_fixed_seed,
-            checkpoint_every=self.options.checkpoint_every,
-        )
+        with stop_signals_ignored_by_children():  # hivemind's averagers are child processes
+            runtime = StageRuntime(
+                self.manifest,
+                index,
+                self.dht,
+                device,
+                self.label,
+                self.options.checkpoint_dir,
+                self.options.fault_t_fixed_seed,
+                checkpoint_every=self.options.checkpoint_every,
+            )
         self.runtime = runtime
         subspace = runtime.stage.subspace
-        self.router = Router(subspace.t_fixed_sha256, self.peer_id)
+        bounds = {s: plausible_throughput(self.manifest, s) for s in range(self.manifest.num_stages)}
+        self.router = Router(subspace.t_fixed_sha256, self.peer_id, claim_bounds=bounds)
         self.throughput = await runtime.run(runtime.measure_throughput)
+        self.sender_limits.rate = max(20.0, 4.0 * self.throughput / self.tokens_per_trip)
         await self.announce_now()
         stages = await self._fetch()
         peers_here = [
@@ -495,8 +694,11 @@ class PeerDaemon:
         self.state = "leaving"
         if driver is not None:
             driver.stop()
-        await self.announce_now()
-        deadline = time.monotonic() + self.options.drain_timeout
+        await self.announce_now(timeout=LEAVE_DHT_TIMEOUT)  # p2pd may be gone already (a group SIGTERM)
+        drain = self.options.drain_timeout
+        if self._stop_signals:
+            drain = min(drain, SIGNAL_DRAIN_TIMEOUT)
+        deadline = time.monotonic() + drain
         while (self.load > 0 or (driver is not None and driver.inflight > 0)) and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
         for task in tasks:
@@ -531,12 +733,19 @@ class PeerDaemon:
         loop = asyncio.get_running_loop()
         heartbeat = asyncio.create_task(self.heartbeat_loop()) if self.options.heartbeat_file else None
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self.stopping.set)
+            loop.add_signal_handler(sig, self._on_stop_signal, sig)
         self.p2p = await self.dht.replicate_p2p()
+        hooks = inspect.signature(TripServicer).parameters
+        extra = {}
+        if "admit" in hooks:  # refuse known strangers before a byte of their stream is read
+            extra["admit"] = self.admit_stream
+        if "on_refused_from" in hooks:
+            extra["on_refused_from"] = lambda code, peer: self.refusal_log.note(peer.to_base58(), code.value)
         servicer = TripServicer(
             self.handle_trip,
             max_bytes=expectation_for(self.manifest, 0, "forward", 0, "").max_bytes,
             on_refused=self.stats.error,
+            **extra,
         )
         await servicer.add_p2p_handlers(self.p2p, namespace=self.manifest.run_id)
         logger.info(
@@ -545,9 +754,57 @@ class PeerDaemon:
             self.manifest.run_id,
             " ".join(str(a) for a in self.dht.get_visible_maddrs()),
         )
-        index = await self.pick_stage()
-        while index is not None and not self.stopping.is_set():
-            index = await self.serve(index)
-        if heartbeat is not None:
-            heartbeat.cancel()
-        self.dht.shutdown()
+        try:
+            index = await self.pick_stage_or_stop()
+            while index is not None and not self.stopping.is_set():
+                index = await self.serve(index)
+        finally:
+            if heartbeat is not None:
+                heartbeat.cancel()
+            await asyncio.to_thread(self.stop_processes)
+
+    async def pick_stage_or_stop(self) -> int | None:
+        pick = asyncio.create_task(self.pick_stage())
+        stop = asyncio.create_task(self.stopping.wait())
+        await asyncio.wait([pick, stop], return_when=asyncio.FIRST_COMPLETED)
+        stop.cancel()
+        if not pick.done():
+            pick.cancel()
+            return None
+        return pick.result()
+
+    def _on_stop_signal(self, sig: int) -> None:
+        """First SIGINT/SIGTERM: leave in order. A second SIGINT (not an echo of the first through a child,
+        hence the half second) or a third signal of any kind: exit now."""
+        now = time.monotonic()
+        if not self.stopping.is_set():
+            self._stop_signals = [now]
+            logger.info(
+                "%s %s: leaving the stage (checkpoint, then exit); Ctrl-C again to exit at once",
+                self.label,
+                signal.Signals(sig).name,
+            )
+            self.stopping.set()
+            return
+        self._stop_signals.append(now)
+        if (sig == signal.SIGINT and now - self._stop_signals[0] > 0.5) or len(self._stop_signals) >= 3:
+            logger.warning("%s %s again: exiting now, without leaving in order", self.label, signal.Signals(sig).name)
+            logging.shutdown()
+            kill_descendants()
+            os._exit(130)
+
+    def stop_processes(self) -> None:
+        """Stop the DHT (and with it p2pd) and anything else still running below us; the exit cannot hang
+        on a child that ignores the stop signals."""
+        self.dht.shutdown_timeout = 3.0
+        with contextlib.suppress(Exception):
+            self.dht.shutdown()  # it ignores SIGTERM: if it did not stop in time, it is killed below
+        kill_descendants()
+        with contextlib.suppress(Exception):
+            self.dht.join(2.0)
+        for child in multiprocessing.active_children():  # reaps what was killed
+            child.join(0.5)
+        if self._temp_identity is not None:
+            import shutil
+
+            shutil.rmtree(self._temp_identity, ignore_errors=True)

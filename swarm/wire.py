@@ -47,6 +47,7 @@ class ErrorCode(str, enum.Enum):
     UNREACHABLE = "unreachable"
     TIMEOUT = "timeout"
     INTERNAL = "internal"
+    UNKNOWN_SENDER = "unknown_sender"
 
 
 class WireError(Exception):

@@ -33,3 +33,31 @@ def stage_record(stage: int, name: str = "peer", manifest: Manifest = TINY, **ch
     )
     fields.update(changes)
     return StagePeerRecord(**fields)
+
+
+def dht_with_record(initial_peers: list[str], manifest: Manifest, stage: int, workdir, name: str = "outsider"):
+    """A hivemind node on loopback with a fresh identity, announcing an online record of `stage` under its
+    own peer id (signed with its identity key, as peers do) unless `stage` is None: a stand-in for a
+    peer of that stage, or a stranger. Returns the DHT; the caller shuts it down."""
+    from pathlib import Path
+
+    from hivemind.dht import DHT
+    from hivemind.p2p import P2P
+
+    from swarm.records import announce, load_identity_key, make_validators
+
+    identity = Path(workdir) / f"{name}.id"
+    P2P.generate_identity(str(identity))
+    signer, validators = make_validators(manifest, load_identity_key(identity))
+    dht = DHT(
+        start=True,
+        initial_peers=initial_peers,
+        host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+        identity_path=str(identity),
+        check_if_identity_free=False,
+        record_validators=validators,
+    )
+    if stage is not None:
+        record = stage_record(stage, name, manifest=manifest, peer_id=str(dht.peer_id), throughput=1000.0)
+        assert announce(dht, manifest, signer, record, ttl=300.0)
+    return dht

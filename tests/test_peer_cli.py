@@ -99,3 +99,88 @@ def test_unreachable_initial_peers(manifest_file: Path):
         ),
         "could not join the DHT",
     )
+
+
+def live_processes_in_group(pgid: int) -> list[str]:
+    """Processes of a process group that are not zombies (a zombie is only waiting to be reaped)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            found.append(stat[: stat.rindex(")") + 1])
+    return found
+
+
+def start_lone_peer(tmp_path: Path) -> tuple[subprocess.Popen, Path, Path]:
+    """A one-stage run's only peer (its driver is its tail) in a process group of its own, as a terminal
+    or systemd would start it; returns once it is online and training."""
+    import time
+
+    manifest = tmp_path / "manifest.json"
+    save_manifest(preset("tiny", stages=1), manifest)
+    log, checkpoints = tmp_path / "peer.log", tmp_path / "checkpoints"
+    with log.open("wb") as handle:
+        process = subprocess.Popen(
+            ["protocol-peer", "--new-swarm", "--manifest", str(manifest), "--stage", "0", "--device", "cpu",
+             "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--checkpoint-dir", str(checkpoints), "--log-interval", "1"],
+            stdout=handle, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
+    deadline = time.monotonic() + 120
+    while b"trips 1" not in log.read_bytes().replace(b"trips 0", b""):
+        assert process.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.5)
+    return process, log, checkpoints
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stop", ["SIGINT", "SIGTERM"])
+def test_a_signal_to_the_whole_process_group_ends_the_peer_cleanly(tmp_path: Path, stop: str):
+    """Ctrl-C signals the terminal's foreground group, systemd's default KillMode the service's group: the
+    peer leaves its stage, saves its checkpoint and exits within 30 s, and nothing of it keeps running."""
+    import signal
+    import time
+
+    process, log, checkpoints = start_lone_peer(tmp_path)
+    try:
+        os.killpg(process.pid, getattr(signal, stop))
+        started = time.monotonic()
+        code = process.wait(timeout=30)
+        elapsed = time.monotonic() - started
+    finally:
+        if process.poll() is None or live_processes_in_group(process.pid):
+            os.killpg(process.pid, signal.SIGKILL)
+    text = log.read_text()
+    assert code == 0, text[-3000:]
+    assert "left the stage" in text
+    assert list(checkpoints.rglob("stage0.pt")), text[-3000:]
+    assert live_processes_in_group(process.pid) == [], "the DHT process or p2pd outlived the peer"
+    print(f"{stop} to the group: exited in {elapsed:.1f}s")
+
+
+@pytest.mark.slow
+def test_a_second_ctrl_c_exits_at_once(tmp_path: Path):
+    import signal
+    import time
+
+    process, log, _ = start_lone_peer(tmp_path)
+    try:
+        os.killpg(process.pid, signal.SIGINT)
+        time.sleep(1.0)
+        os.killpg(process.pid, signal.SIGINT)
+        started = time.monotonic()
+        code = process.wait(timeout=10)
+        elapsed = time.monotonic() - started
+    finally:
+        if process.poll() is None or live_processes_in_group(process.pid):
+            os.killpg(process.pid, signal.SIGKILL)
+    assert code == 130, log.read_text()[-3000:]
+    assert elapsed < 5
+    time.sleep(1.0)
+    assert live_processes_in_group(process.pid) == []

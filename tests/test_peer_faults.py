@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from builders import dht_with_record
 from harness import online, swarm_of, wait_for
 from hivemind.p2p import PeerID
 
@@ -107,9 +108,11 @@ def test_malformed_trips_get_error_codes_and_the_peer_keeps_serving():
         heartbeat = swarm.workdir / "heartbeat.json"
         swarm.spawn_peer("tail", "1", ["--heartbeat-file", str(heartbeat)])
         peer_id = wait_for(lambda: online(swarm, ["tail"]), 120, "the tail peer online")["tail"].record.peer_id
+        # only a peer of stage 0 (a driver) may send stage 1 trips: this client announces itself as one
+        driver = dht_with_record(swarm.bootstrap, manifest, 0, swarm.workdir, "driver")
 
         async def exchange(blob: bytes) -> bytes:
-            p2p = await swarm.dht.replicate_p2p()
+            p2p = await driver.replicate_p2p()
             return await send_trip(p2p, PeerID.from_base58(peer_id), manifest.run_id, blob, timeout=60, max_reply=limit)
 
         def code_of(blob: bytes) -> ErrorCode | None:
@@ -141,3 +144,4 @@ def test_malformed_trips_get_error_codes_and_the_peer_keeps_serving():
         assert "state online, stage 1" in health["check_heartbeat"](str(heartbeat))
         with pytest.raises(ValueError, match="old"):
             health["check_heartbeat"](str(heartbeat), now=time.time() + 600)
+        driver.shutdown()

@@ -1,0 +1,119 @@
+"""Attacks on a live peer by a raw hivemind client: what a hostile volunteer can and cannot make a peer do."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+import pytest
+import torch
+from builders import dht_with_record
+from harness import online, swarm_of, wait_for
+from hivemind.p2p import PeerID
+
+from peer.transport import send_trip
+from swarm.boundary import BoundaryCodec
+from swarm.model import SubspaceState
+from swarm.presets import preset
+from swarm.wire import ErrorCode, WireError, expectation_for, raise_if_error
+
+pytestmark = pytest.mark.slow
+
+
+def test_an_unknown_sender_gets_no_compute_and_a_fresh_driver_is_served():
+    manifest = preset("tiny", stages=2)
+    codec = BoundaryCodec(manifest, SubspaceState(manifest))
+    batch, seq = manifest.batch.microbatch_size, manifest.batch.seq_len
+    limit = expectation_for(manifest, 1, "forward", 0, manifest.t_fixed_sha256).max_bytes
+
+    def well_formed_trip() -> bytes:
+        tokens = torch.randint(0, manifest.model.vocab_size, (batch, seq))
+        hidden = torch.randn(batch, seq, manifest.model.d_model) * 0.02
+        return codec.encode_forward(hidden, tokens, uuid.uuid4().hex, to_stage=1)
+
+    trips = [well_formed_trip() for _ in range(4)]
+    attempts = 200
+
+    with swarm_of(manifest, name="unknown-sender") as swarm:
+        swarm.spawn_peer("tail", "1")
+        tail = wait_for(lambda: online(swarm, ["tail"]), 120, "the tail peer online")["tail"].record
+        stranger = dht_with_record(swarm.bootstrap, manifest, None, swarm.workdir, "stranger")
+
+        async def send_all(dht, blobs: list[bytes]) -> list[ErrorCode | None]:
+            p2p = await dht.replicate_p2p()
+            slots = asyncio.Semaphore(4)  # what a driver keeps in flight
+
+            async def one(blob: bytes) -> ErrorCode | None:
+                try:
+                    async with slots:
+                        reply = await send_trip(
+                            p2p, PeerID.from_base58(tail.peer_id), manifest.run_id, blob, timeout=60, max_reply=limit
+                        )
+                    raise_if_error(reply)
+                except WireError as exc:
+                    return exc.code
+                return None
+
+            return await asyncio.gather(*(one(blob) for blob in blobs))
+
+        started = time.monotonic()
+        codes = asyncio.run(send_all(stranger, [trips[i % len(trips)] for i in range(attempts)]))
+        seconds = time.monotonic() - started
+        # refused with `unknown_sender`; a stream the peer refuses before reading it (the transport's `admit`)
+        # may reach the sender as a reset instead when the refusal overtakes the sender's own writing
+        assert set(codes) <= {ErrorCode.UNKNOWN_SENDER, ErrorCode.UNREACHABLE}, codes
+        assert codes.count(ErrorCode.UNKNOWN_SENDER) >= 1
+        print(
+            f"{attempts} trips of an unknown sender refused in {seconds:.1f}s: "
+            f"{codes.count(ErrorCode.UNKNOWN_SENDER)} answered unknown_sender, the rest reset"
+        )
+
+        def counted():
+            entry = online(swarm, ["tail"])
+            return entry and entry["tail"].record.errors >= attempts and entry["tail"]
+
+        record = wait_for(counted, 30, "the tail's record to count the refusals").record
+        assert record.trips == 0 and record.tokens == 0 and record.optimizer_epoch == 0
+
+        # a peer that announced a stage-0 record a moment ago is served (the tail re-reads the DHT on a miss)
+        driver = dht_with_record(swarm.bootstrap, manifest, 0, swarm.workdir, "driver")
+        deadline = time.monotonic() + 15
+        while (code := asyncio.run(send_all(driver, trips[:1]))[0]) == ErrorCode.UNKNOWN_SENDER:
+            assert time.monotonic() < deadline, "a freshly announced driver was still refused after 15s"
+            time.sleep(0.5)
+        assert code is None
+        def served():
+            entry = online(swarm, ["tail"])
+            return entry and entry["tail"].record.trips >= 1 and entry["tail"]
+
+        assert wait_for(served, 30, "the served trip in the tail's record").record.trips == 1
+
+        # all the refusals are one log line (per sender and interval), not one per trip
+        log = swarm.children[0].log
+        stranger_id = str(stranger.peer_id)
+        wait_for(lambda: stranger_id in log.read_text(), 30, "the aggregated refusal line")
+        lines = [ln for ln in log.read_text().splitlines() if stranger_id in ln]
+        assert len(lines) == 1 and f"unknown_sender {attempts}" in lines[0], lines
+        stranger.shutdown()
+        driver.shutdown()
+
+
+def test_a_record_claiming_another_peers_id_is_not_stored():
+    """An impersonating record (signed with key B, naming peer A's id, claiming 1e12 tokens/s) is refused by
+    the DHT nodes it is stored on, so no reader ever sees it beside A's real record."""
+    manifest = preset("tiny", stages=2)
+    with swarm_of(manifest, name="impersonation") as swarm:
+        from builders import stage_record
+
+        from swarm.records import announce, fetch_stages, load_identity_key, make_validators
+
+        honest = dht_with_record(swarm.bootstrap, manifest, 1, swarm.workdir, "honest")
+        liar = dht_with_record(swarm.bootstrap, manifest, None, swarm.workdir, "liar")
+        liar_signer, _ = make_validators(manifest, load_identity_key(swarm.workdir / "liar.id"))
+        forged = stage_record(1, "forged", manifest=manifest, peer_id=str(honest.peer_id), throughput=1e12)
+        assert not announce(liar, manifest, liar_signer, forged)
+        stages = fetch_stages(swarm.dht, manifest)
+        assert [e.record.public_name for e in stages[1]] == ["honest"]
+        honest.shutdown()
+        liar.shutdown()

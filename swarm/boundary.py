@@ -4,6 +4,10 @@ Forward: the sender's residual `x` becomes `c = (x − T_fixed[tok]) U` (or `x` 
 mode) plus the token ids; the receiver rebuilds `x`. Backward: the receiver's gradient `g`
 becomes `g U` (or `g`); the sender rebuilds `(g U) Uᵀ`, all it needs for exact parameter
 gradients upstream.
+
+Both directions are range-checked on the way out as on the way in (`swarm.wire.check_range`): a
+stage never sends a row it would refuse to receive, so a refusal downstream is never its
+receiver's fault.
 """
 
 from __future__ import annotations
@@ -13,7 +17,16 @@ import torch
 from swarm import subspace as ss
 from swarm.manifest import Manifest
 from swarm.model import SubspaceState
-from swarm.wire import Expectation, Header, decode, encode, expectation_for
+from swarm.wire import (
+    MAX_ACTIVATION_NORM,
+    MAX_GRADIENT_NORM,
+    Expectation,
+    Header,
+    check_range,
+    decode,
+    encode,
+    expectation_for,
+)
 
 
 class BoundaryCodec:
@@ -45,6 +58,7 @@ class BoundaryCodec:
         with torch.no_grad():
             hidden = hidden.detach().float()
             payload = ss.compress(hidden, tokens, self.state.basis, self.state.t_fixed) if self.compressed else hidden
+            check_range(payload, MAX_ACTIVATION_NORM, "this stage's output")
         header = self._header(trip_id, to_stage, "forward", payload.shape, True, extra=extra)
         return encode(header, payload, tokens, self.manifest.model.vocab_size)
 
@@ -61,6 +75,7 @@ class BoundaryCodec:
         with torch.no_grad():
             grad = grad.detach().float()
             payload = ss.compress_grad(grad, self.state.basis) if self.compressed else grad
+            check_range(payload, MAX_GRADIENT_NORM, "this stage's input gradient")
         header = self._header(trip_id, to_stage, "backward", payload.shape, False, loss=loss, extra=extra)
         return encode(header, payload, None, self.manifest.model.vocab_size)
 

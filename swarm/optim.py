@@ -5,6 +5,11 @@ of W in torch layout, per row of T_S), so each slice's update is a scalar times 
 first moment and never leaves span(U). Decoupled weight decay scales the tensor, which also
 stays in span(U). After the step the tensor is re-projected to wash out float drift. Groups
 without `subspace_axis` get plain AdamW.
+
+A step whose gradients are not finite is skipped whole (no parameter or moment moves): in a swarm
+the gradients a step applies may be an average with other peers', and one NaN there would make
+every weight NaN for good. Finite gradients whose squares are finite keep Adam's moments finite
+(a convex combination of finite values), so finite parameters stay finite.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ class SubspaceAdamW(torch.optim.Optimizer):
         if projector is None and any(g["subspace_axis"] is not None for g in self.param_groups):
             raise ValueError("constrained parameter groups need a projector")
         self.projector = projector
+        self.skipped_steps = 0  # steps refused because their gradients were not finite
 
     @torch.no_grad()
     def step(self, closure: Callable | None = None):
@@ -41,6 +47,10 @@ class SubspaceAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        params = [p for group in self.param_groups for p in group["params"]]
+        if not math.isfinite(grad_norm(params)):
+            self.skipped_steps += 1
+            return loss
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             axis = group["subspace_axis"]
@@ -122,11 +132,28 @@ def lr_at(step: int, base_lr: float, warmup_steps: int) -> float:
     return base_lr
 
 
+def _norm(grads: list[torch.Tensor]) -> float:
+    return math.sqrt(sum(float(g.float().pow(2).sum()) for g in grads))
+
+
+def grad_norm(parameters: Iterable[torch.nn.Parameter]) -> float:
+    """L2 norm of all gradients together: NaN if one is NaN, inf if one is infinite or a square
+    overflows float32 (so a finite result means every gradient and its square are finite)."""
+    return _norm([p.grad for p in parameters if p.grad is not None])
+
+
 def clip_grad_norm(parameters: Iterable[torch.nn.Parameter], max_norm: float) -> float:
+    """Scale gradients down to `max_norm` and return their norm before clipping.
+
+    A non-finite norm (NaN or inf, see `grad_norm`) is returned as it is and the gradients are left
+    untouched: scaling cannot repair them, so the caller must refuse them (and never step on them).
+    """
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads:
         return 0.0
-    total = math.sqrt(sum(float(g.float().pow(2).sum()) for g in grads))
+    total = _norm(grads)
+    if not math.isfinite(total):
+        return total
     if max_norm and total > max_norm:
         for g in grads:
             g.mul_(max_norm / (total + 1e-6))

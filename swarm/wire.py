@@ -5,6 +5,11 @@ The header says what the receiver must already agree with (run, `U` version, `T_
 stage) and the payload's shape and dtype; `decode` checks every claim against the receiver's
 expectations and the byte count against the shape before it allocates a tensor, so whatever a
 remote peer sends ends as a `WireError` with a precise code, never as a crash.
+
+Values are checked as well as shapes: a payload must be finite and every token's row must lie
+within a norm bound (`MAX_ACTIVATION_NORM` forward, `MAX_GRADIENT_NORM` backward), so a
+well-formed message of absurd values (a row of 3.3e38, whose square overflows float32 in the
+receiver's first RMSNorm) is refused as `out_of_range` before any compute.
 """
 
 from __future__ import annotations
@@ -25,6 +30,29 @@ MAX_HEADER_BYTES = 4096
 MAX_HOPS = 1024  # a refusal relayed from further down than any pipeline is long is malformed
 Kind = Literal["forward", "backward"]
 
+# Per-token L2 bounds on payload rows, the same for every compression mode (a compressed row
+# `c = (x − T_fixed[tok]) U` or `g U` is never longer than the d-dim vector it encodes, since U has
+# orthonormal columns; so one bound on the residual stream or its gradient covers both).
+#
+# Honest traffic stays orders of magnitude below them. Measured with `swarm.simulate` on the tiny
+# preset split in 4 stages (d=256, k=4), 100 optimizer steps per mode (loss 5.6 → 2.1–2.4), the
+# largest token row that crossed any boundary, gradients doubled to the peer's per-microbatch loss:
+#   compression none, int8 wire:   activations 162 (mean 48),  gradients 0.16
+#   compression boundary, bf16:    coefficients 294 (mean 67), gradients 1.5
+#   compression subspace, bf16:    coefficients 221 (mean 56), gradients 0.23
+# (residual norms grow as training goes: ~3 at the first steps). 1e6 and 1e4 leave over three
+# orders of magnitude; tests/test_attack_poison.py checks a short run stays 1000x below. Trained
+# LLaMA-scale models keep per-token residual norms in the hundreds to a few thousand (their rare
+# "massive activations" reach ~1e3-1e4 in one coordinate, which fp16 inference already caps at
+# 65504 per value). Gradients per token are small because the loss is a mean over the tokens.
+#
+# And the bounds stay far below what breaks float32 downstream: RMSNorm squares its input and sums
+# d squares, so a row must have norm < ~1.8e19 (its squared norm < 3.4e38); 1e6 leaves 13 orders of
+# magnitude, and products such as a stage's ∂/∂U terms (activation × gradient, summed over tokens and
+# microbatches) stay finite as well. A gradient within its bound is then clipped like any other.
+MAX_ACTIVATION_NORM = 1e6
+MAX_GRADIENT_NORM = 1e4
+
 _TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _TOKEN_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
 
@@ -41,6 +69,7 @@ class ErrorCode(str, enum.Enum):
     WRONG_DTYPE = "wrong_dtype"
     BAD_TOKENS = "bad_tokens"
     NOT_FINITE = "not_finite"
+    OUT_OF_RANGE = "out_of_range"
     OVERLOADED = "overloaded"
     LEAVING = "leaving"
     NO_PEER = "no_peer"
@@ -91,6 +120,11 @@ class Expectation:
     needs_tokens: bool
 
     @property
+    def max_token_norm(self) -> float:
+        """The largest per-token L2 norm a payload row may have (see MAX_ACTIVATION_NORM)."""
+        return MAX_ACTIVATION_NORM if self.kind == "forward" else MAX_GRADIENT_NORM
+
+    @property
     def max_bytes(self) -> int:
         cells = self.max_batch * self.max_seq
         return len(MAGIC) + 4 + MAX_HEADER_BYTES + wire_payload_bytes(self.dtype, cells, self.width) + cells * 4
@@ -111,6 +145,22 @@ def expectation_for(manifest: Manifest, stage: int, kind: Kind, u_version: int, 
         max_seq=manifest.model.max_seq_len,
         needs_tokens=kind == "forward",
     )
+
+
+def max_token_norm(payload: torch.Tensor) -> float:
+    """The largest L2 norm of a row (token) of `payload` (inf when one overflows float32)."""
+    if payload.numel() == 0:
+        return 0.0
+    return float(torch.linalg.vector_norm(payload.detach().float(), dim=-1).max())
+
+
+def check_range(payload: torch.Tensor, bound: float, what: str) -> None:
+    """Refuse a payload holding NaN/inf (`not_finite`) or a token row longer than `bound` (`out_of_range`)."""
+    if not torch.isfinite(payload).all():
+        raise WireError(ErrorCode.NOT_FINITE, f"{what} holds NaN or infinite values")
+    norm = max_token_norm(payload)
+    if not norm <= bound:
+        raise WireError(ErrorCode.OUT_OF_RANGE, f"{what} has a token of norm {norm:.3g}, the bound is {bound:.3g}")
 
 
 def quantize_int8(payload: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -270,8 +320,7 @@ def decode(blob: bytes, expect: Expectation) -> tuple[Header, torch.Tensor, torc
     if len(blob) != expected_len:
         raise WireError(ErrorCode.MALFORMED, f"message has {len(blob)} bytes, its header implies {expected_len}")
     payload = _decode_payload(header.dtype, blob[start : start + payload_bytes], (batch, seq, width))
-    if not torch.isfinite(payload).all():
-        raise WireError(ErrorCode.NOT_FINITE, "payload holds NaN or infinite values")
+    check_range(payload, expect.max_token_norm, "payload")
     tokens = None
     if header.has_tokens:
         raw_tokens = torch.frombuffer(bytearray(blob[start + payload_bytes :]), dtype=torch.uint8)

@@ -4,13 +4,14 @@ AdamW leaves it; unconstrained groups are exactly AdamW; state_dict and weight d
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
 
 from swarm.manifest import BatchSpec, ModelShape, OptimizerSpec
 from swarm.model import build_stages, next_token_loss
-from swarm.optim import SubspaceAdamW, clip_grad_norm, lr_at, make_optimizer, parameter_groups
+from swarm.optim import SubspaceAdamW, clip_grad_norm, grad_norm, lr_at, make_optimizer, parameter_groups
 from swarm.presets import preset
 from swarm.subspace import initial_basis, project
 
@@ -221,3 +222,44 @@ def test_clip_grad_norm():
     assert clip_grad_norm([a, b], max_norm=10.0) == pytest.approx(1.0, rel=1e-4)  # below: untouched
     assert torch.cat([a.grad, b.grad]).norm().item() == pytest.approx(1.0, rel=1e-4)
     assert clip_grad_norm([torch.nn.Parameter(torch.zeros(2))], 1.0) == 0.0
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf"), 3.3e38])
+def test_clip_grad_norm_never_passes_non_finite_through(bad):
+    """A NaN norm compared `> max_norm` is False: the old clip let NaN gradients through silently.
+    Now the non-finite norm is returned for the caller to refuse, and the gradients are not scaled
+    (scaling an inf by max_norm/inf would have turned it into NaN)."""
+    a, b = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(4))
+    a.grad, b.grad = torch.full((3,), 3.0), torch.full((4,), 4.0)
+    b.grad[1] = bad  # 3.3e38 is finite, but its square overflows float32
+    before = [a.grad.clone(), b.grad.clone()]
+    total = clip_grad_norm([a, b], max_norm=1.0)
+    assert not math.isfinite(total)
+    assert math.isnan(total) == math.isnan(bad)
+    assert torch.equal(a.grad, before[0])  # left as they were: the caller refuses them
+    assert torch.equal(b.grad[[0, 2, 3]], before[1][[0, 2, 3]])
+    assert not math.isfinite(grad_norm([a, b]))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), 3.3e38])
+def test_subspace_adamw_skips_a_step_with_non_finite_gradients(bad):
+    """Gradients averaged with other peers reach the optimizer directly: one NaN must move nothing."""
+    stages = build_stages(small())
+    optimizer = make_optimizer(stages[0])
+    toks = torch.randint(0, 32, (2, SEQ), generator=torch.Generator().manual_seed(0))
+    next_token_loss(stages[1](stages[0](None, toks), toks), toks).backward()
+    optimizer.step()  # a first, finite step: moments exist
+    optimizer.zero_grad(set_to_none=True)
+    next_token_loss(stages[1](stages[0](None, toks), toks), toks).backward()
+    params = [p.detach().clone() for p in stages[0].parameters()]
+    moments = copy.deepcopy(optimizer.state_dict()["state"])
+    stages[0].layers[0].mlp.w1.weight.grad[0, 0] = bad
+    optimizer.step()
+    assert optimizer.skipped_steps == 1
+    assert all(torch.equal(p, q) for p, q in zip(stages[0].parameters(), params, strict=True))
+    after = optimizer.state_dict()["state"]
+    assert all(torch.equal(after[i][key], moments[i][key]) for i in moments for key in moments[i])
+    stages[0].layers[0].mlp.w1.weight.grad[0, 0] = 0.0  # the same step with finite gradients moves
+    optimizer.step()
+    assert optimizer.skipped_steps == 1
+    assert not all(torch.equal(p, q) for p, q in zip(stages[0].parameters(), params, strict=True))

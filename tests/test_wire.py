@@ -15,13 +15,17 @@ from swarm.manifest import BatchSpec, ModelShape
 from swarm.presets import preset
 from swarm.wire import (
     MAGIC,
+    MAX_ACTIVATION_NORM,
+    MAX_GRADIENT_NORM,
     MAX_HEADER_BYTES,
     ErrorCode,
     Header,
     WireError,
+    check_range,
     decode,
     encode,
     expectation_for,
+    max_token_norm,
 )
 
 D, K, B, S = 64, 4, 2, 8
@@ -279,6 +283,66 @@ def test_fp16_overflow_is_not_finite():
     data = payload()
     data[0, 0, 0] = 1e6  # beyond fp16's range: the sender's cast makes it inf
     refused(encode(header(mm), data, toks(), 256), expect(mm), ErrorCode.NOT_FINITE)
+
+
+MODES = [("subspace", "fp32"), ("subspace", "bf16"), ("boundary", "bf16"), ("none", "int8"), ("none", "bf16"),
+         ("none", "fp32")]
+
+
+def _row(width: int, norm: float) -> torch.Tensor:
+    return torch.full((width,), norm / width**0.5)
+
+
+@pytest.mark.parametrize("compression,wire_dtype", MODES)
+@pytest.mark.parametrize("norm", [3.3e38, 1e30, 1e10, 2 * MAX_ACTIVATION_NORM])
+def test_absurd_activations_are_out_of_range(compression, wire_dtype, norm):
+    """A well-formed, finite row of absurd size (3.3e38 overflowed the receiver's RMSNorm) is refused."""
+    mm = manifest(wire_dtype, compression=compression)
+    width = K if compression != "none" else D
+    data = payload((B, S, width))
+    data[1, 3] = _row(width, norm) if norm < 1e38 else torch.full((width,), norm)
+    refused(encode(header(mm, shape=(B, S, width)), data, toks(), 256), expect(mm), ErrorCode.OUT_OF_RANGE, "bound")
+
+
+@pytest.mark.parametrize("compression,wire_dtype", MODES)
+@pytest.mark.parametrize("norm", [3.3e38, 1e20, 2 * MAX_GRADIENT_NORM])
+def test_absurd_gradients_are_out_of_range(compression, wire_dtype, norm):
+    mm = manifest(wire_dtype, compression=compression)
+    width = K if compression != "none" else D
+    data = payload((B, S, width)) * 1e-3
+    data[0, 0] = _row(width, norm) if norm < 1e38 else torch.full((width,), norm)
+    blob = encode(header(mm, kind="backward", stage=0, shape=(B, S, width)), data, None, 256)
+    refused(blob, expect(mm, "backward", stage=0), ErrorCode.OUT_OF_RANGE, "bound")
+
+
+@pytest.mark.parametrize("compression,wire_dtype", MODES)
+def test_rows_within_the_bounds_pass(compression, wire_dtype):
+    mm = manifest(wire_dtype, compression=compression)
+    width = K if compression != "none" else D
+    data = payload((B, S, width))
+    data[1, 3] = _row(width, MAX_ACTIVATION_NORM / 2)
+    _, got, _ = decode(encode(header(mm, shape=(B, S, width)), data, toks(), 256), expect(mm))
+    assert torch.isfinite(got).all() and got[1, 3].norm() < MAX_ACTIVATION_NORM
+    grad = payload((B, S, width)) * 1e-3
+    grad[0, 0] = _row(width, MAX_GRADIENT_NORM / 2)
+    blob = encode(header(mm, kind="backward", stage=0, shape=(B, S, width)), grad, None, 256)
+    _, got, _ = decode(blob, expect(mm, "backward", stage=0))
+    assert got[0, 0].norm() < MAX_GRADIENT_NORM
+
+
+def test_check_range_and_token_norms():
+    rows = torch.zeros(2, 3, 4)
+    rows[1, 2] = torch.tensor([3.0, 4.0, 0.0, 0.0])
+    assert max_token_norm(rows) == 5.0
+    assert max_token_norm(torch.full((1, 1, 4), 3.3e38)) == float("inf")  # overflows: refused by any bound
+    check_range(rows, 5.0, "x")
+    with pytest.raises(WireError) as info:
+        check_range(rows, 4.9, "x")
+    assert info.value.code == ErrorCode.OUT_OF_RANGE
+    rows[0, 0, 0] = float("nan")
+    with pytest.raises(WireError) as info:
+        check_range(rows, 5.0, "x")
+    assert info.value.code == ErrorCode.NOT_FINITE
 
 
 def test_non_finite_loss(m):

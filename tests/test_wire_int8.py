@@ -120,6 +120,22 @@ def test_non_finite_activation_refused(m):
     assert info.value.code == ErrorCode.NOT_FINITE
 
 
+@pytest.mark.parametrize("huge", [3.3e38, 1e30, 3e6])
+def test_huge_finite_scale_refused_as_out_of_range(m, huge):
+    """The observed poison: one token row holding 3.3e38 is finite and quantises to a finite scale,
+    but its square overflows the receiver's RMSNorm. Refused before any compute."""
+    x = payload()
+    x[0, 5, 7] = huge
+    blob = encode(header(m), x, toks(), 256)
+    with pytest.raises(WireError) as info:
+        decode(blob, expect(m))
+    assert info.value.code == ErrorCode.OUT_OF_RANGE
+    # the honest codec refuses to send such a row in the first place
+    with pytest.raises(WireError) as info:
+        BoundaryCodec(m, PipelineStage(m, 0).subspace).encode_forward(x, toks(), "t", 1)
+    assert info.value.code == ErrorCode.OUT_OF_RANGE
+
+
 @pytest.mark.parametrize("delta", [-1, 1, -4])
 def test_wrong_length_refused(m, delta):
     blob = encode(header(m), payload(), toks(), 256)

@@ -67,7 +67,6 @@ from swarm.wire import ErrorCode, WireError, encode_error, expectation_for, rais
 
 logger = logging.getLogger("peer")
 
-_OUT_OF_RANGE = getattr(ErrorCode, "OUT_OF_RANGE", ErrorCode.MALFORMED)
 SENDER_REFRESH_INTERVAL = 2.0  # at most one DHT read per this many seconds on behalf of unknown senders
 LEAVE_DHT_TIMEOUT = 5.0  # a DHT call while leaving gives up after this (p2pd may already be gone)
 SIGNAL_DRAIN_TIMEOUT = 15.0  # stopped by a signal: trips in flight get at most this long (exit within 30 s)
@@ -118,7 +117,7 @@ def check_loss(loss: float | None, manifest: Manifest) -> float | None:
         return None
     bound = plausible_loss_bound(manifest)
     if not (isinstance(loss, (int, float)) and math.isfinite(loss) and 0.0 <= loss <= bound):
-        raise WireError(_OUT_OF_RANGE, f"reported loss {loss!r} is outside [0, {bound:.1f}]")
+        raise WireError(ErrorCode.OUT_OF_RANGE, f"reported loss {loss!r} is outside [0, {bound:.1f}]")
     return float(loss)
 
 

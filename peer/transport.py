@@ -30,7 +30,15 @@ Receiving is bounded, so that no sender can hold a peer's memory, CPU or receive
   gets at most `max_per_sender` of them (4): its further streams wait up to `grace` seconds for one
   of its own slots (at most `max_per_sender` waiting), and beyond that are refused (`overloaded`).
   One identity opening many streams therefore takes 4 of the 16 slots, never all of them, and for
-  at most `grace` seconds each if it does not send.
+  at most `grace` seconds each if it does not send. When all 16 are taken (many identities), a
+  sender holding none cuts the oldest stream of the sender holding the most (at least 2; `overloaded`)
+  instead of being refused, so stalled streams from a handful of identities cannot starve others;
+- after a refusal the rest of the message is read and dropped for up to 1 s before the stream is
+  closed (`_linger`), so the refusal reaches the sender instead of being overtaken by a stream reset.
+
+hivemind's own protobuf stream handlers in the same process (the averager's) keep hivemind's reader;
+`TripServicer.add_p2p_handlers` also bounds its frames (`limit_hivemind_frames`, 16 MiB) and turns
+its per-stream warning tracebacks into one line a minute (`quiet_hivemind_stream_errors`).
 
 Every refusal is counted through `on_refused(code)` (and `on_refused_from(code, peer)` if given),
 answered with an error reply when the stream still takes one, and logged at DEBUG only: garbage
@@ -262,8 +270,10 @@ class TripServicer:
         return _HANDLE if namespace is None else f"{namespace}::{_HANDLE}"
 
     async def add_p2p_handlers(self, p2p: P2P, wrapper=None, *, namespace: str | None = None, balanced=False) -> None:
-        """Register the raw stream handler (not hivemind's protobuf one, which buffers whole frames)."""
+        """Register the raw stream handler (not hivemind's protobuf one, which buffers whole frames),
+        and bound and quiet hivemind's own stream handlers in this process (the averager's)."""
         quiet_hivemind_stream_errors()
+        limit_hivemind_frames()
         await p2p.add_binary_stream_handler(self.handle_name(namespace), self._handle_stream, balanced=balanced)
 
     async def remove_p2p_handlers(self, p2p: P2P, *, namespace: str | None = None) -> None:
@@ -467,3 +477,32 @@ def quiet_hivemind_stream_errors(interval: float = 60.0) -> None:
     target = logging.getLogger("hivemind.p2p.p2p_daemon")
     if not any(isinstance(f, _QuietStreamErrors) for f in target.filters):
         target.addFilter(_QuietStreamErrors(interval))
+
+
+HIVEMIND_MAX_FRAME = 16 << 20
+
+
+def limit_hivemind_frames(max_frame: int = HIVEMIND_MAX_FRAME) -> None:
+    """Bound the frames hivemind's own protobuf streams read (the averager's, in both directions).
+
+    hivemind reads a frame's declared length whole before parsing it (`P2P.receive_raw_data`,
+    hivemind/p2p/p2p_daemon.py: `data = await reader.readexactly(content_length)`, then
+    `protobuf.ParseFromString(...)` in `receive_protobuf`): one 256 MB frame to the averager's
+    handler cost +768 MB peak RSS. This replaces that staticmethod on the `P2P` class of this
+    process (hivemind's files are not touched) with one that refuses a frame over `max_frame`
+    before reading its body; hivemind's handler then logs one line (see `quiet_hivemind_stream_errors`)
+    and closes the stream. hivemind's largest frames here are the averager's 512 KiB tensor parts and
+    64 KiB state chunks, so 16 MiB leaves a wide margin; a frame at the limit costs < 64 MB.
+    Installed once per process (idempotent)."""
+    if getattr(P2P.__dict__["receive_raw_data"].__func__, "frame_limit", None) is not None:
+        return
+
+    async def receive_raw_data(reader: asyncio.StreamReader) -> bytes:
+        header = await reader.readexactly(P2P.HEADER_LEN)
+        length = int.from_bytes(header, P2P.BYTEORDER)
+        if length > max_frame:
+            raise ValueError(f"a frame of {length} bytes (limit {max_frame})")
+        return await reader.readexactly(length)
+
+    receive_raw_data.frame_limit = max_frame
+    P2P.receive_raw_data = staticmethod(receive_raw_data)

@@ -1,0 +1,359 @@
+"""Wire format of a chunk's K/V message, and the simulator that trains through it.
+
+A message is `CP_MAGIC | u32 header length | header JSON | Z_k | Z_v | θ`, little-endian. Forward,
+the owner chunk sends Z_k (B × n × r_k) and Z_v (B × n × r_v) in the wire dtype and θ (B × n_theta,
+float32) to a later chunk; backward, that chunk sends ∂L/∂Z_k, ∂L/∂Z_v (wire dtype) and ∂L/∂θ
+(float32) back. Dense CP uses the same format with widths d_kv and no θ. `decode_kv` checks every
+claim of the header (run, CP basis version and hash, stage, layer, chunks, kind, dtype, shapes,
+byte count) before it allocates a tensor, then the values (finite, per-row norm bound, |θ| ≤ θ_max);
+whatever is off is a `swarm.wire.WireError` with one of its `ErrorCode`s, never a crash.
+
+`wire_step` runs one training step of a `CPDecoder` with every chunk as its own graph: each
+(chunk, layer) segment starts from a leaf, received Z and θ are leaves, and the gradients of the
+leaves are the backward messages. Its parameter gradients equal `CPDecoder.forward`'s.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import asdict, dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+from swarm.context_parallel import THETA_ITEMSIZE, WIRE_DTYPES, WIRE_ITEMSIZE, ContextParallelSpec, CPBasis, kv_width
+from swarm.wire import MAX_ACTIVATION_NORM, MAX_GRADIENT_NORM, ErrorCode, WireError, check_range
+
+CP_MAGIC = b"PCP1"
+MAX_HEADER_BYTES = 4096
+THETA_SLACK = 1e-6  # θ is bounded by θ_max·tanh; float32 rounding may add a last bit
+Kind = Literal["forward", "backward"]
+
+
+@dataclass(frozen=True)
+class KVHeader:
+    run_id: str
+    cp_version: int
+    cp_sha256: str
+    trip_id: str
+    stage: int
+    layer: int
+    owner: int  # the chunk whose K/V this is
+    src: int  # sending chunk (the owner, forward)
+    dst: int  # receiving chunk (the owner, backward)
+    kind: Kind
+    dtype: str
+    batch: int
+    chunk_len: int
+    width_k: int
+    width_v: int
+    n_theta: int
+
+
+@dataclass(frozen=True)
+class KVExpectation:
+    """What the holder of chunk `chunk` of stage `stage` accepts."""
+
+    run_id: str
+    cp_version: int
+    cp_sha256: str
+    stage: int
+    first_layer: int
+    end_layer: int
+    chunk: int
+    size: int
+    kind: Kind
+    dtype: str
+    chunk_len: int
+    width_k: int
+    width_v: int
+    n_theta: int
+    max_batch: int
+    theta_max: float
+
+    def payload_bytes(self, batch: int) -> int:
+        z = batch * self.chunk_len * (self.width_k + self.width_v) * WIRE_ITEMSIZE[self.dtype]
+        return z + batch * self.n_theta * THETA_ITEMSIZE
+
+    @property
+    def max_bytes(self) -> int:
+        return len(CP_MAGIC) + 4 + MAX_HEADER_BYTES + self.payload_bytes(self.max_batch)
+
+
+def _to_bytes(tensor: torch.Tensor, dtype: torch.dtype) -> bytes:
+    data = tensor.detach().to(dtype).contiguous().cpu()
+    if dtype != torch.float32:
+        data = data.view(torch.int16)
+    return data.numpy().astype(data.numpy().dtype.newbyteorder("<"), copy=False).tobytes()
+
+
+def _from_bytes(raw: bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    buffer = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    if dtype == torch.float32:
+        return buffer.view(torch.float32).reshape(shape)
+    return buffer.view(torch.int16).view(dtype).reshape(shape).float()
+
+
+def encode_kv(header: KVHeader, z_k: torch.Tensor, z_v: torch.Tensor, theta: torch.Tensor | None) -> bytes:
+    """Refuses (ValueError / WireError) to send anything it would refuse to receive."""
+    shapes = ((header.batch, header.chunk_len, header.width_k), (header.batch, header.chunk_len, header.width_v))
+    if (tuple(z_k.shape), tuple(z_v.shape)) != shapes:
+        raise ValueError(f"payload shapes {tuple(z_k.shape)}, {tuple(z_v.shape)} differ from the header's {shapes}")
+    if header.n_theta and (theta is None or tuple(theta.shape) != (header.batch, header.n_theta)):
+        raise ValueError("θ is missing or has the wrong shape")
+    bound = MAX_ACTIVATION_NORM if header.kind == "forward" else MAX_GRADIENT_NORM
+    with torch.no_grad():
+        for name, z in (("Z_k", z_k), ("Z_v", z_v)):
+            check_range(z.float(), bound, f"this chunk's {name}")
+    head = json.dumps(asdict(header), separators=(",", ":")).encode()
+    wire = WIRE_DTYPES[header.dtype]
+    parts = [CP_MAGIC, struct.pack("<I", len(head)), head, _to_bytes(z_k, wire), _to_bytes(z_v, wire)]
+    if header.n_theta:
+        parts.append(_to_bytes(theta, torch.float32))
+    return b"".join(parts)
+
+
+def _parse_header(blob: bytes) -> tuple[KVHeader, int]:
+    if len(blob) < len(CP_MAGIC) + 4 or blob[: len(CP_MAGIC)] != CP_MAGIC:
+        raise WireError(ErrorCode.MALFORMED, "message does not start with the CP magic")
+    (length,) = struct.unpack_from("<I", blob, len(CP_MAGIC))
+    start = len(CP_MAGIC) + 4
+    if length > MAX_HEADER_BYTES or start + length > len(blob):
+        raise WireError(ErrorCode.MALFORMED, f"header length {length} is out of bounds")
+    try:
+        header = KVHeader(**json.loads(blob[start : start + length]))
+    except (ValueError, TypeError, RecursionError) as exc:
+        raise WireError(ErrorCode.MALFORMED, f"header is not valid: {exc}") from None
+    ints = (
+        header.cp_version,
+        header.stage,
+        header.layer,
+        header.owner,
+        header.src,
+        header.dst,
+        header.batch,
+        header.chunk_len,
+        header.width_k,
+        header.width_v,
+        header.n_theta,
+    )
+    types_ok = (
+        all(isinstance(v, str) for v in (header.run_id, header.cp_sha256, header.trip_id, header.kind, header.dtype))
+        and len(header.trip_id) <= 128
+        and all(isinstance(v, int) and not isinstance(v, bool) for v in ints)
+    )
+    if not types_ok:
+        raise WireError(ErrorCode.MALFORMED, "header fields have the wrong types")
+    return header, start + length
+
+
+def decode_kv(blob: bytes, expect: KVExpectation):
+    """Validate everything, then build float32 tensors (Z_k, Z_v, θ or None). Raises WireError only."""
+    if len(blob) > expect.max_bytes:
+        raise WireError(ErrorCode.TOO_LARGE, f"{len(blob)} bytes exceed the limit of {expect.max_bytes}")
+    header, start = _parse_header(blob)
+    if header.run_id != expect.run_id:
+        raise WireError(
+            ErrorCode.WRONG_RUN, f"message is for run {header.run_id!r}, this peer serves {expect.run_id!r}"
+        )
+    if header.cp_sha256 != expect.cp_sha256:
+        raise WireError(ErrorCode.WRONG_HASH, f"sender's CP basis hash {header.cp_sha256[:16]} differs from ours")
+    if header.cp_version != expect.cp_version:
+        raise WireError(ErrorCode.WRONG_VERSION, f"CP basis version {header.cp_version}, ours is {expect.cp_version}")
+    if header.stage != expect.stage or not expect.first_layer <= header.layer < expect.end_layer:
+        raise WireError(ErrorCode.WRONG_STAGE, f"stage {header.stage} layer {header.layer} is not served here")
+    if header.kind != expect.kind:
+        raise WireError(ErrorCode.WRONG_KIND, f"expected a {expect.kind} message, got {header.kind!r}")
+    if header.dst != expect.chunk:
+        raise WireError(ErrorCode.WRONG_STAGE, f"message is for chunk {header.dst}, this peer holds {expect.chunk}")
+    if expect.kind == "forward":
+        chunks_ok = header.owner == header.src and 0 <= header.src < header.dst
+    else:
+        chunks_ok = header.owner == header.dst and header.dst < header.src < expect.size
+    if not chunks_ok:
+        raise WireError(ErrorCode.MALFORMED, f"chunks owner {header.owner} {header.src}→{header.dst} are not causal")
+    if header.dtype != expect.dtype:
+        raise WireError(ErrorCode.WRONG_DTYPE, f"payload dtype {header.dtype!r}, the run uses {expect.dtype!r}")
+    claimed = (header.chunk_len, header.width_k, header.width_v, header.n_theta)
+    if claimed != (expect.chunk_len, expect.width_k, expect.width_v, expect.n_theta):
+        raise WireError(ErrorCode.WRONG_SHAPE, f"chunk length, widths, θ count {claimed} are not the run's")
+    if not 1 <= header.batch <= expect.max_batch:
+        raise WireError(ErrorCode.WRONG_SHAPE, f"batch {header.batch} outside 1..{expect.max_batch}")
+    if len(blob) != start + expect.payload_bytes(header.batch):
+        raise WireError(ErrorCode.MALFORMED, f"message has {len(blob)} bytes, its header implies more or fewer")
+    wire, item = WIRE_DTYPES[header.dtype], WIRE_ITEMSIZE[header.dtype]
+    n_k = header.batch * header.chunk_len * header.width_k * item
+    n_v = header.batch * header.chunk_len * header.width_v * item
+    z_k = _from_bytes(blob[start : start + n_k], wire, (header.batch, header.chunk_len, header.width_k))
+    z_v = _from_bytes(blob[start + n_k : start + n_k + n_v], wire, (header.batch, header.chunk_len, header.width_v))
+    forward = expect.kind == "forward"
+    for name, z in (("Z_k", z_k), ("Z_v", z_v)):
+        check_range(z, MAX_ACTIVATION_NORM if forward else MAX_GRADIENT_NORM, name)
+    theta = None
+    if header.n_theta:
+        theta = _from_bytes(blob[start + n_k + n_v :], torch.float32, (header.batch, header.n_theta))
+        if not torch.isfinite(theta).all():
+            raise WireError(ErrorCode.NOT_FINITE, "θ holds NaN or infinite values")
+        bound = expect.theta_max * (1 + THETA_SLACK) if forward else MAX_GRADIENT_NORM
+        if float(theta.abs().max()) > bound:
+            raise WireError(ErrorCode.OUT_OF_RANGE, f"|θ| {float(theta.abs().max()):.3g} exceeds {bound:.3g}")
+    return header, z_k, z_v, theta
+
+
+class CPCodec:
+    """Headers and expectations of one stage's CP messages, from the spec, the run and the basis."""
+
+    def __init__(
+        self,
+        spec: ContextParallelSpec,
+        shape,
+        seq_len: int,
+        max_batch: int,
+        run_id: str,
+        basis: CPBasis,
+        stage: int = 0,
+        layers: range | None = None,
+    ):
+        spec.validate(shape, seq_len)
+        self.spec, self.shape, self.run_id, self.basis, self.stage = spec, shape, run_id, basis, stage
+        self.layers = layers if layers is not None else range(shape.n_layers)
+        self.chunk_len, self.max_batch = spec.chunk_len(seq_len), max_batch
+
+    def widths(self, compressed: bool) -> tuple[int, int, int]:
+        if compressed:
+            return self.spec.r_k, self.spec.r_v, self.spec.n_theta
+        return kv_width(self.shape), kv_width(self.shape), 0
+
+    def header(
+        self, kind: Kind, layer: int, owner: int, src: int, dst: int, batch: int, compressed: bool, trip_id: str = ""
+    ) -> KVHeader:
+        width_k, width_v, n_theta = self.widths(compressed)
+        return KVHeader(
+            self.run_id,
+            self.basis.version,
+            self.basis.sha256,
+            trip_id,
+            self.stage,
+            layer,
+            owner,
+            src,
+            dst,
+            kind,
+            self.spec.wire_dtype,
+            batch,
+            self.chunk_len,
+            width_k,
+            width_v,
+            n_theta,
+        )
+
+    def expectation(self, kind: Kind, chunk: int, compressed: bool) -> KVExpectation:
+        width_k, width_v, n_theta = self.widths(compressed)
+        return KVExpectation(
+            self.run_id,
+            self.basis.version,
+            self.basis.sha256,
+            self.stage,
+            self.layers.start,
+            self.layers.stop,
+            chunk,
+            self.spec.size,
+            kind,
+            self.spec.wire_dtype,
+            self.chunk_len,
+            width_k,
+            width_v,
+            n_theta,
+            self.max_batch,
+            self.spec.theta_max,
+        )
+
+
+def wire_step(model, tokens: torch.Tensor, codec: CPCodec) -> tuple[float, dict]:
+    """One forward and backward of `model` (a CPDecoder) with every chunk its own graph, all K/V
+    traffic encoded and decoded; accumulates parameter gradients; returns the loss and the bytes
+    sent per layer ({"forward": [...], "backward": [...]}, summed over messages)."""
+    spec, compressed, dtype = model.spec, model.compressed, model.embed.dtype
+    size, n = spec.size, tokens.shape[1] // spec.size
+    batch, n_layers = tokens.shape[0], len(model.blocks)
+    sent_bytes = {"forward": [0] * n_layers, "backward": [0] * n_layers}
+    leaf = lambda t: t.detach().requires_grad_(True)  # noqa: E731
+    embeds = [model.embed[tokens[:, c * n : (c + 1) * n]] for c in range(size)]
+    hidden = [leaf(e) for e in embeds]
+    segments = []  # per layer: per chunk (input leaf, output, payload, received leaves by sender)
+    for layer, block in enumerate(model.blocks):
+        attn, inbox, outputs, layer_segments = block.attn, {}, [], []
+        for c in range(size):  # every chunk computes its K/V and sends them to every later chunk
+            xn = block.attn_norm(hidden[c])
+            q, k_full, v_full, theta = attn.project(xn, compressed)
+            needs_payload = c < size - 1 or (compressed and spec.variant == "paper")
+            p_k, p_v = attn.payload(k_full, v_full, theta, compressed) if needs_payload else (None, None)
+            for dst in range(c + 1, size):
+                blob = encode_kv(codec.header("forward", layer, c, c, dst, batch, compressed), p_k, p_v, theta)
+                sent_bytes["forward"][layer] += len(blob)
+                inbox[dst, c] = blob
+            layer_segments.append([hidden[c], q, k_full, v_full, p_k, p_v, theta, {}])
+        for c in range(size):  # every chunk decodes what it received and attends
+            h_in, q, k_full, v_full, p_k, p_v, theta, received = layer_segments[c]
+            blocks = []
+            for j in range(c):
+                _, z_k, z_v, th = decode_kv(inbox[c, j], codec.expectation("forward", c, compressed))
+                z_k, z_v = leaf(z_k.to(dtype)), leaf(z_v.to(dtype))
+                th = None if th is None else leaf(th.to(dtype))
+                received[j] = (z_k, z_v, th)
+                blocks.append(attn.rebuild(z_k, z_v, th, compressed))
+            blocks.append(attn.own_block(k_full, v_full, p_k, p_v, theta, compressed, True))
+            x = h_in + attn.attend(q, blocks, model.rope_cos, model.rope_sin)
+            outputs.append(x + block.mlp(block.mlp_norm(x)))
+        segments.append(layer_segments)
+        hidden = [leaf(o) for o in outputs]
+        for c in range(size):
+            layer_segments[c].append(outputs[c])
+    # tail: per-chunk loss, summed to the mean over all predicted tokens
+    count = batch * (tokens.shape[1] - 1)
+    grads, total = [], 0.0
+    for c in range(size):
+        logits = model.lm_head(model.final_norm(hidden[c]))
+        targets = tokens[:, c * n + 1 : (c + 1) * n + 1]
+        logits = logits[:, : targets.shape[1]]
+        logits = logits.reshape(-1, logits.shape[-1]).to(torch.promote_types(logits.dtype, torch.float32))
+        loss = F.cross_entropy(logits, targets.reshape(-1), reduction="sum") / count
+        loss.backward()
+        total += float(loss.detach())
+        grads.append(hidden[c].grad)
+    for layer in reversed(range(n_layers)):
+        sums = {}  # owner chunk → summed gradients of its payload from its receivers
+        for c in reversed(range(size)):  # later chunks first: their replies complete earlier chunks' gradients
+            h_in, q, k_full, v_full, p_k, p_v, theta, received, out = segments[layer][c]
+            roots, root_grads = [out], [grads[c]]
+            if c in sums:
+                g_k, g_v, g_th = sums[c]
+                roots += [p_k, p_v]
+                root_grads += [g_k, g_v]
+                if theta is not None:
+                    roots.append(theta)
+                    root_grads.append(g_th)
+            torch.autograd.backward(roots, root_grads)
+            grads[c] = h_in.grad
+            for j, (z_k, z_v, th) in received.items():
+                zero = torch.zeros_like
+                g = (
+                    z_k.grad if z_k.grad is not None else zero(z_k),
+                    z_v.grad if z_v.grad is not None else zero(z_v),
+                    None if th is None else (th.grad if th.grad is not None else zero(th)),
+                )
+                blob = encode_kv(codec.header("backward", layer, j, c, j, batch, compressed), *g)
+                sent_bytes["backward"][layer] += len(blob)
+                _, d_k, d_v, d_th = decode_kv(blob, codec.expectation("backward", j, compressed))
+                d_k, d_v = d_k.to(dtype), d_v.to(dtype)
+                d_th = None if d_th is None else d_th.to(dtype)
+                if j in sums:
+                    s_k, s_v, s_th = sums[j]
+                    sums[j] = (s_k + d_k, s_v + d_v, None if d_th is None else s_th + d_th)
+                else:
+                    sums[j] = (d_k, d_v, d_th)
+    for c in range(size):
+        embeds[c].backward(grads[c])
+    return total, sent_bytes

@@ -95,7 +95,7 @@ def run(mode: str, seed: int, args, shape, train_tokens, val_batches) -> dict:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         times.append(time.perf_counter() - start)
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     val = evaluate(model, val_batches)
     # bytes from encoded messages, and the wire path against the one-graph model on one batch
     batch = val_batches[0]

@@ -42,7 +42,7 @@ def run_cell(mode: str, args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory(prefix="control-traffic-") as out_dir:
         env = dict(os.environ, CONTROL_TRAFFIC_DIR=out_dir,
                    PYTHONPATH=os.pathsep.join([str(checkout), str(PROBE), os.environ.get("PYTHONPATH", "")]))
-        command = [sys.executable, "-m", "swarm.cli", "local", "--stages", str(args.stages), "--steps",
+        command = [sys.executable, "-m", "launcher.cli", "local", "--stages", str(args.stages), "--steps",
                    str(args.steps), "--compression", mode, "--json", "--timeout", "900"]
         result = subprocess.run(command, cwd=checkout, env=env, capture_output=True, text=True, timeout=1000)
         if result.returncode != 0:

@@ -18,7 +18,7 @@ import time
 
 
 def run_cell(mode: str, args: argparse.Namespace) -> dict:
-    command = [sys.executable, "-m", "swarm.cli", "local", "--preset", args.preset, "--stages", str(args.stages),
+    command = [sys.executable, "-m", "launcher.cli", "local", "--preset", args.preset, "--stages", str(args.stages),
                "--steps", str(args.steps), "--compression", mode, "--max-inflight", str(args.max_inflight),
                "--json", "--timeout", "900"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=1000)

@@ -17,6 +17,8 @@ COPY pyproject.toml README.md ./
 COPY swarm ./swarm
 COPY peer ./peer
 COPY tracker ./tracker
+COPY dhtio ./dhtio
+COPY launcher ./launcher
 RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 
 # --- the tracker -------------------------------------------------------------------------------

@@ -45,6 +45,7 @@ from hivemind.dht import DHT
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils.timed_storage import get_dht_time
 
+from dhtio.records import announce, fetch_stages
 from peer.placement import choose_stage, should_move
 from peer.refusals import RefusalLog, SenderLimits
 from peer.routing import Router
@@ -55,9 +56,7 @@ from swarm.records import (
     ANNOUNCE_INTERVAL,
     SOFTWARE_VERSION,
     StagePeerRecord,
-    announce,
     claimed_throughput,
-    fetch_stages,
     load_identity_key,
     make_validators,
     plausible_loss_bound,

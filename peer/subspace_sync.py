@@ -24,14 +24,9 @@ import logging
 
 import numpy as np
 import torch
-from hivemind.utils.timed_storage import get_dht_time
 
-from swarm.records import (
-    SubspaceRecord,
-    contribution_key,
-    parse_subspace_entries,
-    subspace_key,
-)
+from dhtio.records import fetch_subspace_records, store_subspace_record
+from swarm.records import SubspaceRecord, contribution_key, subspace_key
 from swarm.subspace import tensor_sha256
 from swarm.subspace_update import combine, matrix_from_bytes, matrix_to_bytes, next_basis
 
@@ -64,13 +59,10 @@ class SubspaceSync:
     # --- DHT access (blocking calls run in a thread) -------------------------------------------
 
     async def _records(self, key: str) -> list[SubspaceRecord]:
-        raw = await asyncio.to_thread(self.daemon.dht.get, key, True)
-        return parse_subspace_entries(raw)
+        return await asyncio.to_thread(fetch_subspace_records, self.daemon.dht, key)
 
     async def _store(self, key: str, record: SubspaceRecord, ttl: float) -> None:
-        await asyncio.to_thread(
-            self.daemon.dht.store, key, record.dict(), get_dht_time() + ttl, self.daemon.signer.local_public_key
-        )
+        await asyncio.to_thread(store_subspace_record, self.daemon.dht, self.daemon.signer, key, record, ttl)
 
     # --- switching ------------------------------------------------------------------------------
 

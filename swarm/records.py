@@ -38,11 +38,10 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.routing import DHTID
 from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
-from hivemind.p2p import PeerID
+from hivemind.p2p.p2p_daemon_bindings.datastructures import PeerID
 from hivemind.proto import crypto_pb2
 from hivemind.utils import MSGPackSerializer
 from hivemind.utils.crypto import RSAPrivateKey
-from hivemind.utils.timed_storage import get_dht_time
 
 from swarm.manifest import Manifest
 
@@ -281,10 +280,6 @@ class PeerEntry:
     expiration: float
     owner: bytes  # the subkey: the owner's public key marker
 
-    @property
-    def seconds_left(self) -> float:
-        return self.expiration - get_dht_time()
-
 
 def parse_stage_entries(raw: Any) -> list[PeerEntry]:
     """Turn the value of a `{run}_stage{i}` key into peer entries; anything malformed is dropped."""
@@ -304,25 +299,3 @@ def parse_stage_entries(raw: Any) -> list[PeerEntry]:
             continue  # signed by a key that is not this peer id's: it speaks for someone else
         entries.append(PeerEntry(record=record, expiration=float(item.expiration_time), owner=subkey))
     return entries
-
-
-def fetch_stages(dht, manifest: Manifest) -> dict[int, list[PeerEntry]]:
-    """Every stage's live peer records (blocking; call from a thread in async code)."""
-    found = {}
-    for i in range(manifest.num_stages):
-        found[i] = parse_stage_entries(dht.get(stage_key(manifest, i), latest=True, return_future=False))
-    return found
-
-
-def announce(
-    dht, manifest: Manifest, signer: RSASignatureValidator, record: StagePeerRecord, ttl: float = RECORD_TTL
-) -> bool:
-    return bool(
-        dht.store(
-            stage_key(manifest, record.stage),
-            subkey=signer.local_public_key,
-            value=record.dict(),
-            expiration_time=get_dht_time() + ttl,
-            return_future=False,
-        )
-    )

@@ -44,7 +44,8 @@ def dht_with_record(initial_peers: list[str], manifest: Manifest, stage: int, wo
     from hivemind.dht import DHT
     from hivemind.p2p import P2P
 
-    from swarm.records import announce, load_identity_key, make_validators
+    from dhtio.records import announce
+    from swarm.records import load_identity_key, make_validators
 
     identity = Path(workdir) / f"{name}.id"
     P2P.generate_identity(str(identity))

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from swarm.local import Child, LocalSwarm
+from launcher.supervisor import Child, LocalSwarm
 from swarm.manifest import Manifest
 from swarm.records import PeerEntry
 

@@ -106,7 +106,8 @@ def test_a_record_claiming_another_peers_id_is_not_stored():
     with swarm_of(manifest, name="impersonation") as swarm:
         from builders import stage_record
 
-        from swarm.records import announce, fetch_stages, load_identity_key, make_validators
+        from dhtio.records import announce, fetch_stages
+        from swarm.records import load_identity_key, make_validators
 
         honest = dht_with_record(swarm.bootstrap, manifest, 1, swarm.workdir, "honest")
         liar = dht_with_record(swarm.bootstrap, manifest, None, swarm.workdir, "liar")

@@ -2,7 +2,7 @@
 
 CI installs `.[test]`, so a run-time import that only an extra provides passes every other test
 and still breaks a newcomer's plain `pip install -e .` (the tracker once died that way on
-`prometheus_client`). This reads the imports of `swarm/`, `peer/` and `tracker/` and checks each
+`prometheus_client`). This reads the imports of every package (`PACKAGES`) and checks each
 third-party module against `[project].dependencies`; a module of an optional extra (`hf`) is
 allowed only inside a function, where the code asking for it can say which extra to install.
 """
@@ -19,7 +19,7 @@ from pathlib import Path
 import tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("swarm", "peer", "tracker")
+PACKAGES = ("swarm", "peer", "tracker", "launcher", "dhtio")
 
 
 def _normalise(name: str) -> str:

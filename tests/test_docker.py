@@ -392,9 +392,9 @@ def test_healthchecks_run_the_copied_script(peer_image, tracker_image):
 
 
 def test_compose_swarm(compose, peer_image, tracker_image):
+    from launcher.cli import build_parser as swarm_parser
     from peer.cli import ENV_PREFIX as PEER_PREFIX
     from peer.cli import build_parser as peer_parser
-    from swarm.cli import build_parser as swarm_parser
 
     services = compose["services"]
     assert set(services) == {"tracker", "peer"}
@@ -439,7 +439,7 @@ def test_compose_swarm(compose, peer_image, tracker_image):
 @pytest.fixture(scope="module")
 def manifest_file(compose, tmp_path_factory) -> Path:
     """The compose tracker's manifest, made by the compose file's own command."""
-    from swarm.cli import main as swarm_main
+    from launcher.cli import main as swarm_main
 
     argv = tracker_start_script(compose)[0][1:]
     path = tmp_path_factory.mktemp("manifest") / "manifest.json"

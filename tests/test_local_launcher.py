@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from swarm.local import ChildFailed, LocalSwarm, TrackerProbe
+from launcher.progress import TrackerProbe
+from launcher.supervisor import ChildFailed, LocalSwarm
 from swarm.presets import preset
 
 

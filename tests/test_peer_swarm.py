@@ -23,7 +23,7 @@ def test_local_swarm_of_three_stages_trains(tmp_path: Path):
         [
             sys.executable,
             "-m",
-            "swarm.cli",
+            "launcher.cli",
             "local",
             "--stages",
             "3",
@@ -130,7 +130,7 @@ def test_peer_with_other_t_fixed_gets_no_trips():
 
 def test_interrupted_local_swarm_leaves_nothing_behind():
     before = set(Path("/tmp").glob("protocol-swarm-*"))
-    process = subprocess.Popen([sys.executable, "-m", "swarm.cli", "local", "--stages", "2", "--steps", "10000",
+    process = subprocess.Popen([sys.executable, "-m", "launcher.cli", "local", "--stages", "2", "--steps", "10000",
                                 "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         workdir = wait_for(lambda: set(Path("/tmp").glob("protocol-swarm-*")) - before, 60, "the swarm's workdir")

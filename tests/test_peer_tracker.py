@@ -9,7 +9,7 @@ import urllib.request
 import pytest
 from harness import swarm_of, wait_for
 
-from swarm.local import free_port
+from launcher.supervisor import free_port
 from swarm.presets import preset
 
 pytestmark = pytest.mark.slow

@@ -12,7 +12,7 @@ import subprocess
 import pytest
 import torch
 
-from swarm.cli import main
+from launcher.cli import main
 from swarm.manifest import BatchSpec, ModelShape, save_manifest
 from swarm.model import PipelineStage, build_stages
 from swarm.presets import preset

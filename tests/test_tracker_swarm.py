@@ -28,9 +28,10 @@ from builders import stage_record
 from hivemind.dht import DHT
 from prometheus_client.parser import text_string_to_metric_families
 
+from dhtio.records import announce
 from swarm.manifest import save_manifest
 from swarm.presets import preset
-from swarm.records import StagePeerRecord, announce, load_or_create_rsa_key, make_validators
+from swarm.records import StagePeerRecord, load_or_create_rsa_key, make_validators
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 

@@ -15,8 +15,9 @@ from typing import Any
 
 from hivemind.utils.timed_storage import get_dht_time
 
+from dhtio.records import fetch_stages
 from swarm.manifest import Manifest
-from swarm.records import PeerEntry, fetch_stages, load_or_create_rsa_key, make_validators
+from swarm.records import PeerEntry, load_or_create_rsa_key, make_validators
 from tracker.history import History
 from tracker.summary import (
     DEFAULT_STALE_AFTER,

@@ -19,8 +19,9 @@ from pathlib import Path
 
 from hivemind.dht import DHT
 
+from dhtio.records import fetch_stages
 from swarm.manifest import load_manifest
-from swarm.records import RECORD_TTL, fetch_stages, load_or_create_rsa_key, make_validators
+from swarm.records import RECORD_TTL, load_or_create_rsa_key, make_validators
 
 
 def _write(path: Path, data) -> None:

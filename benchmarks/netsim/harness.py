@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from benchmarks.netsim.net import Topology
-from swarm.local import stop_process_groups
+from launcher.supervisor import stop_process_groups
 from swarm.manifest import Manifest, save_manifest
 
 REPO = Path(__file__).resolve().parents[2]

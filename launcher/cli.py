@@ -7,6 +7,7 @@ import json
 import sys
 from dataclasses import asdict
 
+from launcher.local import add_local_parser
 from swarm.data import DataError
 from swarm.manifest import ManifestError, load_manifest, save_manifest
 from swarm.presets import PRESETS, preset, verify_hashes
@@ -107,12 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     sim.set_defaults(func=cmd_simulate)
 
-    try:
-        from swarm.local import add_local_parser
-    except ImportError:  # the launcher arrives with the peer daemon
-        pass
-    else:
-        add_local_parser(sub)
+    add_local_parser(sub)
     return parser
 
 

@@ -1,0 +1,199 @@
+"""The supervisor of a swarm on this machine: a bootstrap DHT node here, tracker and peers as processes.
+
+Peers and the tracker are separate programs, started as commands (`protocol-peer`,
+`protocol-tracker`) in process groups of their own, so stopping one stops hivemind's DHT
+processes and p2pd below it too. Used by `protocol-swarm local` (`launcher/local.py`), the
+multi-process tests (`tests/harness.py`) and the benchmarks.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from dhtio.records import fetch_stages
+from swarm.manifest import Manifest, save_manifest
+from swarm.records import PeerEntry, load_or_create_rsa_key, make_validators
+
+
+class LocalSwarmError(RuntimeError):
+    pass
+
+
+class ChildFailed(LocalSwarmError):
+    """A child process exited during the run: its log, and the working directory, are evidence to keep."""
+
+
+@dataclass
+class Child:
+    name: str
+    process: subprocess.Popen
+    log: Path
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class LocalSwarm:
+    def __init__(
+        self,
+        manifest: Manifest,
+        peers_per_stage: int,
+        workdir: Path,
+        max_inflight: int,
+        with_tracker: bool = True,
+        extra_peer_args: list[str] | None = None,
+    ):
+        self.manifest, self.peers_per_stage, self.workdir = manifest, peers_per_stage, workdir
+        self.max_inflight, self.with_tracker = max_inflight, with_tracker
+        self.extra_peer_args = extra_peer_args or []
+        self.children: list[Child] = []
+        self.dht = None
+        self.tracker_url: str | None = None
+        self.manifest_path = workdir / "manifest.json"
+
+    def _spawn(self, name: str, argv: list[str]) -> Child:
+        log = self.workdir / f"{name}.log"
+        handle = log.open("wb")
+        process = subprocess.Popen(
+            argv,
+            stdout=handle,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            env=self._child_env(),
+        )
+        handle.close()
+        child = Child(name, process, log)
+        self.children.append(child)
+        return child
+
+    @staticmethod
+    def _child_env() -> dict[str, str]:
+        """Many processes share this machine's cores: one torch thread each avoids oversubscription."""
+        return {"OMP_NUM_THREADS": "1", **os.environ, "PYTHONUNBUFFERED": "1"}
+
+    def start(self) -> None:
+        from hivemind.dht import DHT
+
+        save_manifest(self.manifest, self.manifest_path)
+        _, validators = make_validators(self.manifest, load_or_create_rsa_key(None))
+        self.dht = DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], record_validators=validators)
+        bootstrap = self.bootstrap
+        tracker = shutil.which("protocol-tracker")
+        if self.with_tracker:
+            if tracker is None:
+                raise LocalSwarmError("protocol-tracker is not installed (pip install -e .)")
+            port = free_port()
+            self._spawn(
+                "tracker",
+                [
+                    tracker,
+                    "--manifest",
+                    str(self.manifest_path),
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(port),
+                    "--db",
+                    str(self.workdir / "tracker.sqlite"),
+                    "--identity",
+                    str(self.workdir / "tracker.id"),
+                    "--initial-peers",
+                    *bootstrap,
+                ],
+            )
+            self.tracker_url = f"http://127.0.0.1:{port}"
+        for stage in range(self.manifest.num_stages):
+            for slot in range(self.peers_per_stage):
+                self.spawn_peer(f"stage{stage}-peer{slot}", str(stage))
+
+    @property
+    def bootstrap(self) -> list[str]:
+        return [str(a) for a in self.dht.get_visible_maddrs()]
+
+    def spawn_peer(self, name: str, stage: str, extra_args: list[str] | None = None) -> Child:
+        peer = shutil.which("protocol-peer")
+        if peer is None:
+            raise LocalSwarmError("protocol-peer is not installed (pip install -e .)")
+        return self._spawn(
+            name,
+            [
+                peer,
+                "--manifest",
+                str(self.manifest_path),
+                "--initial-peers",
+                *self.bootstrap,
+                "--stage",
+                stage,
+                "--host-maddrs",
+                "/ip4/127.0.0.1/tcp/0",
+                "--public-name",
+                name,
+                "--max-inflight",
+                str(self.max_inflight),
+                "--device",
+                "cpu",
+                "--checkpoint-dir",
+                str(self.workdir / "checkpoints" / name),
+                *self.extra_peer_args,
+                *(extra_args or []),
+            ],
+        )
+
+    def check_children(self) -> None:
+        """Any child that exits before the end fails the run: a dead peer stalls its stage, a dead
+        tracker takes the status page with it."""
+        for child in self.children:
+            code = child.process.poll()
+            if code is not None:
+                tail = child.log.read_text(errors="replace")[-2000:]
+                raise ChildFailed(f"{child.name} exited with code {code}; its log ends:\n{tail}")
+
+    def poll(self) -> dict[int, list[PeerEntry]]:
+        return fetch_stages(self.dht, self.manifest)
+
+    def stop(self) -> None:
+        for process in stop_process_groups([child.process for child in self.children], grace=20.0):
+            print(f"warning: pid {process.pid} did not exit after SIGKILL", file=sys.stderr)
+        if self.dht is not None:
+            self.dht.shutdown()
+            self.dht = None
+
+
+def stop_process_groups(processes: list[subprocess.Popen], grace: float) -> list[subprocess.Popen]:
+    """SIGTERM every process group, wait up to `grace` seconds in all, then SIGKILL the groups (hivemind's
+    DHT process and p2pd may outlive their parent). Returns the processes still alive after that."""
+    for process in processes:  # also when the leader has exited: its group may not have
+        _signal_group(process, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for process in processes:
+        try:
+            process.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    survivors = []
+    for process in processes:
+        _signal_group(process, signal.SIGKILL)
+        try:
+            process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            survivors.append(process)
+    return survivors
+
+
+def _signal_group(process: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(process.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass

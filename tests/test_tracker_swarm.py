@@ -17,6 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import urllib.error
 import urllib.request
@@ -26,12 +27,13 @@ import harness
 import pytest
 from builders import stage_record
 from hivemind.dht import DHT
+from hivemind.p2p import P2P
 from prometheus_client.parser import text_string_to_metric_families
 
 from dhtio.records import announce
 from swarm.manifest import save_manifest
 from swarm.presets import preset
-from swarm.records import StagePeerRecord, load_or_create_rsa_key, make_validators
+from swarm.records import StagePeerRecord, load_identity_key, make_validators
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -125,11 +127,16 @@ class FakePeer:
     """A real DHT node that announces one signed stage record every second, like a peer daemon."""
 
     def __init__(self, initial_peers: list[str], stage: int, name: str, ttl: float, **fields) -> None:
-        self.signer, validators = make_validators(MANIFEST, load_or_create_rsa_key(None))
+        # records are signed with the libp2p identity key, so that their peer_id is the signer's
+        self._identity_dir = tempfile.TemporaryDirectory(prefix="fake-peer-")
+        identity = Path(self._identity_dir.name) / "identity.key"
+        P2P.generate_identity(str(identity))
+        self.signer, validators = make_validators(MANIFEST, load_identity_key(identity))
         self.dht = DHT(
             start=True,
             initial_peers=initial_peers,
             host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+            identity_path=str(identity),
             record_validators=validators,
         )
         self.stage, self.name, self.ttl, self.fields = stage, name, ttl, fields
@@ -168,6 +175,7 @@ class FakePeer:
         if self.thread.is_alive():
             self.thread.join(timeout=10)
         self.dht.shutdown()
+        self._identity_dir.cleanup()
 
 
 def close_all(peers) -> None:

@@ -10,7 +10,24 @@ from __future__ import annotations
 import random
 from collections.abc import Mapping, Sequence
 
+from swarm.manifest import Manifest
+from swarm.records import PeerEntry, claimed_throughput, usable_peer
+
 StageLoads = Mapping[int, Sequence[float]]  # stage → throughputs (tokens/s) of its online peers
+
+
+def online_loads(
+    stages: Mapping[int, Sequence[PeerEntry]], manifest: Manifest, t_fixed_sha256: str, own_peer_id: str
+) -> dict[int, list[float]]:
+    """Claimed throughputs of the other usable peers per stage, each clamped to the stage's plausible bound."""
+    return {
+        stage: [
+            claimed_throughput(e.record, manifest)
+            for e in entries
+            if usable_peer(e.record, t_fixed_sha256, own_peer_id)
+        ]
+        for stage, entries in stages.items()
+    }
 
 
 def stage_totals(loads: StageLoads, num_stages: int) -> list[float]:

@@ -21,11 +21,40 @@ causes (all trips in flight at once) counts once.
 
 from __future__ import annotations
 
+import enum
 import random
 import time
 from dataclasses import dataclass, field
 
-from swarm.records import PeerEntry
+from swarm.records import PeerEntry, usable_peer
+from swarm.wire import ErrorCode
+
+ONLY_PEER_RETRIES = 3  # tries of the stage's only peer before it is banned like any other
+
+
+class Failover(enum.Enum):
+    """What a hop does after a next hop failed a trip."""
+
+    GIVE_UP = "give up"  # raise: the stage behind is empty or U is switching, the driver runs the trip again
+    RETRY = "retry"  # the stage's only peer: try it again shortly rather than empty the stage for a ban
+    NEXT = "next"  # ban it and try another peer of the stage
+
+
+def failover(code: ErrorCode, candidates: int, failures: int) -> Failover:
+    """The policy, given the failure's code, how many peers the stage offered and how often this one
+    failed this trip (counting this failure)."""
+    if code in (ErrorCode.NO_PEER, ErrorCode.WRONG_VERSION):
+        return Failover.GIVE_UP
+    if candidates == 1 and failures < ONLY_PEER_RETRIES:
+        # a transient failure (a stream reset at first contact) should not empty the stage
+        return Failover.RETRY
+    return Failover.NEXT
+
+
+def counts_as_stuck(code: ErrorCode, hops: int, candidates: int) -> bool:
+    """A version refusal from the next hop itself (not relayed from further down), in a stage with other
+    peers: evidence that it keeps its own U apart from ours. The stage's only peer is never banned for it."""
+    return code == ErrorCode.WRONG_VERSION and hops == 1 and candidates > 1
 
 
 @dataclass
@@ -99,12 +128,7 @@ class Router:
         return None if m is None or m.seconds_per_token is None else 1.0 / m.seconds_per_token
 
     def compatible(self, entry: PeerEntry) -> bool:
-        record = entry.record
-        return (
-            record.state == "online"
-            and record.t_fixed_sha256 == self.t_fixed_sha256
-            and record.peer_id != self.own_peer_id
-        )
+        return usable_peer(entry.record, self.t_fixed_sha256, self.own_peer_id)
 
     def candidates(self, stage: int, now: float | None = None) -> list[PeerEntry]:
         """Compatible, unbanned peers of `stage`, best first."""
@@ -154,3 +178,31 @@ class Router:
     def forgive(self, peer_id: str) -> None:
         self.bans.pop(peer_id, None)
         self.refusals.pop(peer_id, None)
+
+    def sending(self, peer_id: str) -> None:
+        """A trip to `peer_id` is under way (counts in its expected queue)."""
+        self.inflight[peer_id] = self.inflight.get(peer_id, 0) + 1
+
+    def done_sending(self, peer_id: str) -> None:
+        self.inflight[peer_id] -= 1
+        if self.inflight[peer_id] <= 0:
+            del self.inflight[peer_id]
+
+    def answered(self, peer_id: str, seconds: float, tokens: int) -> None:
+        """A trip to `peer_id` came back checked: what we measured of it, not what it claims, decides how
+        many trips it gets, and any ban or refusal count it had is lifted."""
+        self.observe(peer_id, seconds, tokens)
+        self.forgive(peer_id)
+
+    def after_failure(
+        self, peer_id: str, code: ErrorCode, hops: int, candidates: int, failures: int, now: float | None = None
+    ) -> tuple[Failover, float]:
+        """Apply the failover policy to a failed trip to `peer_id`: what to do next, and the ban it got
+        in seconds (0 for none)."""
+        action = failover(code, candidates, failures)
+        if action is Failover.GIVE_UP:
+            return action, self.refused(peer_id, now) if counts_as_stuck(code, hops, candidates) else 0.0
+        if action is Failover.RETRY:
+            return action, 0.0
+        self.failed(peer_id)
+        return action, self.ban(peer_id, now)

@@ -1,18 +1,16 @@
 """The stage a peer serves: its layers, its hivemind optimizer, its checkpoints.
 
 All torch work of a stage runs on one worker thread, so concurrent trips never interleave their
-backward passes with an optimizer step (each microbatch is: backward, check, clip, `opt.step`,
-`zero_grad`). The event loop only awaits that thread.
+backward passes with an optimizer step: a trip (`peer/trip.py`) submits `backward` (backward,
+check, clip) and `step` (`opt.step`, `zero_grad`) as one job. The event loop only awaits that thread.
 
 A stage never applies a non-finite update, whatever a trip or a fellow peer sends:
 - a microbatch whose gradients (of the parameters or of the input), or loss, are not finite is
   refused before hivemind sees it (`not_finite` back to its sender): its gradients are dropped,
   never accumulated, since one NaN in hivemind's accumulators would poison the whole epoch;
 - `SubspaceAdamW` skips a step whose (averaged) gradients are not finite;
-- after every optimizer call the stage's parameters and moments are checked (state averaging with
-  peers or a download may have landed), and if they are not finite the last finite state, copied
-  at the previous epoch boundary (to CPU memory: parameters and Adam moments), is restored.
-Each is logged in one line per minute at most, with counts.
+- after every optimizer call and every load the stage's parameters and moments are checked, and if
+  they are not finite the last finite state is restored (`peer/finite_state.py`).
 """
 
 from __future__ import annotations
@@ -29,6 +27,7 @@ import torch
 from hivemind.optim.optimizer import Optimizer
 from hivemind.optim.state_averager import TrainingStateAverager
 
+from peer.finite_state import FiniteStateGuard
 from swarm.boundary import BoundaryCodec
 from swarm.manifest import Manifest
 from swarm.model import PipelineStage, next_token_loss
@@ -100,10 +99,6 @@ class StageOptimizer(Optimizer):
         )
 
 
-def _copy(value, device):
-    return value.detach().to(device, copy=True) if torch.is_tensor(value) else value
-
-
 class StageRuntime:
     def __init__(
         self,
@@ -158,12 +153,14 @@ class StageRuntime:
         self.state_hashes: deque[str] = deque(maxlen=16)
         self.loaded_state = ""
         self._hashed_epoch = -1
-        self.refused_updates: Counter[str] = Counter()  # why microbatches or states were refused, ever
-        self._unreported: Counter[str] = Counter()
-        self._report_at = 0.0
         self._skipped_steps = 0
-        self._finite_state: tuple[list[torch.Tensor], list[dict]] | None = None
-        self._keep_finite_state()
+        self.guard = FiniteStateGuard(self.stage, self.optimizer, device, label)
+        self.guard.keep()
+
+    @property
+    def refused_updates(self) -> Counter[str]:
+        """Why microbatches or states were refused, ever."""
+        return self.guard.refused_updates
 
     @property
     def epoch(self) -> int:
@@ -206,11 +203,11 @@ class StageRuntime:
         output: torch.Tensor,
         grad: torch.Tensor | None,
         tokens: torch.Tensor,
-        batch_size: int,
         residual: torch.Tensor | None = None,
         version: int | None = None,
     ) -> tuple[torch.Tensor | None, float | None]:
-        """Backward from the incoming gradient (or from the loss on the tail), then an optimizer step.
+        """Backward from the incoming gradient (or from the loss on the tail); returns (input gradient,
+        loss). The caller then calls `step` in the same stage-thread job.
 
         If an optimizer epoch ended while this trip was in flight, the saved graph refers to
         weights that have since changed and autograd refuses it; the forward is then recomputed
@@ -239,7 +236,6 @@ class StageRuntime:
             residual,
             grad.to(self.device) if grad is not None else None,
         )
-        self._step(batch_size)
         return result
 
     def _backward_once(self, leaf, output, grad, tokens) -> tuple[torch.Tensor | None, float | None]:
@@ -258,7 +254,7 @@ class StageRuntime:
         with self.optimizer.state_averager.lock_optimizer:  # a joiner never downloads a half-switched state
             self.stage.apply_basis(basis.to(self.device), version, self.optimizer.opt)
         self._note_state()
-        self._keep_finite_state()
+        self.guard.keep()
 
     def _refuse_if_not_finite(self, result: tuple[torch.Tensor | None, float | None], snapshot) -> None:
         """Clip this microbatch's gradients, or refuse the trip if they (or its loss, or the gradient
@@ -278,83 +274,33 @@ class StageRuntime:
         accumulator = self.stage.u_accumulator
         if snapshot is not None:  # the weight hooks may have added this microbatch's terms already
             accumulator.restore(snapshot)
-        self._report(f"trip refused ({code.value})")
-        if not self._state_is_finite():  # the stage itself, not the trip, is broken: repair it
+        self.guard.report(f"trip refused ({code.value})")
+        if not self.guard.is_finite():  # the stage itself, not the trip, is broken: repair it
             self._restore_finite_state("non-finite parameters replaced by the last finite state")
         raise WireError(code, f"{what} out of range or not finite; this trip was not trained on")
 
-    def _step(self, batch_size: int) -> None:
+    def step(self, batch_size: int) -> None:
+        """The optimizer step for one microbatch of `batch_size` sequences: hivemind accumulates it and,
+        when the stage's peers together reach the target batch, averages and applies the update."""
         self.optimizer.step(batch_size=batch_size)
         self.optimizer.zero_grad(set_to_none=True)
         skipped = getattr(self.optimizer.opt, "skipped_steps", 0)
         if skipped != self._skipped_steps:
             self._skipped_steps = skipped
-            self._report("optimizer step skipped (non-finite averaged gradients)")
-        if not self._state_is_finite():  # averaging with peers, or a download, brought NaN or inf
+            self.guard.report("optimizer step skipped (non-finite averaged gradients)")
+        if not self.guard.is_finite():  # averaging with peers, or a download, brought NaN or inf
             self._restore_finite_state("non-finite parameters replaced by the last finite state")
         if self.epoch != self._hashed_epoch:
             # parameter averaging with peers may have landed: wash any drift out of span(U)
             self.stage.reproject_()
             self._note_state()
-            self._keep_finite_state()
+            self.guard.keep()
             if self.checkpoint_dir and self.epoch and self.epoch % self.checkpoint_every == 0:
                 self.save_checkpoint()
 
-    # --- the last finite state -----------------------------------------------------------------
-
-    def _moments(self) -> list[dict]:
-        """The optimizer's per-parameter state, in the order of `stage.parameters()`."""
-        state = self.optimizer.opt.state
-        return [state.get(param, {}) for param in self.stage.parameters()]
-
-    def _state_is_finite(self) -> bool:
-        """Whether parameters and moments are all finite (min and max propagate NaN and show inf:
-        two reductions per tensor, ~7x cheaper than `isfinite` on CPU)."""
-        tensors = list(self.stage.parameters())
-        tensors += [v for moments in self._moments() for v in moments.values() if torch.is_tensor(v)]
-        with torch.no_grad():
-            extremes = [x.to(self.device, torch.float32) for t in tensors if t.numel() for x in torch.aminmax(t)]
-            return bool(torch.isfinite(torch.stack(extremes)).all())
-
-    def _keep_finite_state(self) -> None:
-        """Copy parameters and moments to CPU memory, if they are finite: what a restore puts back."""
-        if not self._state_is_finite():
-            return
-        with torch.no_grad(), self.optimizer.state_averager.lock_optimizer:
-            params = [p.detach().to("cpu", copy=True) for p in self.stage.parameters()]
-            moments = [{k: _copy(v, "cpu") for k, v in m.items()} for m in self._moments()]
-        self._finite_state = (params, moments)
-
     def _restore_finite_state(self, why: str) -> None:
-        """Put back the last finite parameters and moments (re-projected onto the current U)."""
-        self._report(why)
-        if self._finite_state is None:  # cannot happen: the initial state is finite
-            raise RuntimeError(f"{self.label} parameters are not finite and no finite state was kept")
-        params, moments = self._finite_state
-        state = self.optimizer.opt.state
-        with torch.no_grad(), self.optimizer.state_averager.lock_optimizer:
-            for param, saved, saved_moments in zip(self.stage.parameters(), params, moments, strict=True):
-                param.copy_(saved)
-                devices = {k: v.device for k, v in state.get(param, {}).items() if torch.is_tensor(v)}
-                state.pop(param, None)
-                if saved_moments:
-                    state[param] = {k: _copy(v, devices.get(k, param.device)) for k, v in saved_moments.items()}
-            # U may have switched since the copy: constrained tensors go back into the current span(U)
-            self.stage.reproject_()
-            if hasattr(self.optimizer.opt, "reproject_state"):
-                self.optimizer.opt.reproject_state()
+        self.guard.restore(why)
         self._note_state()
-
-    def _report(self, what: str) -> None:
-        """Count a refusal; log the counts at most once a minute (an attacker must not fill the log)."""
-        self.refused_updates[what] += 1
-        self._unreported[what] += 1
-        now = time.monotonic()
-        if now >= self._report_at:
-            counts = ", ".join(f"{n}× {reason}" for reason, n in sorted(self._unreported.items()))
-            logger.warning("%s refused non-finite updates: %s", self.label, counts)
-            self._unreported.clear()
-            self._report_at = now + 60.0
 
     def _note_state(self) -> None:
         self._hashed_epoch = self.epoch
@@ -391,13 +337,13 @@ class StageRuntime:
         if received == before:  # hivemind returns quietly if no donor answered
             logger.warning("%s no peer of the stage served its state", self.label)
             return False
-        if not self._state_is_finite():
+        if not self.guard.is_finite():
             self._restore_finite_state("state served by a peer was not finite; kept ours")
             return False
         self.loaded_state = f"{received[0]}:{received[1][:16]}"
         self.stage.reproject_()
         self._note_state()
-        self._keep_finite_state()
+        self.guard.keep()
         return True
 
     # --- checkpoints ---------------------------------------------------------------------------
@@ -439,12 +385,12 @@ class StageRuntime:
         except Exception as exc:  # noqa: BLE001 - a bad file must not stop a peer from starting fresh
             logger.warning("%s ignoring unreadable checkpoint %s: %s", self.label, path, exc)
             return False
-        if not self._state_is_finite():
+        if not self.guard.is_finite():
             self._restore_finite_state(f"checkpoint {path} holds non-finite values; ignored")
             return False
         self.stage.reproject_()
         self._note_state()
-        self._keep_finite_state()
+        self.guard.keep()
         logger.info("%s resumed from checkpoint %s (epoch %d)", self.label, path, self.epoch)
         return True
 

@@ -21,11 +21,16 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+from collections.abc import Awaitable, Callable
 
 import numpy as np
 import torch
+from hivemind.dht.crypto import RSASignatureValidator
 
 from dhtio.records import fetch_subspace_records, store_subspace_record
+from peer.runtime import StageRuntime
+from peer.trip import Hop
+from swarm.manifest import Manifest
 from swarm.records import SubspaceRecord, contribution_key, subspace_key
 from swarm.subspace import tensor_sha256
 from swarm.subspace_update import combine, matrix_from_bytes, matrix_to_bytes, next_basis
@@ -37,20 +42,35 @@ CONTRIBUTION_TTL = 600.0
 
 
 class SubspaceSync:
-    def __init__(self, daemon, poll_interval: float = 1.0):
-        self.daemon = daemon
+    """One peer's part in the agreement, for the stage `hop` serves; `announce` re-announces its record
+    (with the new U version) after a switch."""
+
+    def __init__(
+        self,
+        hop: Hop,
+        dht,
+        signer: RSASignatureValidator,
+        peer_id: str,
+        announce: Callable[[], Awaitable[None]],
+        poll_interval: float = 1.0,
+    ):
+        self.hop, self.dht, self.signer, self.peer_id, self.announce = hop, dht, signer, peer_id, announce
         self.poll_interval = poll_interval
         self.published_for: int | None = None  # target version we already contributed to
         self.rejected: set[str] = set()  # hashes of versions that failed verification
         self.last_contributors: list[str] = []  # the contributions behind the version we serve
 
     @property
-    def manifest(self):
-        return self.daemon.manifest
+    def manifest(self) -> Manifest:
+        return self.hop.manifest
 
     @property
-    def runtime(self):
-        return self.daemon.runtime
+    def runtime(self) -> StageRuntime:
+        return self.hop.runtime
+
+    @property
+    def label(self) -> str:
+        return self.hop.label
 
     @property
     def version(self) -> int:
@@ -59,10 +79,10 @@ class SubspaceSync:
     # --- DHT access (blocking calls run in a thread) -------------------------------------------
 
     async def _records(self, key: str) -> list[SubspaceRecord]:
-        return await asyncio.to_thread(fetch_subspace_records, self.daemon.dht, key)
+        return await asyncio.to_thread(fetch_subspace_records, self.dht, key)
 
     async def _store(self, key: str, record: SubspaceRecord, ttl: float) -> None:
-        await asyncio.to_thread(store_subspace_record, self.daemon.dht, self.daemon.signer, key, record, ttl)
+        await asyncio.to_thread(store_subspace_record, self.dht, self.signer, key, record, ttl)
 
     # --- switching ------------------------------------------------------------------------------
 
@@ -72,14 +92,14 @@ class SubspaceSync:
         try:
             published = matrix_from_bytes(commit.data, shape.d_model, self.manifest.k)
         except ValueError as exc:
-            logger.warning("%s ignoring U v%d: %s", self.daemon.label, commit.version, exc)
+            logger.warning("%s ignoring U v%d: %s", self.label, commit.version, exc)
             return None
         if tensor_sha256(torch.from_numpy(published.copy())) != commit.u_sha256:
-            logger.warning("%s ignoring U v%d: bytes do not match their hash", self.daemon.label, commit.version)
+            logger.warning("%s ignoring U v%d: bytes do not match their hash", self.label, commit.version)
             return None
         gram = published.astype(np.float64).T @ published.astype(np.float64)
         if not np.abs(gram - np.eye(self.manifest.k)).max() < 1e-4:
-            logger.warning("%s ignoring U v%d: not orthonormal", self.daemon.label, commit.version)
+            logger.warning("%s ignoring U v%d: not orthonormal", self.label, commit.version)
             return None
         return published
 
@@ -91,7 +111,7 @@ class SubspaceSync:
         recomputed = self.derive([used[p] for p in commit.contributors])
         if recomputed is None or tensor_sha256(torch.from_numpy(recomputed.astype(np.float32))) != commit.u_sha256:
             logger.error(
-                "%s U v%d does not follow from its contributions; refusing it", self.daemon.label, commit.version
+                "%s U v%d does not follow from its contributions; refusing it", self.label, commit.version
             )
             self.rejected.add(commit.u_sha256)
             return None
@@ -102,7 +122,7 @@ class SubspaceSync:
         peers at that version announce in their own signed stage records."""
         records = [
             e.record
-            for entries in self.daemon.router.stages.values()
+            for entries in self.hop.router.stages.values()
             for e in entries
             if e.record.state == "online" and e.record.u_version == commit.version
         ]
@@ -130,8 +150,8 @@ class SubspaceSync:
         runtime = self.runtime
         tensor = torch.from_numpy(basis.astype(np.float32))
         await runtime.run(runtime.apply_basis, tensor, version)
-        logger.info("%s switched to U v%d (%s)", self.daemon.label, version, runtime.stage.subspace.basis_sha256[:12])
-        await self.daemon.announce_now()
+        logger.info("%s switched to U v%d (%s)", self.label, version, runtime.stage.subspace.basis_sha256[:12])
+        await self.announce()
         await self.publish_version()
 
     async def publish_version(self, contributors: list[str] | None = None) -> None:
@@ -140,10 +160,10 @@ class SubspaceSync:
             return
         record = SubspaceRecord(
             kind="version",
-            peer_id=self.daemon.peer_id,
+            peer_id=self.peer_id,
             version=state.version,
             target_version=state.version,
-            stage=self.daemon.index,
+            stage=self.hop.index,
             epoch=self.runtime.epoch,
             terms=0,
             u_sha256=state.basis_sha256,
@@ -166,7 +186,7 @@ class SubspaceSync:
             if basis is not None:
                 self.last_contributors = list(commit.contributors)
                 await self.apply(basis, commit.version)
-                logger.info("%s caught up to U v%d", self.daemon.label, commit.version)
+                logger.info("%s caught up to U v%d", self.label, commit.version)
                 return True
         return False
 
@@ -197,10 +217,10 @@ class SubspaceSync:
             mean = await self.runtime.run(accumulator.mean)
             record = SubspaceRecord(
                 kind="contribution",
-                peer_id=self.daemon.peer_id,
+                peer_id=self.peer_id,
                 version=self.version,
                 target_version=target,
-                stage=self.daemon.index,
+                stage=self.hop.index,
                 epoch=self.runtime.epoch,
                 terms=accumulator.terms,
                 u_sha256=self.runtime.stage.subspace.basis_sha256,
@@ -210,7 +230,7 @@ class SubspaceSync:
             await self._store(contribution_key(self.manifest), record, CONTRIBUTION_TTL)
             self.published_for = target
             logger.info(
-                "%s published its contribution to U v%d (%d terms)", self.daemon.label, target, accumulator.terms
+                "%s published its contribution to U v%d (%d terms)", self.label, target, accumulator.terms
             )
         if self.is_coordinator():
             await self.try_commit(target, contributions)
@@ -218,12 +238,12 @@ class SubspaceSync:
     def is_coordinator(self) -> bool:
         peers = [
             e.record
-            for entries in self.daemon.router.stages.values()
+            for entries in self.hop.router.stages.values()
             for e in entries
             if e.record.state == "online" and e.record.u_version == self.version
         ]
-        others = [r.peer_id for r in peers if r.peer_id != self.daemon.peer_id]
-        return all(self.daemon.peer_id < other for other in others)
+        others = [r.peer_id for r in peers if r.peer_id != self.peer_id]
+        return all(self.peer_id < other for other in others)
 
     async def try_commit(self, target: int, contributions: list[SubspaceRecord]) -> None:
         valid = [
@@ -242,13 +262,13 @@ class SubspaceSync:
         if [c for c in await self._records(subspace_key(self.manifest)) if c.version == target]:
             return  # someone proposed meanwhile: everyone, us included, adopts a proposal in step()
         digest = hashlib.sha256(b"".join(c.data for c in chosen)).hexdigest()[:12]
-        logger.info("%s proposing U v%d from %d contributions (%s)", self.daemon.label, target, len(chosen), digest)
+        logger.info("%s proposing U v%d from %d contributions (%s)", self.label, target, len(chosen), digest)
         proposal = SubspaceRecord(
             kind="version",
-            peer_id=self.daemon.peer_id,
+            peer_id=self.peer_id,
             version=target,
             target_version=target,
-            stage=self.daemon.index,
+            stage=self.hop.index,
             epoch=self.runtime.epoch,
             terms=0,
             u_sha256=tensor_sha256(torch.from_numpy(basis.astype(np.float32))),
@@ -275,4 +295,4 @@ class SubspaceSync:
             except asyncio.CancelledError:
                 raise
             except Exception:  # noqa: BLE001 - a DHT hiccup must not stop the peer
-                logger.exception("%s subspace sync failed; retrying", self.daemon.label)
+                logger.exception("%s subspace sync failed; retrying", self.label)

@@ -8,7 +8,7 @@ On the wire a stream is hivemind's protobuf streaming format, unchanged (peers o
 interoperate): a frame is a marker byte (0: a message, 1: an error or the end of the stream), an
 8-byte big-endian length, and that many bytes of protobuf (`ExpertRequest`/`ExpertResponse` with
 only `metadata` set, one chunk of the message). Both ends read those frames themselves, with
-`_Frames`, instead of through hivemind's `_add_protobuf_stream_handler`/`receive_protobuf`,
+`peer/framing.py` `Frames`, instead of through hivemind's `_add_protobuf_stream_handler`/`receive_protobuf`,
 because hivemind reads a frame's whole declared length into memory before anyone can look at it
 (`P2P.receive_raw_data`: `await reader.readexactly(content_length)`): a 256 MB frame cost a peer
 ~790 MB before the 28 KB limit applied. Here the length is checked first and a frame over the
@@ -53,163 +53,23 @@ import time
 from collections.abc import Awaitable, Callable
 from contextlib import closing, suppress
 
-from google.protobuf.message import DecodeError
 from hivemind.p2p import P2P, PeerID
 from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
 from hivemind.proto import runtime_pb2
-from hivemind.proto.p2pd_pb2 import RPCError
 
+from peer.framing import GRACE_S, MIN_RATE, READ_PIECE, Frames, receive_deadline, write_message
 from swarm.wire import ErrorCode, WireError, encode_error
 
 logger = logging.getLogger(__name__)
 
-CHUNK_BYTES = 1 << 20
-FRAME_OVERHEAD = 8  # an ExpertRequest/Response with one `metadata` of <= 1 MiB: a tag byte and a 3-byte varint
-MAX_END_FRAME = 1 << 12  # the end-of-stream frame (an empty RPCError; an error message from hivemind's handler)
-GRACE_S = 5.0
-MIN_RATE = 128 * 1024  # bytes per second
 MAX_RECEIVING = 16
 MAX_PER_SENDER = 4
 LINGER_S = 1.0  # after a reply: how long the rest of a refused message is read and dropped (see `_linger`)
 LINGER_BYTES = 32 << 20
 MAX_LINGERING = 64
-_READ_PIECE = 1 << 16
-_FRAME_HEADER = 1 + P2P.HEADER_LEN
 _HANDLE = "TripServicer.rpc_trip"  # the handler name hivemind's ServicerBase gave it: kept for compatibility
 
 TripHandler = Callable[[bytes, PeerID], Awaitable[bytes]]
-
-
-def receive_deadline(max_bytes: int, min_rate: float = MIN_RATE, grace: float = GRACE_S) -> float:
-    """The longest a stream of at most `max_bytes` can take to arrive: grace + its wire bytes / min_rate."""
-    chunks = -(-max_bytes // CHUNK_BYTES) + 1
-    return grace + (max_bytes + chunks * (_FRAME_HEADER + FRAME_OVERHEAD) + _FRAME_HEADER) / min_rate
-
-
-class _Frames:
-    """Reads one message from hivemind's stream frames within bounds (see the module docstring).
-
-    `min_rate=None` reads without a rate (the caller bounds the whole exchange with a timeout).
-    `eof_ends`: the stream ends with the sender closing it (replies) rather than with an end frame
-    (requests); an error frame is then the remote handler's failure. A reply also ends at its first
-    chunk shorter than CHUNK_BYTES (every chunk but the last is full), so the sender need not wait
-    for the receiver to close the stream.
-    """
-
-    def __init__(
-        self,
-        reader: asyncio.StreamReader,
-        max_bytes: int,
-        *,
-        min_rate: float | None = None,
-        grace: float = GRACE_S,
-        deadline: float | None = None,
-        eof_ends: bool = False,
-    ):
-        self.reader, self.max_bytes, self.min_rate, self.grace = reader, max_bytes, min_rate, grace
-        self.max_frame = min(max_bytes, CHUNK_BYTES) + FRAME_OVERHEAD
-        self.eof_ends = eof_ends
-        self.closed_code = ErrorCode.UNREACHABLE if eof_ends else ErrorCode.MALFORMED  # a peer gone, or a sender
-        self.loop = asyncio.get_running_loop()
-        self.start = self.loop.time()
-        self.deadline = None if deadline is None else self.start + deadline
-        self.received = 0  # bytes off the stream, frame headers included
-
-    def _cut_at(self) -> float | None:
-        cut = None if self.min_rate is None else self.start + self.grace + self.received / self.min_rate
-        if self.deadline is not None:
-            cut = self.deadline if cut is None else min(cut, self.deadline)
-        return cut
-
-    async def _read(self, n: int, eof_ok: bool = False) -> bytes:
-        buf = bytearray()
-        while len(buf) < n:
-            cut = self._cut_at()
-            if cut is None:
-                piece = await self.reader.read(min(n - len(buf), _READ_PIECE))
-            else:
-                left = cut - self.loop.time()
-                try:
-                    if left <= 0:
-                        raise asyncio.TimeoutError
-                    piece = await asyncio.wait_for(self.reader.read(min(n - len(buf), _READ_PIECE)), left)
-                except asyncio.TimeoutError:
-                    raise WireError(ErrorCode.TIMEOUT, self._too_slow()) from None
-            if not piece:
-                if eof_ok and not buf:
-                    return b""
-                raise WireError(self.closed_code, "stream closed in the middle of a message")
-            buf += piece
-            self.received += len(piece)
-        return bytes(buf)
-
-    def _too_slow(self) -> str:
-        took = self.loop.time() - self.start
-        if self.min_rate is None:
-            return f"message not received within {took:.1f}s"
-        return (
-            f"stream cut after {took:.1f}s with {self.received} bytes: slower than {self.min_rate:.0f} B/s "
-            f"after a {self.grace:.0f}s grace"
-        )
-
-    async def message(self, chunk_type=runtime_pb2.ExpertRequest) -> bytes:
-        parts, total, chunks = [], 0, 0
-        while True:
-            head = await self._read(_FRAME_HEADER, eof_ok=self.eof_ends)
-            if not head:
-                return b"".join(parts)
-            marker, length = head[:1], int.from_bytes(head[1:], P2P.BYTEORDER)
-            if marker == P2P.ERROR_MARKER:
-                if length > MAX_END_FRAME:
-                    raise WireError(ErrorCode.TOO_LARGE, f"an end-of-stream frame of {length} bytes")
-                body = await self._read(length)
-                if not self.eof_ends:
-                    return b"".join(parts)
-                raise WireError(ErrorCode.UNREACHABLE, f"remote handler failed: {_rpc_error(body)}")
-            if marker != P2P.MESSAGE_MARKER:
-                raise WireError(ErrorCode.MALFORMED, f"not a stream frame (marker {marker!r})")
-            if length > self.max_frame:
-                raise WireError(ErrorCode.TOO_LARGE, f"a frame of {length} bytes (limit {self.max_frame})")
-            chunks += 1
-            body = await self._read(length)
-            try:
-                chunk = chunk_type.FromString(body)
-            except (DecodeError, ValueError, RuntimeError):
-                raise WireError(ErrorCode.MALFORMED, "a frame is not a protobuf chunk") from None
-            if any(field.name != "metadata" for field, _ in chunk.ListFields()):
-                raise WireError(ErrorCode.MALFORMED, "a chunk carries fields other than its bytes")
-            total += len(chunk.metadata)
-            if total > self.max_bytes:
-                raise WireError(ErrorCode.TOO_LARGE, f"message exceeds {self.max_bytes} bytes")
-            if chunks > -(-total // CHUNK_BYTES) + 1:
-                raise WireError(ErrorCode.MALFORMED, f"{chunks} chunks for {total} bytes")
-            parts.append(chunk.metadata)
-            if self.eof_ends and len(chunk.metadata) < CHUNK_BYTES:
-                return b"".join(parts)
-
-
-def _rpc_error(body: bytes) -> str:
-    try:
-        return RPCError.FromString(body).message[:200]
-    except Exception:  # noqa: BLE001 - an unreadable error is still an error
-        return "unreadable error"
-
-
-def _frame(marker: bytes, payload: bytes) -> bytes:
-    return marker + len(payload).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER) + payload
-
-
-def _split(blob: bytes, message_type) -> list:
-    return [message_type(metadata=blob[i : i + CHUNK_BYTES]) for i in range(0, max(len(blob), 1), CHUNK_BYTES)]
-
-
-async def _write_message(writer: asyncio.StreamWriter, blob: bytes, message_type, end: bool) -> None:
-    for chunk in _split(blob, message_type):
-        writer.write(_frame(P2P.MESSAGE_MARKER, chunk.SerializeToString()))
-        await writer.drain()
-    if end:
-        writer.write(_frame(P2P.ERROR_MARKER, b""))  # hivemind's END_OF_STREAM: an empty RPCError
-        await writer.drain()
 
 
 class _Sender:
@@ -350,7 +210,7 @@ class TripServicer:
         reception = _Reception(asyncio.current_task())
         sender.active.append(reception)
         try:
-            frames = _Frames(reader, self.max_bytes, min_rate=self.min_rate, grace=self.grace, deadline=self.deadline)
+            frames = Frames(reader, self.max_bytes, min_rate=self.min_rate, grace=self.grace, deadline=self.deadline)
             return await frames.message(runtime_pb2.ExpertRequest)
         except asyncio.CancelledError:
             if not reception.evicted:
@@ -394,7 +254,7 @@ class TripServicer:
 
             async def drop() -> None:
                 left = LINGER_BYTES
-                while left > 0 and (piece := await reader.read(_READ_PIECE)):
+                while left > 0 and (piece := await reader.read(READ_PIECE)):
                     left -= len(piece)
 
             with suppress(asyncio.TimeoutError, ConnectionError):
@@ -406,7 +266,7 @@ class TripServicer:
         """The reply, within grace + its size / min_rate (a sender that does not read is cut)."""
         try:
             limit = self.grace + len(reply) / self.min_rate
-            await asyncio.wait_for(_write_message(writer, reply, runtime_pb2.ExpertResponse, end=False), limit)
+            await asyncio.wait_for(write_message(writer, reply, runtime_pb2.ExpertResponse, end=False), limit)
         except asyncio.TimeoutError:
             self._refused(WireError(ErrorCode.TIMEOUT, "reply not taken in time"), remote)
 
@@ -421,10 +281,10 @@ async def send_trip(p2p: P2P, peer: PeerID, namespace: str, blob: bytes, timeout
     async def exchange() -> bytes:
         _, reader, writer = await p2p.call_binary_stream_handler(peer, TripServicer.handle_name(namespace))
         with closing(writer):
-            sending = asyncio.create_task(_write_message(writer, blob, runtime_pb2.ExpertRequest, end=True))
+            sending = asyncio.create_task(write_message(writer, blob, runtime_pb2.ExpertRequest, end=True))
             sending.add_done_callback(lambda task: task.cancelled() or task.exception())
             try:
-                reply = await _Frames(reader, max_reply, eof_ends=True).message(runtime_pb2.ExpertResponse)
+                reply = await Frames(reader, max_reply, eof_ends=True).message(runtime_pb2.ExpertResponse)
             finally:
                 sending.cancel()
         if not reply:

@@ -281,6 +281,12 @@ class PeerEntry:
     owner: bytes  # the subkey: the owner's public key marker
 
 
+def usable_peer(record: StagePeerRecord, t_fixed_sha256: str, own_peer_id: str) -> bool:
+    """Online, serving our `T_fixed`, and not ourselves: a peer to send trips to, load state from or count
+    in placement (one at another `T_fixed` could not decode what we send)."""
+    return record.state == "online" and record.t_fixed_sha256 == t_fixed_sha256 and record.peer_id != own_peer_id
+
+
 def parse_stage_entries(raw: Any) -> list[PeerEntry]:
     """Turn the value of a `{run}_stage{i}` key into peer entries; anything malformed is dropped."""
     if raw is None or not isinstance(getattr(raw, "value", None), dict):

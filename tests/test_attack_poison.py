@@ -143,7 +143,8 @@ def serve(runtime: StageRuntime, blob: bytes) -> bytes:
     """What the daemon does with a trip on the tail stage: decode, forward, backward and step, reply."""
     header, hidden, tokens = runtime.codec.decode_forward(blob, stage=1)
     leaf, output, _ = runtime.forward(hidden, tokens, header.u_version)
-    grad, loss = runtime.backward(leaf, output, None, tokens, BATCH, None, header.u_version)
+    grad, loss = runtime.backward(leaf, output, None, tokens, None, header.u_version)
+    runtime.step(BATCH)
     return runtime.codec.encode_backward(grad, header.trip_id, to_stage=0, loss=loss, extra={"versions": [0]})
 
 
@@ -177,7 +178,7 @@ def test_poisoned_dense_stage_equals_an_honest_one(make_runtime, caplog):
     with caplog.at_level(logging.WARNING, logger="peer.runtime"):
         for _ in range(3):
             leaf, output, _ = attacked.forward(hidden, tokens, 0)
-            code = refusal(attacked.backward, leaf, output, None, tokens, BATCH, None, 0)
+            code = refusal(attacked.backward, leaf, output, None, tokens, None, 0)
             assert code == ErrorCode.NOT_FINITE
     assert parameters_sha256(attacked.stage) == before and all(p.grad is None for p in attacked.stage.parameters())
     assert attacked.refused_updates == {"trip refused (not_finite)": 3}
@@ -233,14 +234,15 @@ def test_poisoned_gradient_never_reaches_the_head(make_runtime):
         if poison is not None and poison > 1e38:  # the wire refuses it; and past the wire, so does the stage
             blob = encode(header(DENSE, "backward", DENSE.model.d_model), grad, None, 256)
             assert refusal(runtime.codec.decode_backward, blob, 0) == ErrorCode.OUT_OF_RANGE
-            assert refusal(runtime.backward, None, output, grad, tokens, BATCH, residual, 0) == ErrorCode.NOT_FINITE
+            assert refusal(runtime.backward, None, output, grad, tokens, residual, 0) == ErrorCode.NOT_FINITE
             return
         if poison is not None:
             blob = encode(header(DENSE, "backward", DENSE.model.d_model), grad, None, 256)
             assert refusal(runtime.codec.decode_backward, blob, 0) == ErrorCode.OUT_OF_RANGE
             return
         _, received = runtime.codec.decode_backward(tail_codec.encode_backward(grad, "t", to_stage=0, loss=1.0), 0)
-        runtime.backward(None, output, received, tokens, BATCH, residual, 0)
+        runtime.backward(None, output, received, tokens, residual, 0)
+        runtime.step(BATCH)
 
     for number in range(3):
         trip(honest, number)

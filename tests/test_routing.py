@@ -64,7 +64,7 @@ def test_a_peer_that_keeps_refusing_trips_is_banned_and_one_answer_clears_its_re
 def test_hop_versions_audit_refuses_malformed_lists():
     import pytest
 
-    from peer.daemon import hop_versions
+    from peer.trip import hop_versions
     from swarm.wire import ErrorCode, WireError
 
     assert hop_versions({"versions": [3, 3]}, num_stages=3) == [3, 3]
@@ -207,3 +207,42 @@ def test_sender_limits_cap_in_flight_and_rate():
     limits.release("a")
     assert "trips/s" in limits.admit("a", now=0.0)  # burst spent
     assert limits.admit("a", now=0.1) is None  # 0.1 s at 10/s refills one
+
+
+def test_failover_policy():
+    from peer.routing import Failover, counts_as_stuck, failover
+    from swarm.wire import ErrorCode
+
+    # an empty stage behind, or a U switch: the driver runs the trip again, whoever failed
+    assert failover(ErrorCode.NO_PEER, candidates=3, failures=1) is Failover.GIVE_UP
+    assert failover(ErrorCode.WRONG_VERSION, candidates=1, failures=5) is Failover.GIVE_UP
+    # the stage's only peer gets three tries before a ban; a stage with others fails over at once
+    assert [failover(ErrorCode.TIMEOUT, candidates=1, failures=n) for n in (1, 2, 3)] == [
+        Failover.RETRY, Failover.RETRY, Failover.NEXT
+    ]
+    assert failover(ErrorCode.UNREACHABLE, candidates=2, failures=1) is Failover.NEXT
+    # only the next hop's own version refusals, in a stage with other peers, count against it
+    assert counts_as_stuck(ErrorCode.WRONG_VERSION, hops=1, candidates=2)
+    assert not counts_as_stuck(ErrorCode.WRONG_VERSION, hops=2, candidates=2)
+    assert not counts_as_stuck(ErrorCode.WRONG_VERSION, hops=1, candidates=1)
+    assert not counts_as_stuck(ErrorCode.TIMEOUT, hops=1, candidates=2)
+
+
+def test_after_failure_bans_counts_refusals_and_tracks_sends():
+    from peer.routing import Failover
+    from swarm.wire import ErrorCode
+
+    r = router(entry("x", 10.0), entry("y", 5.0))
+    r.sending("x")
+    assert r.inflight == {"x": 1}
+    assert r.after_failure("x", ErrorCode.TIMEOUT, hops=0, candidates=2, failures=1, now=0.0) == (Failover.NEXT, 5.0)
+    assert r.measures["x"].failures == 1
+    r.done_sending("x")
+    assert r.inflight == {}
+    # a version refusal from a peer with company: counted, banned at the third burst
+    results = [
+        r.after_failure("y", ErrorCode.WRONG_VERSION, hops=1, candidates=2, failures=1, now=t) for t in (0, 5, 10)
+    ]
+    assert results == [(Failover.GIVE_UP, 0.0), (Failover.GIVE_UP, 0.0), (Failover.GIVE_UP, 5.0)]
+    r.answered("x", seconds=1.0, tokens=100)
+    assert "x" not in r.bans and r.measured_rate("x") == 100.0

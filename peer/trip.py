@@ -1,0 +1,266 @@
+"""One trip, one hop at a time: what a stage does with a microbatch, on the driver and on every server.
+
+The networked twin of `swarm/simulate.py` `run_trip`: forward through the stage's layers, pass the
+boundary message to the next stage and wait for its reply (the compressed input gradient), then
+backward and the optimizer step. Where `run_trip` loops over stages in one process, `Hop.hop` is
+one stage's turn, and the next stage's turn happens in another peer's `Hop.hop`, reached through
+`send_next`. The driver (stage 0) starts a trip with `drive`; every other stage runs `serve` on a
+message its `TripServer` admitted.
+
+A trip's activations live exactly as long as the coroutine: if the caller goes away libp2p closes
+the stream, the coroutine is cancelled and the state is released. A failed next hop is retried on
+another peer of the same stage while this hop still holds its activations (the policy is
+`peer/routing.py` `failover`).
+
+Collaborators are explicit: the stage's `runtime` (torch work on its one thread), the `router`
+(which peer of the next stage), `send` (one message to one peer, a reply back), `fetch` (fresh
+records when the router has no candidate) and `stats` (the counters the peer announces).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+import uuid
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from peer.routing import Failover, Router
+from peer.runtime import StageRuntime
+from swarm.manifest import Manifest
+from swarm.records import PeerEntry, plausible_loss_bound
+from swarm.wire import ErrorCode, WireError, encode_error, expectation_for, raise_if_error
+
+logger = logging.getLogger("peer")
+
+SEND_ATTEMPTS = 8  # peers of the next stage tried for one trip before giving up
+
+# (peer id, message, timeout in seconds, largest reply accepted) -> the reply's bytes
+Send = Callable[[str, bytes, float, int], Awaitable[bytes]]
+Fetch = Callable[[], Awaitable[dict[int, list[PeerEntry]]]]
+
+
+@dataclass
+class Stats:
+    """The counters a peer announces in its record and logs."""
+
+    trips: int = 0
+    tokens: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    load: int = 0  # trips this peer is serving right now
+    errors: Counter = field(default_factory=Counter)
+    trip_versions: Counter = field(default_factory=Counter)  # drivers: completed trips per U version
+    mixed_trips: int = 0
+    losses: list[float] = field(default_factory=list)
+    last_loss: float | None = None
+
+    def error(self, code: ErrorCode) -> None:
+        self.errors[code.value] += 1
+
+
+def check_loss(loss: float | None, manifest: Manifest) -> float | None:
+    """A loss carried back by a reply: None, or finite within [0, plausible_loss_bound]; anything else is
+    refused (a fake but plausible loss cannot be told from a real one; routing keeps liars to few trips)."""
+    if loss is None:
+        return None
+    bound = plausible_loss_bound(manifest)
+    if not (isinstance(loss, (int, float)) and math.isfinite(loss) and 0.0 <= loss <= bound):
+        raise WireError(ErrorCode.OUT_OF_RANGE, f"reported loss {loss!r} is outside [0, {bound:.1f}]")
+    return float(loss)
+
+
+def hop_versions(extra: dict, num_stages: int) -> list[int]:
+    """The U version each downstream hop used, as it reported them: audited by the driver."""
+    versions = extra.get("versions")
+    if (
+        not isinstance(versions, list)
+        or not 1 <= len(versions) <= num_stages
+        or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in versions)
+    ):
+        raise WireError(ErrorCode.MALFORMED, "backward message lacks a valid list of hop versions")
+    return versions
+
+
+@dataclass
+class Reply:
+    """What came back from the stages after this one, checked."""
+
+    grad: torch.Tensor  # the gradient of the loss with respect to this stage's output
+    loss: float | None
+    versions: list[int]  # the U version of every downstream hop, the last stage first
+    size: int  # bytes of the reply
+
+
+@dataclass
+class HopResult:
+    input_grad: torch.Tensor | None  # None on stage 0: nothing upstream
+    loss: float | None
+    versions: list[int]  # this hop's U version last
+
+
+class Hop:
+    """One stage's turn in every trip through it."""
+
+    def __init__(
+        self,
+        manifest: Manifest,
+        index: int,
+        runtime: StageRuntime,
+        router: Router,
+        send: Send,
+        fetch: Fetch,
+        stats: Stats,
+        label: str,
+        trip_timeout: float,
+    ):
+        self.manifest, self.index, self.runtime, self.router = manifest, index, runtime, router
+        self.send, self.fetch, self.stats, self.label = send, fetch, stats, label
+        self.trip_timeout = trip_timeout
+
+    @property
+    def tokens_per_trip(self) -> int:
+        return self.manifest.batch.microbatch_size * self.manifest.batch.seq_len
+
+    def hop_timeout(self) -> float:
+        """Time for the rest of the pipeline: a hop waits longer than the hop after it, so a stall far
+        downstream is blamed on the stalled peer, not on the honest peers between."""
+        return self.trip_timeout * max(self.manifest.num_stages - 1 - self.index, 1)
+
+    # --- the trip ------------------------------------------------------------------------------
+
+    async def drive(self, tokens: torch.Tensor) -> None:
+        """Stage 0: one microbatch through the whole pipeline and back; its counters and its U audit."""
+        version = self.runtime.stage.subspace.version
+        result = await self.hop(None, tokens, version, uuid.uuid4().hex)
+        stats = self.stats
+        if len(set(result.versions)) == 1:
+            stats.trip_versions[version] += 1
+        else:
+            stats.mixed_trips += 1
+            logger.error("%s trip used U versions %s", self.label, result.versions)
+        stats.trips += 1
+        stats.tokens += tokens.numel()
+        if result.loss is not None:
+            stats.losses.append(result.loss)
+            stats.last_loss = result.loss
+
+    async def serve(self, blob: bytes, refuse: Callable[[ErrorCode, str, int], bytes]) -> bytes:
+        """Stages 1…n−1: a forward message in, its backward reply out. Every failure is a coded error reply
+        (`refuse`: counted and logged by the server), never an exception that could take the peer down."""
+        runtime = self.runtime
+        try:
+            header, hidden, tokens = runtime.codec.decode_forward(blob, stage=self.index)
+        except WireError as exc:
+            return refuse(exc.code, exc.message, 0)
+        self.stats.load += 1
+        try:
+            # decode checked the version against ours; every later step re-checks it
+            result = await self.hop(hidden, tokens, header.u_version, header.trip_id)
+            self.stats.trips += 1
+            self.stats.tokens += tokens.numel()
+            return runtime.codec.encode_backward(
+                result.input_grad,
+                header.trip_id,
+                to_stage=self.index - 1,
+                loss=result.loss,
+                extra={"versions": result.versions},
+            )
+        except WireError as exc:
+            return refuse(exc.code, exc.message, exc.hops)
+        except Exception as exc:  # noqa: BLE001 - a trip must never take the peer down
+            logger.exception("%s trip %s failed", self.label, header.trip_id[:8])
+            self.stats.error(ErrorCode.INTERNAL)
+            return encode_error(ErrorCode.INTERNAL, f"{type(exc).__name__}")
+        finally:
+            self.stats.load -= 1
+
+    async def hop(self, hidden: torch.Tensor | None, tokens: torch.Tensor, version: int, trip_id: str) -> HopResult:
+        """This stage's turn: forward, the rest of the pipeline (unless this is the tail), backward, step."""
+        runtime = self.runtime
+        leaf, output, residual = await runtime.run(runtime.forward, hidden, tokens, version)
+        grad, loss, downstream = None, None, []
+        if not runtime.stage.is_tail:
+            message = await runtime.run(runtime.encode_forward, version, output, tokens, trip_id, self.index + 1)
+            driving = self.index == 0  # a driver's byte counters are its boundary's traffic
+            if driving:
+                self.stats.bytes_out += len(message)
+            reply = await self.send_next(message)
+            if driving:
+                self.stats.bytes_in += reply.size
+            grad, loss, downstream = reply.grad, reply.loss, reply.versions
+
+        def learn() -> tuple[torch.Tensor | None, float | None]:
+            # backward and the step in one job on the stage thread: no other trip's gradients in between
+            result = runtime.backward(leaf, output, grad, tokens, residual, version)
+            runtime.step(batch_size=tokens.shape[0])
+            return result
+
+        input_grad, tail_loss = await runtime.run(learn)
+        return HopResult(input_grad, loss if tail_loss is None else tail_loss, downstream + [version])
+
+    # --- the next hop ----------------------------------------------------------------------------
+
+    def check_reply(self, reply: bytes) -> Reply:
+        """Decode a backward reply and its hop-version audit (raises WireError on anything off)."""
+        header, grad = self.runtime.codec.decode_backward(reply, stage=self.index)
+        loss = check_loss(header.loss, self.manifest)
+        return Reply(grad, loss, hop_versions(header.extra, self.manifest.num_stages), len(reply))
+
+    async def send_next(self, message: bytes) -> Reply:
+        """Send to the best peer of the next stage and check its reply; on failure ban that peer and
+        try another (`Router.after_failure`). A reply that fails the checks is the next hop's fault
+        (hops=1), so the peer that answered garbage is the one banned, not us upstream."""
+        target, router = self.index + 1, self.router
+        max_reply = expectation_for(self.manifest, self.index, "backward", 0, "").max_bytes
+        failures: dict[str, int] = {}
+        for attempt in range(1, SEND_ATTEMPTS + 1):
+            candidates = router.candidates(target)
+            if not candidates:
+                router.update(await self.fetch())
+                candidates = router.candidates(target)
+            if not candidates:
+                raise WireError(ErrorCode.NO_PEER, f"stage {target} has no live compatible peer")
+            peer_id = candidates[0].record.peer_id
+            router.sending(peer_id)
+            started = time.monotonic()
+            try:
+                reply = await self.send(peer_id, message, self.hop_timeout(), max_reply)
+                raise_if_error(reply)
+                try:
+                    checked = self.check_reply(reply)
+                except WireError as exc:
+                    raise WireError(exc.code, exc.message, hops=1) from None
+                router.answered(peer_id, time.monotonic() - started, self.tokens_per_trip)
+                return checked
+            except WireError as exc:
+                self.stats.error(exc.code)
+                failures[peer_id] = failures.get(peer_id, 0) + 1
+                action, banned = router.after_failure(peer_id, exc.code, exc.hops, len(candidates), failures[peer_id])
+                self._log_failure(peer_id, exc, action, banned, attempt)
+                if action is Failover.GIVE_UP:
+                    raise
+                if action is Failover.RETRY:
+                    await asyncio.sleep(0.2 * failures[peer_id])
+            finally:
+                router.done_sending(peer_id)
+        raise WireError(ErrorCode.NO_PEER, f"no peer of stage {target} answered after {SEND_ATTEMPTS} attempts")
+
+    def _log_failure(self, peer_id: str, exc: WireError, action: Failover, banned: float, attempt: int) -> None:
+        short = peer_id[-6:]
+        if action is Failover.GIVE_UP:
+            if banned:
+                logger.warning("%s next hop %s kept refusing trips for our U version; banned %.0fs", self.label, short,
+                               banned)
+        elif action is Failover.RETRY:
+            logger.warning("%s next hop %s failed (%s); retrying it (attempt %d)", self.label, short, exc, attempt)
+        else:
+            logger.warning(
+                "%s next hop %s failed (%s); banned %.0fs, failing over (attempt %d)", self.label, short, exc, banned,
+                attempt,
+            )

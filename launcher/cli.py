@@ -1,4 +1,6 @@
-"""`protocol-swarm`: simulate a run in one process, inspect a preset, or start a local swarm."""
+"""`protocol-swarm`: simulate a run in one process, inspect a preset, or start a local swarm.
+
+Every flag can also come from the environment as PROTOCOL_SWARM_<FLAG> (`swarm/flags.py`)."""
 
 from __future__ import annotations
 
@@ -8,28 +10,16 @@ import sys
 from dataclasses import asdict
 
 from launcher.local import add_local_parser
+from launcher.manifest_args import add_manifest_args, manifest_from
 from swarm.data import DataError
-from swarm.manifest import ManifestError, load_manifest, save_manifest
-from swarm.presets import PRESETS, preset, verify_hashes
+from swarm.flags import EnvDefaultsParser, refuse_start
+from swarm.manifest import ManifestError, save_manifest
 
-
-def _manifest_from(args: argparse.Namespace):
-    if getattr(args, "manifest", None):
-        manifest = load_manifest(args.manifest)
-        verify_hashes(manifest)
-        return manifest
-    return preset(
-        args.preset,
-        stages=getattr(args, "stages", None),
-        compression=getattr(args, "compression", None),
-        seed=getattr(args, "seed", None),
-        k=getattr(args, "k", None),
-        subspace_update_interval=getattr(args, "subspace_update_interval", None),
-    )
+PROG = "protocol-swarm"
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    manifest = _manifest_from(args)
+    manifest = manifest_from(args)
     if args.write:
         save_manifest(manifest, args.write)
     shape = manifest.model
@@ -54,7 +44,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
     from swarm.simulate import simulate
 
-    manifest = _manifest_from(args)
+    manifest = manifest_from(args)
     bar = None
 
     def on_step(step: int, loss: float) -> None:
@@ -82,27 +72,17 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_manifest_args(parser: argparse.ArgumentParser, seed_default=None) -> None:
-    parser.add_argument("--preset", default="tiny", choices=PRESETS, help="named run shape")
-    parser.add_argument("--manifest", help="a manifest JSON file instead of a preset")
-    parser.add_argument("--compression", choices=("subspace", "boundary", "none"), help="override the compression mode")
-    parser.add_argument("--stages", type=int, help="split the layers into this many stages")
-    parser.add_argument("--k", type=int, help="subspace width")
-    parser.add_argument("--seed", type=int, default=seed_default, help="run seed (derives T_fixed and U)")
-    parser.add_argument("--subspace-update-interval", type=int, help="optimizer epochs between U updates (0 = never)")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="protocol-swarm", description=__doc__)
+    parser = EnvDefaultsParser(prog=PROG, description=__doc__, env_prefix="PROTOCOL_SWARM_")
     sub = parser.add_subparsers(dest="command", required=True)
 
     inspect = sub.add_parser("inspect", help="print a manifest, its run_id, hashes and compression ratio")
-    _add_manifest_args(inspect)
+    add_manifest_args(inspect)
     inspect.add_argument("--write", metavar="FILE", help="also save the manifest to FILE")
     inspect.set_defaults(func=cmd_inspect)
 
     sim = sub.add_parser("simulate", help="train all stages in one process through the real wire codec")
-    _add_manifest_args(sim)
+    add_manifest_args(sim)
     sim.add_argument("--steps", type=int, default=50, help="optimizer steps")
     sim.add_argument("--data", help="a text file or directory (default: the manifest's dataset)")
     sim.add_argument("--json", action="store_true", help="print one JSON object as the last line")
@@ -117,8 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except (ManifestError, DataError) as exc:
-        print(f"protocol-swarm: {exc}", file=sys.stderr)
-        return 2
+        return refuse_start(PROG, exc)
     except KeyboardInterrupt:
         return 130
 

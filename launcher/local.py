@@ -21,19 +21,13 @@ import tempfile
 import time
 from pathlib import Path
 
+from launcher.manifest_args import add_manifest_args, manifest_from
 from launcher.progress import Progress, TrackerProbe
 from launcher.supervisor import ChildFailed, LocalSwarm, LocalSwarmError
-from swarm.presets import PRESETS, preset
 
 
 def run_local(args: argparse.Namespace) -> dict:
-    manifest = preset(
-        args.preset,
-        stages=args.stages,
-        compression=args.compression,
-        seed=args.seed,
-        subspace_update_interval=args.subspace_update_interval,
-    )
+    manifest = manifest_from(args)
     workdir = Path(tempfile.mkdtemp(prefix="protocol-swarm-"))
     swarm = LocalSwarm(manifest, args.peers_per_stage, workdir, args.max_inflight)
     progress = Progress()
@@ -162,13 +156,9 @@ def cmd_local(args: argparse.Namespace) -> int:
 
 def add_local_parser(sub) -> None:
     local = sub.add_parser("local", help="run tracker, bootstrap and a peer per stage on this machine")
-    local.add_argument("--preset", default="tiny", choices=PRESETS)
-    local.add_argument("--stages", type=int, default=3, help="pipeline stages")
+    add_manifest_args(local, stages=3)  # a pipeline to watch, where the preset alone may have fewer stages
     local.add_argument("--peers-per-stage", type=int, default=1)
     local.add_argument("--steps", type=int, default=60, help="optimizer steps of the slowest stage")
-    local.add_argument("--compression", choices=("subspace", "boundary", "none"))
-    local.add_argument("--seed", type=int, default=0)
-    local.add_argument("--subspace-update-interval", type=int, help="optimizer epochs between U updates (0 = never)")
     local.add_argument("--max-inflight", type=int, default=4, help="trips each driver keeps in flight")
     local.add_argument("--timeout", type=float, default=900.0, help="give up after this many seconds")
     local.add_argument(

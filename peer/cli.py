@@ -1,5 +1,6 @@
 """`protocol-peer`: the daemon a volunteer runs. Every flag can also come from an environment
-variable (PROTOCOL_PEER_<FLAG>, e.g. PROTOCOL_PEER_STAGE=auto) so a container is configured with -e.
+variable (PROTOCOL_PEER_<FLAG>, e.g. PROTOCOL_PEER_STAGE=auto) so a container is configured with -e;
+the convention, lists included, is `swarm/flags.py`'s.
 """
 
 from __future__ import annotations
@@ -8,11 +9,11 @@ import argparse
 import asyncio
 import logging
 import os
-import shlex
 import sys
 import traceback
 
 from peer.daemon import PeerDaemon, PeerOptions
+from swarm.flags import EnvDefaultsParser, add_log_level, refuse_start
 from swarm.manifest import Manifest, ManifestError, load_manifest, parse_manifest
 from swarm.presets import verify_hashes
 
@@ -23,36 +24,12 @@ class StartupError(Exception):
     """A reason not to start, printed as one line."""
 
 
-def _env(flag: str) -> str:
-    return ENV_PREFIX + flag.lstrip("-").replace("-", "_").upper()
-
-
-class _EnvDefaults(argparse.ArgumentParser):
-    """Fills defaults from PROTOCOL_PEER_* variables; command-line flags still win."""
-
-    def add_argument(self, *args, **kwargs):
-        flag = next((a for a in args if a.startswith("--")), None)
-        if flag and flag != "--help":
-            name = _env(flag)
-            kwargs["help"] = (
-                (kwargs.get("help", "") + f" [env {name}]")
-                if kwargs.get("help") != argparse.SUPPRESS
-                else kwargs["help"]
-            )
-            if name in os.environ:
-                raw = os.environ[name]
-                if kwargs.get("action") == "store_true":
-                    kwargs["default"] = raw.strip().lower() in ("1", "true", "yes", "on")
-                elif kwargs.get("nargs") in ("*", "+"):
-                    kwargs["default"] = shlex.split(raw)
-                else:
-                    kwargs["default"] = raw
-        return super().add_argument(*args, **kwargs)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = _EnvDefaults(
-        prog="protocol-peer", description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    parser = EnvDefaultsParser(
+        prog="protocol-peer",
+        description=__doc__,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        env_prefix=ENV_PREFIX,
     )
     parser.add_argument(
         "--stage",
@@ -113,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="rewrite this JSON file every few seconds while the peer runs (for container health checks)",
     )
     parser.add_argument("--log-interval", type=float, default=5.0, help="seconds between progress log lines")
-    parser.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    add_log_level(parser)
     parser.add_argument("--fault-t-fixed-seed", type=int, help=argparse.SUPPRESS)  # fault injection for tests
     return parser
 
@@ -193,8 +170,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
             ) from None
     except (StartupError, ManifestError) as exc:
-        print(f"protocol-peer: error: {exc}", file=sys.stderr)
-        return 2
+        return refuse_start("protocol-peer", exc)
     try:
         import uvloop
 

@@ -242,7 +242,7 @@ class PeerDaemon:
         stages = await self._fetch()
         peers_here = [e for e in stages.get(index, []) if router.compatible(e)]
         sync = None
-        if self.manifest.subspace_update_interval and self.manifest.compression != "none":
+        if self.manifest.updates_u:
             sync = SubspaceSync(hop, self.dht, self.signer, self.peer_id, self.announcer.announce_now)
             router.update(stages)
             await sync.catch_up()  # before loading state: donors' tensors live in the current span(U)

@@ -28,10 +28,10 @@ from hivemind.optim.optimizer import Optimizer
 from hivemind.optim.state_averager import TrainingStateAverager
 
 from peer.finite_state import FiniteStateGuard
-from swarm.boundary import BoundaryCodec
+from swarm.codec import BoundaryCodec
 from swarm.manifest import Manifest
 from swarm.model import PipelineStage, next_token_loss
-from swarm.optim import SubspaceAdamW, clip_grad_norm, lr_at, parameter_groups
+from swarm.optim import clip_grad_norm, lr_at, make_optimizer, parameter_groups
 from swarm.subspace import t_fixed_table, tensor_sha256
 from swarm.wire import MAX_GRADIENT_NORM, ErrorCode, WireError, max_token_norm
 
@@ -127,14 +127,7 @@ class StageRuntime:
             run_id=f"{manifest.optimizer_prefix}_stage{index}",
             target_batch_size=manifest.batch.target_batch_size,
             batch_size_per_step=manifest.batch.microbatch_size,
-            optimizer=lambda params: SubspaceAdamW(
-                params,
-                projector=self.stage.subspace.project,
-                lr=spec.lr,
-                betas=(spec.beta1, spec.beta2),
-                eps=spec.eps,
-                weight_decay=spec.weight_decay,
-            ),
+            optimizer=lambda params: make_optimizer(self.stage, params),
             params=parameter_groups(self.stage),
             scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(
                 opt, lambda epoch: lr_at(epoch, spec.lr, spec.warmup_steps) / spec.lr

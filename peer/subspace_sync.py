@@ -33,7 +33,7 @@ from peer.trip import Hop
 from swarm.manifest import Manifest
 from swarm.records import SubspaceRecord, contribution_key, subspace_key
 from swarm.subspace import tensor_sha256
-from swarm.subspace_update import combine, matrix_from_bytes, matrix_to_bytes, next_basis
+from swarm.subspace_update import basis_from_contributions, matrix_from_bytes, matrix_to_bytes
 
 logger = logging.getLogger("peer.subspace")
 
@@ -84,6 +84,30 @@ class SubspaceSync:
     async def _store(self, key: str, record: SubspaceRecord, ttl: float) -> None:
         await asyncio.to_thread(store_subspace_record, self.dht, self.signer, key, record, ttl)
 
+    def _record(
+        self,
+        kind: str,
+        version: int,
+        target_version: int,
+        u_sha256: str,
+        data: bytes,
+        terms: int = 0,
+        contributors: list[str] | None = None,
+    ) -> SubspaceRecord:
+        """A record of this peer's: it names this peer, its stage and the stage's current optimizer epoch."""
+        return SubspaceRecord(
+            kind=kind,
+            peer_id=self.peer_id,
+            version=version,
+            target_version=target_version,
+            stage=self.hop.index,
+            epoch=self.runtime.epoch,
+            terms=terms,
+            u_sha256=u_sha256,
+            contributors=contributors or [],
+            data=data,
+        )
+
     # --- switching ------------------------------------------------------------------------------
 
     def _published_basis(self, commit: SubspaceRecord) -> np.ndarray | None:
@@ -131,20 +155,18 @@ class SubspaceSync:
 
     def derive(self, contributions: list[SubspaceRecord]) -> np.ndarray | None:
         """U' from a complete set of contributions (every stage that has terms), or None."""
-        shape = self.manifest.model
-        per_stage: dict[int, list[np.ndarray]] = {}
+        manifest = self.manifest
+        per_stage: dict[int, list[bytes]] = {}
         for record in sorted(contributions, key=lambda c: (c.stage, c.peer_id)):
-            try:
-                per_stage.setdefault(record.stage, []).append(
-                    matrix_from_bytes(record.data, shape.d_model, self.manifest.k)
-                )
-            except ValueError:
-                return None
-        needed = {s for s in range(self.manifest.num_stages) if self._stage_contributes(s)}
+            per_stage.setdefault(record.stage, []).append(record.data)
+        needed = {s for s in range(manifest.num_stages) if self._stage_contributes(s)}
         if set(per_stage) != needed:
             return None
         current = self.runtime.stage.subspace.basis.detach().cpu().double().numpy()
-        return next_basis(current, combine(per_stage), self.manifest.subspace_driver, self.manifest.subspace_step)
+        try:
+            return basis_from_contributions(current, per_stage, manifest.subspace_driver, manifest.subspace_step)
+        except ValueError:
+            return None
 
     async def apply(self, basis: np.ndarray, version: int) -> None:
         runtime = self.runtime
@@ -158,17 +180,13 @@ class SubspaceSync:
         state = self.runtime.stage.subspace
         if state.version == 0:
             return
-        record = SubspaceRecord(
-            kind="version",
-            peer_id=self.peer_id,
+        record = self._record(
+            "version",
             version=state.version,
             target_version=state.version,
-            stage=self.hop.index,
-            epoch=self.runtime.epoch,
-            terms=0,
             u_sha256=state.basis_sha256,
-            contributors=contributors if contributors is not None else self.last_contributors,
             data=matrix_to_bytes(state.basis.detach().cpu().double().numpy()),
+            contributors=contributors if contributors is not None else self.last_contributors,
         )
         await self._store(subspace_key(self.manifest), record, VERSION_TTL)
 
@@ -215,17 +233,13 @@ class SubspaceSync:
         accumulator = self.runtime.stage.u_accumulator
         if self._due() and self.published_for != target and accumulator is not None and accumulator.terms:
             mean = await self.runtime.run(accumulator.mean)
-            record = SubspaceRecord(
-                kind="contribution",
-                peer_id=self.peer_id,
+            record = self._record(
+                "contribution",
                 version=self.version,
                 target_version=target,
-                stage=self.hop.index,
-                epoch=self.runtime.epoch,
-                terms=accumulator.terms,
                 u_sha256=self.runtime.stage.subspace.basis_sha256,
-                contributors=[],
                 data=matrix_to_bytes(mean),
+                terms=accumulator.terms,
             )
             await self._store(contribution_key(self.manifest), record, CONTRIBUTION_TTL)
             self.published_for = target
@@ -263,28 +277,19 @@ class SubspaceSync:
             return  # someone proposed meanwhile: everyone, us included, adopts a proposal in step()
         digest = hashlib.sha256(b"".join(c.data for c in chosen)).hexdigest()[:12]
         logger.info("%s proposing U v%d from %d contributions (%s)", self.label, target, len(chosen), digest)
-        proposal = SubspaceRecord(
-            kind="version",
-            peer_id=self.peer_id,
+        proposal = self._record(
+            "version",
             version=target,
             target_version=target,
-            stage=self.hop.index,
-            epoch=self.runtime.epoch,
-            terms=0,
             u_sha256=tensor_sha256(torch.from_numpy(basis.astype(np.float32))),
-            contributors=[c.peer_id for c in chosen],
             data=matrix_to_bytes(basis),
+            contributors=[c.peer_id for c in chosen],
         )
         await self._store(subspace_key(self.manifest), proposal, VERSION_TTL)
 
     def _stage_contributes(self, stage: int) -> bool:
-        """In subspace mode with the gradient driver the tail holds no constrained tensor."""
         manifest = self.manifest
-        if manifest.compression == "subspace" and manifest.subspace_driver == "gradient":
-            return stage < manifest.num_stages - 1
-        if manifest.subspace_driver == "energy":
-            return stage > 0
-        return True
+        return manifest.mode.stage_contributes(stage, manifest.num_stages, manifest.subspace_driver)
 
     async def run(self) -> None:
         await self.publish_version()

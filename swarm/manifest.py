@@ -14,7 +14,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-Compression = Literal["subspace", "boundary", "none"]
+from swarm.modes import DEFAULT, MODES, CompressionMode
+
 WireDType = Literal["fp32", "bf16", "fp16", "int8"]
 
 MANIFEST_FORMAT = 1
@@ -81,7 +82,7 @@ class Manifest(_Strict):
     model: ModelShape
     stages: tuple[StageSpec, ...]
     k: int
-    compression: Compression = "subspace"
+    compression: str = DEFAULT  # a name in swarm.modes.MODES
     wire_dtype: WireDType = "bf16"
     seed: int = Field(ge=0, lt=1 << 63)
     tokenizer: str = "bytes"
@@ -100,6 +101,13 @@ class Manifest(_Strict):
         if value != MANIFEST_FORMAT:
             raise ValueError(f"format must be {MANIFEST_FORMAT} (the manifest format this software reads), got {value}")
         return value
+
+    @field_validator("compression")
+    @classmethod
+    def _known_mode(cls, name: str) -> str:
+        if name not in MODES:
+            raise ValueError(f"compression must be one of {', '.join(map(repr, MODES))}, got {name!r}")
+        return name
 
     @field_validator("k")
     @classmethod
@@ -126,11 +134,8 @@ class Manifest(_Strict):
             raise ValueError(
                 f"batch.seq_len ({self.batch.seq_len}) must not exceed model.max_seq_len ({shape.max_seq_len})"
             )
-        if self.wire_dtype == "int8" and self.compression != "none":
-            raise ValueError(
-                f"wire_dtype 'int8' (dense 8-bit activations, the SWARM baseline) is only valid with "
-                f"compression 'none', got compression {self.compression!r}"
-            )
+        if (error := self.mode.wire_dtype_error(self.wire_dtype)) is not None:
+            raise ValueError(error)
         if not self.stages:
             raise ValueError("stages must list at least one stage")
         expected = 0
@@ -168,6 +173,16 @@ class Manifest(_Strict):
         return f"{self.name}-{digest[:12]}"
 
     @property
+    def mode(self) -> CompressionMode:
+        """The compression mode's answers (`swarm/modes/`): what is constrained, what crosses a boundary."""
+        return MODES[self.compression]
+
+    @property
+    def updates_u(self) -> bool:
+        """Whether U moves during this run: an update interval is set and the mode has a U to move."""
+        return self.subspace_update_interval > 0 and self.mode.moves_u
+
+    @property
     def optimizer_prefix(self) -> str:
         """hivemind matchmaking refuses '.' in a run id, so stage optimizers use this prefix."""
         return self.run_id.replace(".", "_")
@@ -182,7 +197,7 @@ class Manifest(_Strict):
 
     def compressed_bytes_per_token(self) -> int:
         """Payload per token and direction in compressed modes: k coefficients plus the token id."""
-        if self.compression == "none":
+        if not self.mode.compressed:
             return self.dense_bytes_per_token()
         return self.k * wire_itemsize(self.wire_dtype) + token_id_itemsize(self.model.vocab_size)
 

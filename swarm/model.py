@@ -2,21 +2,16 @@
 
 One `PipelineStage` is what one peer holds. The head stage embeds tokens as
 `T_fixed[tok] + T_S[tok]`; the tail stage ends with the final norm, the LM head and the loss.
-What keeps the boundary activations in span(U) depends on the manifest's compression:
-
-- `subspace` (the paper): `W_o`, `W_down` of every layer upstream of the last boundary and
-  `T_S` are constrained (columns of W, rows of T_S in span(U)). Their gradients are projected by
-  hooks, so every consumer of `.grad` (our optimizer, hivemind's averager) sees `P G`.
-- `boundary` (our variant): every non-tail stage ends by projecting the residual,
-  `x ← T_fixed[tok] + P (x − T_fixed[tok])`; only `T_S` is constrained.
-- `none`: the dense baseline; nothing is constrained or projected.
+What keeps the boundary activations in span(U) is the manifest's compression mode
+(`swarm/modes/`): which tensors are constrained (their gradients are projected by hooks, so every
+consumer of `.grad`, our optimizer and hivemind's averager, sees `P G`) and whether a stage ends
+by projecting its output.
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -126,13 +121,6 @@ class Block(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
-@dataclass(frozen=True)
-class ConstrainedParameter:
-    name: str
-    param: nn.Parameter
-    axis: int  # the axis of length d that must lie in span(U)
-
-
 def _seeded(seed: int, *salt: int) -> torch.Generator:
     digest = hashlib.sha256(repr((seed, *salt)).encode()).digest()
     generator = torch.Generator()
@@ -181,27 +169,14 @@ class PipelineStage(nn.Module):
                 self.lm_head.weight.copy_(
                     torch.randn(self.lm_head.weight.shape, generator=_seeded(manifest.seed, 3)) * 0.02
                 )
-        self.constrained = self._constrained_parameters()
-        updates_on = manifest.subspace_update_interval > 0 and manifest.compression != "none"
-        self.u_accumulator = UpdateAccumulator(shape.d_model, manifest.k) if updates_on else None
+        self.mode = manifest.mode
+        self.constrained = self.mode.constrained(self)
+        self.u_accumulator = UpdateAccumulator(shape.d_model, manifest.k) if manifest.updates_u else None
         with torch.no_grad():
             for item in self.constrained:
                 item.param.copy_(self.subspace.project(item.param, item.axis))
         for item in self.constrained:
             item.param.register_hook(self._projector(item.param, item.axis))
-
-    def _constrained_parameters(self) -> list[ConstrainedParameter]:
-        mode = self.manifest.compression
-        if mode == "none" or self.manifest.num_stages == 1:
-            return []
-        found = []
-        if self.is_head:
-            found.append(ConstrainedParameter("t_s", self.t_s, axis=1))
-        if mode == "subspace" and not self.is_tail:
-            for i, block in enumerate(self.layers):
-                found.append(ConstrainedParameter(f"layers.{i}.attn.wo.weight", block.attn.wo.weight, axis=0))
-                found.append(ConstrainedParameter(f"layers.{i}.mlp.w2.weight", block.mlp.w2.weight, axis=0))
-        return found
 
     def _projector(self, param: nn.Parameter, axis: int):
         """Gradient hook: note the raw gradient's ∂L/∂U term if U is to move, then project."""
@@ -215,11 +190,11 @@ class PipelineStage(nn.Module):
 
     @property
     def _weights_drive_updates(self) -> bool:
-        return self.manifest.compression == "subspace" and self.manifest.subspace_driver == "gradient"
+        return self.mode.weight_drives_updates(self.manifest.subspace_driver)
 
     @property
     def projects_boundary(self) -> bool:
-        return self.manifest.compression == "boundary" and not self.is_tail
+        return self.mode.projects_boundary(self)
 
     def forward(self, hidden: torch.Tensor | None, tokens: torch.Tensor) -> torch.Tensor:
         """Head: tokens → residual. Middle: residual → residual. Tail: residual → logits."""
@@ -264,14 +239,13 @@ class PipelineStage(nn.Module):
                 grad = input_grad.float()
                 if self.manifest.subspace_driver == "energy":
                     self.u_accumulator.add(receiver_term(grad, grad @ basis))
-                elif self.manifest.compression == "boundary":
+                elif self.mode.boundaries_drive_updates(self.manifest.subspace_driver):
                     coefficients = (input_hidden.float() - self.subspace.t_fixed[tokens]) @ basis
                     self.u_accumulator.add(receiver_term(grad, coefficients))
             if (
                 output_residual is not None
                 and output_grad is not None
-                and self.manifest.compression == "boundary"
-                and self.manifest.subspace_driver == "gradient"
+                and self.mode.boundaries_drive_updates(self.manifest.subspace_driver)
             ):
                 self.u_accumulator.add(sender_term(output_residual.float(), output_grad.float() @ basis))
             self.u_accumulator.finish_microbatch()

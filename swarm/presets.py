@@ -86,7 +86,7 @@ def preset(name: str, **overrides) -> Manifest:
     """A preset manifest; `stages` may be an int (even split), other keys replace manifest fields."""
     if name not in _SHAPES:
         raise ManifestError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
-    fields = dict(_SHAPES[name], name=f"{name}", seed=0, compression="boundary", wire_dtype="bf16")
+    fields = dict(_SHAPES[name], name=f"{name}", seed=0, wire_dtype="bf16")
     fields.update({key: value for key, value in overrides.items() if value is not None})
     if isinstance(fields["stages"], int):
         fields["stages"] = even_stages(fields["model"].n_layers, fields["stages"])

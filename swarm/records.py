@@ -1,7 +1,8 @@
 """Typed, owner-signed DHT records of a run (DESIGN.md §3).
 
 Keys: `{run_id}_stage{i}` (one subkey per peer, the subkey carries the owner's RSA public key
-so only that peer can write it) and `{run_id}_subspace` (U versions and per-stage contributions).
+so only that peer can write it), `{run_id}_subspace` (U versions) and `{run_id}_ucontrib` (per-stage
+contributions to the next U).
 hivemind's `SchemaValidator` joins a prefix to a field name with '_', so the keys use '_' where
 DESIGN.md wrote '.'. Values are checked with strict pydantic v1 types (hivemind's validator
 refuses any record that would need a type conversion).

@@ -15,13 +15,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from swarm.boundary import BoundaryCodec
+from swarm.codec import BoundaryCodec
 from swarm.data import load_splits
 from swarm.manifest import Manifest
 from swarm.model import PipelineStage, build_stages, next_token_loss
 from swarm.optim import clip_grad_norm, lr_at, make_optimizer
 from swarm.subspace import compress, decompress, relative_error
-from swarm.subspace_update import combine, matrix_from_bytes, matrix_to_bytes, next_basis
+from swarm.subspace_update import basis_from_contributions, matrix_to_bytes
 
 
 @dataclass
@@ -102,15 +102,13 @@ def update_subspace(stages: list[PipelineStage], optimizers: list) -> np.ndarray
     """The swarm's update, in one process: each stage's contribution crosses as float32 bytes, every stage
     derives U' from the same bytes and switches."""
     manifest = stages[0].manifest
-    shape = manifest.model
-    per_stage = {
-        i: [matrix_from_bytes(matrix_to_bytes(stage.u_accumulator.mean()), shape.d_model, manifest.k)]
+    contributions = {
+        i: [matrix_to_bytes(stage.u_accumulator.mean())]
         for i, stage in enumerate(stages)
         if stage.u_accumulator is not None and stage.u_accumulator.terms
     }
-    basis = next_basis(
-        stages[0].subspace.basis.double().numpy(), combine(per_stage), manifest.subspace_driver, manifest.subspace_step
-    )
+    current = stages[0].subspace.basis.double().numpy()
+    basis = basis_from_contributions(current, contributions, manifest.subspace_driver, manifest.subspace_step)
     new_basis = torch.from_numpy(basis.astype(np.float32))
     version = stages[0].subspace.version + 1
     for stage, optimizer in zip(stages, optimizers, strict=True):
@@ -191,7 +189,7 @@ def simulate(
             optimizer.zero_grad(set_to_none=True)
         optimizer_time += time.perf_counter() - tick
         interval = manifest.subspace_update_interval
-        if interval and manifest.compression != "none" and (step + 1) % interval == 0:
+        if manifest.updates_u and (step + 1) % interval == 0:
             tick = time.perf_counter()
             update_subspace(stages, optimizers)
             result.update_seconds += time.perf_counter() - tick

@@ -132,3 +132,16 @@ def next_basis(basis: np.ndarray, contribution: np.ndarray, driver: str, step: f
     if not norm > 1e-30:
         return orthonormalize(basis)
     return orthonormalize(basis + (step / norm) * tangent)
+
+
+def basis_from_contributions(
+    basis: np.ndarray, contributions: dict[int, list[bytes]], driver: str, step: float
+) -> np.ndarray:
+    """U' from every stage's contributions as they cross the network (d×k float32 bytes each, in the order
+    given): the one derivation the simulator and every peer run, so all derive the same bytes. Raises
+    ValueError if a contribution is malformed."""
+    d_model, k = basis.shape
+    per_stage = {
+        stage: [matrix_from_bytes(data, d_model, k) for data in blobs] for stage, blobs in contributions.items()
+    }
+    return next_basis(basis, combine(per_stage), driver, step)

@@ -131,7 +131,7 @@ class Expectation:
 
 
 def expectation_for(manifest: Manifest, stage: int, kind: Kind, u_version: int, t_fixed_sha256: str) -> Expectation:
-    compressed = manifest.compression != "none"
+    compressed = manifest.mode.compressed
     return Expectation(
         run_id=manifest.run_id,
         u_version=u_version,

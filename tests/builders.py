@@ -1,12 +1,35 @@
-"""Schema-valid stage records for tests that need a swarm's worth of them without running peers."""
+"""Small manifests, and schema-valid stage records for tests that need a swarm's worth of them without
+running peers."""
 
 from __future__ import annotations
 
-from swarm.manifest import Manifest
+from swarm.manifest import BatchSpec, Manifest, ModelShape
 from swarm.presets import preset
 from swarm.records import SOFTWARE_VERSION, StagePeerRecord
 
 TINY = preset("tiny", stages=3)
+
+
+def tiny_manifest(
+    compression: str = "subspace",
+    n_layers: int = 2,
+    stages: int = 2,
+    wire_dtype: str = "fp32",
+    microbatch: int = 2,
+    target: int | None = None,
+    vocab_size: int = 256,
+    **overrides,
+) -> Manifest:
+    """A model small enough for unit tests (d=64, k=4, sequences of 32 tokens); `target` defaults to one
+    microbatch per optimizer step; other keyword arguments replace manifest fields."""
+    shape = ModelShape(
+        d_model=64, n_layers=n_layers, n_heads=4, n_kv_heads=2, d_ff=128, vocab_size=vocab_size, max_seq_len=64
+    )
+    batch = BatchSpec(microbatch_size=microbatch, seq_len=32, target_batch_size=target or microbatch)
+    return preset(
+        "tiny", model=shape, k=4, stages=stages, compression=compression, wire_dtype=wire_dtype, batch=batch,
+        **overrides,
+    )
 
 
 def stage_record(stage: int, name: str = "peer", manifest: Manifest = TINY, **changes) -> StagePeerRecord:

@@ -19,9 +19,9 @@ import torch
 from hivemind.dht import DHT
 
 from peer.runtime import StageRuntime, parameters_sha256
-from swarm import boundary
+from swarm import codec
 from swarm import subspace as ss
-from swarm.boundary import BoundaryCodec
+from swarm.codec import BoundaryCodec
 from swarm.manifest import BatchSpec
 from swarm.model import PipelineStage, build_stages, next_token_loss
 from swarm.optim import clip_grad_norm, make_optimizer
@@ -265,14 +265,14 @@ def test_honest_traffic_stays_far_below_the_bounds(compression, wire_dtype, monk
     stages = build_stages(manifest)
     optimizers = [make_optimizer(stage) for stage in stages]
     largest = {"forward": 0.0, "backward": 0.0}
-    decode = boundary.decode
+    decode = codec.decode
 
     def measuring(blob, expect):
         header, payload, tokens = decode(blob, expect)
         largest[expect.kind] = max(largest[expect.kind], max_token_norm(payload))
         return header, payload, tokens
 
-    monkeypatch.setattr(boundary, "decode", measuring)
+    monkeypatch.setattr(codec, "decode", measuring)
     for step in range(8):
         run_trip(stages, tokens_of(step))
         for stage, optimizer in zip(stages, optimizers, strict=True):

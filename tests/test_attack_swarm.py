@@ -13,7 +13,7 @@ from harness import online, swarm_of, wait_for
 from hivemind.p2p import PeerID
 
 from peer.transport import send_trip
-from swarm.boundary import BoundaryCodec
+from swarm.codec import BoundaryCodec
 from swarm.model import SubspaceState
 from swarm.presets import preset
 from swarm.wire import ErrorCode, WireError, expectation_for, raise_if_error

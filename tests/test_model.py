@@ -7,8 +7,8 @@ import math
 
 import pytest
 import torch
+from builders import tiny_manifest
 
-from swarm.manifest import BatchSpec, ModelShape
 from swarm.model import (
     PipelineStage,
     apply_rope,
@@ -16,17 +16,13 @@ from swarm.model import (
     next_token_loss,
     rope_tables,
 )
-from swarm.presets import preset
 from swarm.subspace import initial_basis, relative_error, tensor_sha256
 
 D, K, V, SEQ = 64, 4, 256, 32
 
 
 def small(compression: str = "subspace", n_layers: int = 2, stages: int = 2, **overrides):
-    shape = ModelShape(d_model=D, n_layers=n_layers, n_heads=4, n_kv_heads=2, d_ff=128, vocab_size=V,
-                       max_seq_len=64)
-    return preset("tiny", model=shape, k=K, stages=stages, compression=compression, wire_dtype="fp32",
-                  batch=BatchSpec(microbatch_size=2, seq_len=SEQ, target_batch_size=2), **overrides)
+    return tiny_manifest(compression, n_layers, stages, **overrides)
 
 
 def tokens(batch: int = 2, seed: int = 0) -> torch.Tensor:

@@ -8,21 +8,18 @@ import math
 
 import pytest
 import torch
+from builders import tiny_manifest
 
-from swarm.manifest import BatchSpec, ModelShape, OptimizerSpec
+from swarm.manifest import OptimizerSpec
 from swarm.model import build_stages, next_token_loss
 from swarm.optim import SubspaceAdamW, clip_grad_norm, grad_norm, lr_at, make_optimizer, parameter_groups
-from swarm.presets import preset
 from swarm.subspace import initial_basis, project
 
 D, K, V, SEQ = 64, 4, 256, 32
 
 
 def small(compression: str = "subspace", weight_decay: float = 0.0, lr: float = 2e-3):
-    shape = ModelShape(d_model=D, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128, vocab_size=V, max_seq_len=64)
-    return preset("tiny", model=shape, k=K, stages=2, compression=compression, wire_dtype="fp32",
-                  batch=BatchSpec(microbatch_size=2, seq_len=SEQ, target_batch_size=2),
-                  optimizer=OptimizerSpec(lr=lr, weight_decay=weight_decay))
+    return tiny_manifest(compression, optimizer=OptimizerSpec(lr=lr, weight_decay=weight_decay))
 
 
 def _train(stages, optimizers, steps: int, seed: int = 0) -> list[float]:

@@ -11,9 +11,10 @@ import subprocess
 
 import pytest
 import torch
+from builders import tiny_manifest
 
 from launcher.cli import main
-from swarm.manifest import BatchSpec, ModelShape, save_manifest
+from swarm.manifest import save_manifest
 from swarm.model import PipelineStage, build_stages
 from swarm.presets import preset
 from swarm.simulate import run_trip, simulate
@@ -27,10 +28,7 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 def small(compression: str = "subspace", n_layers: int = 3, stages: int = 3, wire_dtype: str = "fp32",
           microbatch: int = 2, target: int = 2):
-    shape = ModelShape(d_model=D, n_layers=n_layers, n_heads=4, n_kv_heads=2, d_ff=128, vocab_size=V,
-                       max_seq_len=64)
-    return preset("tiny", model=shape, k=K, stages=stages, compression=compression, wire_dtype=wire_dtype,
-                  batch=BatchSpec(microbatch_size=microbatch, seq_len=SEQ, target_batch_size=target))
+    return tiny_manifest(compression, n_layers, stages, wire_dtype, microbatch, target)
 
 
 def _stirred_stages(manifest, keep_constraints: bool = True) -> list[PipelineStage]:

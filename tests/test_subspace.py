@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from swarm import subspace as ss
-from swarm.boundary import BoundaryCodec
+from swarm.codec import BoundaryCodec
 from swarm.model import PipelineStage, build_stages
 from swarm.presets import preset
 

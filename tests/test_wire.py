@@ -10,9 +10,8 @@ from dataclasses import asdict, replace
 
 import pytest
 import torch
+from builders import tiny_manifest
 
-from swarm.manifest import BatchSpec, ModelShape
-from swarm.presets import preset
 from swarm.wire import (
     MAGIC,
     MAX_ACTIVATION_NORM,
@@ -32,10 +31,7 @@ D, K, B, S = 64, 4, 2, 8
 
 
 def manifest(wire_dtype: str = "fp32", vocab_size: int = 256, compression: str = "subspace"):
-    shape = ModelShape(d_model=D, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128, vocab_size=vocab_size,
-                       max_seq_len=64)
-    return preset("tiny", model=shape, k=K, stages=2, wire_dtype=wire_dtype, compression=compression,
-                  batch=BatchSpec(microbatch_size=4, seq_len=32, target_batch_size=4))
+    return tiny_manifest(compression, wire_dtype=wire_dtype, microbatch=4, vocab_size=vocab_size)
 
 
 @pytest.fixture(scope="module")

@@ -7,9 +7,10 @@ import struct
 
 import pytest
 import torch
+from builders import tiny_manifest
 
-from swarm.boundary import BoundaryCodec
-from swarm.manifest import BatchSpec, ManifestError, ModelShape
+from swarm.codec import BoundaryCodec
+from swarm.manifest import ManifestError
 from swarm.model import PipelineStage
 from swarm.presets import preset
 from swarm.wire import MAGIC, ErrorCode, Header, WireError, decode, encode, expectation_for, quantize_int8
@@ -18,16 +19,7 @@ D, B, S = 64, 2, 8
 
 
 def manifest(wire_dtype: str = "int8", compression: str = "none"):
-    shape = ModelShape(d_model=D, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128, vocab_size=256, max_seq_len=64)
-    return preset(
-        "tiny",
-        model=shape,
-        k=4,
-        stages=2,
-        wire_dtype=wire_dtype,
-        compression=compression,
-        batch=BatchSpec(microbatch_size=4, seq_len=32, target_batch_size=4),
-    )
+    return tiny_manifest(compression, wire_dtype=wire_dtype, microbatch=4)
 
 
 @pytest.fixture(scope="module")

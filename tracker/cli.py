@@ -1,8 +1,8 @@
 """`protocol-tracker`: the run's front door (manifest, bootstrap) and its status page.
 
 Every flag can also come from the environment as PROTOCOL_TRACKER_<FLAG> (dashes become
-underscores, e.g. PROTOCOL_TRACKER_INITIAL_PEERS); a flag on the command line wins. List
-values in the environment are separated by spaces or commas.
+underscores, e.g. PROTOCOL_TRACKER_INITIAL_PEERS); a flag on the command line wins. The
+convention, lists included, is `swarm/flags.py`'s.
 """
 
 from __future__ import annotations
@@ -17,69 +17,56 @@ import threading
 import time
 from collections.abc import Sequence
 
+from swarm.flags import EnvDefaultsParser, add_log_level, refuse_start
 from swarm.manifest import ManifestError, load_manifest
 from tracker.summary import DEFAULT_STALE_AFTER
 
 logger = logging.getLogger("tracker")
+PROG = "protocol-tracker"
 ENV_PREFIX = "PROTOCOL_TRACKER_"
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
-def _env(name: str, default=None, is_list: bool = False):
-    value = os.environ.get(ENV_PREFIX + name.upper().replace("-", "_"))
-    if value is None or value.strip() == "":
-        return default
-    return value.replace(",", " ").split() if is_list else value
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="protocol-tracker",
+    p = EnvDefaultsParser(
+        prog=PROG,
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
+        env_prefix=ENV_PREFIX,
     )
-    manifest = _env("manifest")
-    p.add_argument("--manifest", default=manifest, required=manifest is None, help="the run manifest (JSON)")
-    p.add_argument("--host", default=_env("host", "127.0.0.1"), help="HTTP bind address (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=_env("port", "8000"), help="HTTP port; 0 picks a free one")
-    p.add_argument("--db", default=_env("db", "tracker-history.sqlite"), help="SQLite file for loss/throughput history")
+    p.add_argument("--manifest", required=True, help="the run manifest (JSON)")
+    p.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port; 0 picks a free one")
+    p.add_argument("--db", default="tracker-history.sqlite", help="SQLite file for loss/throughput history")
     p.add_argument(
         "--identity",
-        default=_env("identity"),
         help="libp2p identity file (created if missing); keeps the bootstrap address stable across restarts",
     )
     p.add_argument(
         "--initial-peers",
         nargs="*",
-        default=_env("initial-peers", [], True),
+        default=[],
         help="multiaddrs of other DHT nodes of the run (e.g. another tracker)",
     )
     p.add_argument(
         "--host-maddrs",
         nargs="*",
-        default=_env("host-maddrs", None, True),
         help="where the DHT node listens (default: loopback when --host is loopback, else all interfaces; "
         "pin a port, e.g. /ip4/0.0.0.0/tcp/31337, for an address that survives restarts)",
     )
     p.add_argument(
         "--announce-maddrs",
         nargs="*",
-        default=_env("announce-maddrs", None, True),
         help="public multiaddrs to hand out (behind NAT or a port forward)",
     )
-    p.add_argument(
-        "--poll-interval",
-        type=float,
-        default=_env("poll-interval", "5"),
-        help="seconds between DHT reads (default 5)",
-    )
+    p.add_argument("--poll-interval", type=float, default=5.0, help="seconds between DHT reads (default 5)")
     p.add_argument(
         "--stale-after",
         type=float,
-        default=_env("stale-after", str(DEFAULT_STALE_AFTER)),
+        default=DEFAULT_STALE_AFTER,
         help=f"warn about a peer whose record is not refreshed for this long ({DEFAULT_STALE_AFTER:g}s)",
     )
-    p.add_argument("--log-level", default=_env("log-level", "INFO"), help="DEBUG, INFO, WARNING, ERROR")
+    add_log_level(p)
     return p
 
 
@@ -122,21 +109,18 @@ def run(args: argparse.Namespace) -> int:
     try:
         manifest = load_manifest(args.manifest)
     except ManifestError as exc:
-        logger.error("%s", exc)
-        return 2
+        return refuse_start(PROG, exc)
     if not manifest.t_fixed_sha256 or not manifest.u_sha256:
         logger.warning(
             "manifest records no T_fixed/U hashes: peers cannot verify them (use a preset or "
             "`protocol-swarm inspect --write`)"
         )
     if args.poll_interval <= 0 or args.stale_after <= 0:
-        logger.error("--poll-interval and --stale-after must be positive")
-        return 2
+        return refuse_start(PROG, "--poll-interval and --stale-after must be positive")
     try:
         sock = _listen(args.host, args.port)
     except OSError as exc:
-        logger.error("cannot listen on %s:%s: %s", args.host, args.port, exc)
-        return 2
+        return refuse_start(PROG, f"cannot listen on {args.host}:{args.port}: {exc}")
     port = sock.getsockname()[1]
     url = _display_url(args.host, port)
     if args.identity is None:
@@ -159,8 +143,7 @@ def run(args: argparse.Namespace) -> int:
                 remembered=history.remembered_peers(),
             )
         except Exception as exc:
-            logger.error("cannot start the DHT node: %s: %s", type(exc).__name__, exc)
-            return 1
+            return refuse_start(PROG, f"cannot start the DHT node: {type(exc).__name__}: {exc}", status=1)
         maddrs = [str(a) for a in dht.get_visible_maddrs()]
         logger.info("DHT node %s listening on %s", dht.peer_id, " ".join(maddrs))
         monitor = SwarmMonitor(
@@ -214,10 +197,7 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    level = getattr(logging, str(args.log_level).upper(), None)
-    if not isinstance(level, int):
-        print(f"protocol-tracker: invalid --log-level {args.log_level!r}", file=sys.stderr)
-        return 2
+    level = getattr(logging, args.log_level)
     if not logger.handlers:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter(LOG_FORMAT))

@@ -15,7 +15,7 @@ from typing import Any
 
 from swarm.manifest import Manifest
 from swarm.records import (
-    RECORD_TTL,
+    ANNOUNCE_INTERVAL,
     SOFTWARE_VERSION,
     PeerEntry,
     StagePeerRecord,
@@ -23,9 +23,9 @@ from swarm.records import (
     plausible_throughput,
 )
 
-# A peer re-announces every RECORD_TTL / 3; missing two and a half of those means it is in trouble
-# (its record is still alive, but it may be about to vanish).
-DEFAULT_STALE_AFTER = RECORD_TTL / 3 * 2.5
+# A peer re-announces every ANNOUNCE_INTERVAL (5 s) and its record lives RECORD_TTL (30 s): a record not
+# refreshed for five announce periods (25 s) is still alive, but its peer is in trouble and may be about to vanish.
+DEFAULT_STALE_AFTER = 5 * ANNOUNCE_INTERVAL
 # Bounds on what one response may hold, whatever peers publish into the DHT.
 MAX_PEERS_PER_STAGE = 256
 MAX_PEERS_LISTED = 2048  # over all stages: a 32-stage run lists up to 64 peers per stage

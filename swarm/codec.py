@@ -32,7 +32,7 @@ from swarm.wire import (
 class BoundaryCodec:
     def __init__(self, manifest: Manifest, state: SubspaceState):
         self.manifest, self.state = manifest, state
-        self.compressed = manifest.compression != "none"
+        self.compressed = manifest.mode.compressed
 
     def expectation(self, stage: int, kind: str) -> Expectation:
         return expectation_for(self.manifest, stage, kind, self.state.version, self.state.t_fixed_sha256)

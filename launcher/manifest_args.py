@@ -1,0 +1,38 @@
+"""The manifest flags `protocol-swarm inspect`, `simulate` and `local` share, and the manifest they choose."""
+
+from __future__ import annotations
+
+import argparse
+
+from swarm.manifest import Manifest, load_manifest
+from swarm.modes import MODES
+from swarm.presets import PRESETS, preset, verify_hashes
+
+
+def add_manifest_args(parser: argparse.ArgumentParser, stages: int | None = None) -> None:
+    """The flags that choose a run's manifest, the same for every `protocol-swarm` command; `stages` is the
+    default stage count (None: the preset's)."""
+    parser.add_argument("--preset", default="tiny", choices=PRESETS, help="named run shape")
+    parser.add_argument("--manifest", help="a manifest JSON file instead of a preset")
+    parser.add_argument("--compression", choices=tuple(MODES), help="override the compression mode")
+    parser.add_argument("--stages", type=int, default=stages, help="split the layers into this many stages")
+    parser.add_argument("--k", type=int, help="subspace width")
+    parser.add_argument("--seed", type=int, help="run seed (derives T_fixed and U)")
+    parser.add_argument("--subspace-update-interval", type=int, help="optimizer epochs between U updates (0 = never)")
+
+
+def manifest_from(args: argparse.Namespace) -> Manifest:
+    """The manifest a command was given: `--manifest FILE` (its hashes verified), else the preset with the
+    flags' overrides."""
+    if args.manifest:
+        manifest = load_manifest(args.manifest)
+        verify_hashes(manifest)
+        return manifest
+    return preset(
+        args.preset,
+        stages=args.stages,
+        compression=args.compression,
+        seed=args.seed,
+        k=args.k,
+        subspace_update_interval=args.subspace_update_interval,
+    )

@@ -1,0 +1,79 @@
+"""What a compression mode answers: the questions the model, the codec, the wire and the U agreement ask.
+
+A mode says which tensors must stay in span(U), whether a stage ends by projecting its output,
+what crosses a boundary (k coefficients per token, or the full residual), which wire dtypes go
+with it, whether U can move, and which gradients drive its moves. Nothing else in the code looks
+at the mode's name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+from torch import nn
+
+if TYPE_CHECKING:  # a mode is asked about a stage; it never builds one
+    from swarm.model import PipelineStage
+
+
+@dataclass(frozen=True)
+class ConstrainedParameter:
+    name: str
+    param: nn.Parameter
+    axis: int  # the axis of length d that must lie in span(U)
+
+
+class CompressionMode:
+    name: ClassVar[str]
+    compressed: ClassVar[bool] = True  # k coefficients and the token ids cross a boundary, not the residual
+    wire_dtypes: ClassVar[tuple[str, ...]] = ("fp32", "bf16", "fp16")  # int8: the dense SWARM baseline only
+
+    def constrained(self, stage: PipelineStage) -> list[ConstrainedParameter]:
+        """The tensors of `stage` kept in span(U): with more than one stage, the head's `T_S` rows (so the
+        embedding's trainable part crosses as coefficients), and what `constrained_weights` adds."""
+        if stage.manifest.num_stages == 1:
+            return []
+        found = [ConstrainedParameter("t_s", stage.t_s, axis=1)] if stage.is_head else []
+        return found + self.constrained_weights(stage)
+
+    def constrained_weights(self, stage: PipelineStage) -> list[ConstrainedParameter]:
+        return []
+
+    def projects_boundary(self, stage: PipelineStage) -> bool:
+        """Whether `stage` ends by projecting its output residual onto T_fixed[tok] + span(U)."""
+        return False
+
+    def weight_drives_updates(self, driver: str) -> bool:
+        """Whether the gradients of the constrained weights carry this mode's ∂L/∂U terms."""
+        return False
+
+    def boundaries_drive_updates(self, driver: str) -> bool:
+        """Whether the boundary activations and their gradients carry this mode's ∂L/∂U terms."""
+        return False
+
+    @property
+    def moves_u(self) -> bool:
+        """Whether U can move during the run (a mode that sends the full residual has nothing to move)."""
+        return self.compressed
+
+    def stage_contributes(self, stage: int, num_stages: int, driver: str) -> bool:
+        """Whether `stage` has a term for a move of U: with the energy driver every stage that receives a
+        boundary gradient (all but the head); with the gradient driver, what the mode says."""
+        if driver == "energy":
+            return stage > 0
+        return self.stage_has_gradient_terms(stage, num_stages)
+
+    def stage_has_gradient_terms(self, stage: int, num_stages: int) -> bool:
+        return True
+
+    def wire_dtype_error(self, wire_dtype: str) -> str | None:
+        """Why `wire_dtype` cannot carry this mode's boundary messages, or None if it can."""
+        if wire_dtype in self.wire_dtypes:
+            return None
+        if wire_dtype == "int8":
+            return (
+                f"wire_dtype 'int8' (dense 8-bit activations, the SWARM baseline) is only valid with "
+                f"compression 'none', got compression {self.name!r}"
+            )
+        return f"wire_dtype {wire_dtype!r} is not valid with compression {self.name!r}"

@@ -96,11 +96,11 @@ def reply_text(raw: bytes) -> str:
         return raw[:200].decode(errors="replace")
 
 
-async def slowloris(p2p: P2P, peer: PeerID, streams: int = 20, prefix: int = 10) -> list:
+async def slowloris(p2p: P2P, peer: PeerID, streams: int = 20, prefix: int = 10, handle: str = HANDLE) -> list:
     """`streams` streams that each send the first `prefix` bytes of a frame and then nothing."""
     held = []
     for _ in range(streams):
-        reader, writer = await open_stream(p2p, peer)
+        reader, writer = await open_stream(p2p, peer, handle)
         writer.write(chunk_frame(b"x" * 64)[:prefix])
         with contextlib.suppress(ConnectionError):  # refused at once: the receiver closed it already
             await writer.drain()
@@ -108,9 +108,11 @@ async def slowloris(p2p: P2P, peer: PeerID, streams: int = 20, prefix: int = 10)
     return held
 
 
-async def empty_chunk_flood(p2p: P2P, peer: PeerID, chunks: int = 10_000, batch: int = 1000) -> dict:
+async def empty_chunk_flood(
+    p2p: P2P, peer: PeerID, chunks: int = 10_000, batch: int = 1000, handle: str = HANDLE
+) -> dict:
     """One stream of `chunks` empty chunks (no end frame): how many went out before the cut, and the reply."""
-    reader, writer = await open_stream(p2p, peer)
+    reader, writer = await open_stream(p2p, peer, handle)
     empty, sent, start = chunk_frame(b""), 0, time.monotonic()
     reply = asyncio.create_task(read_until_closed(reader, 30))
     try:

@@ -30,9 +30,12 @@ Receiving is bounded, so that no sender can hold a peer's memory, CPU or receive
   gets at most `max_per_sender` of them (4): its further streams wait up to `grace` seconds for one
   of its own slots (at most `max_per_sender` waiting), and beyond that are refused (`overloaded`).
   One identity opening many streams therefore takes 4 of the 16 slots, never all of them, and for
-  at most `grace` seconds each if it does not send. When all 16 are taken (many identities), a
-  sender holding none cuts the oldest stream of the sender holding the most (at least 2; `overloaded`)
-  instead of being refused, so stalled streams from a handful of identities cannot starve others;
+  at most `grace` seconds each if it does not send. When all 16 are taken (many identities), a new
+  stream cuts the stream with the least progress (bytes / elapsed, stalled ones first; at least
+  `EVICT_AFTER_S` old; `overloaded`), whoever holds it and however many it holds, so stalled streams
+  from many identities, one each, cannot starve others (`slowest`). Before any of this, `admit` (the
+  peer's `TripServer.admit_stream`) refuses a sender that is not a known upstream peer, so a stranger
+  never holds a slot at all;
 - after a refusal the rest of the message is read and dropped for up to 1 s before the stream is
   closed (`_linger`), so the refusal reaches the sender instead of being overtaken by a stream reset.
 
@@ -67,6 +70,7 @@ MAX_PER_SENDER = 4
 LINGER_S = 1.0  # after a reply: how long the rest of a refused message is read and dropped (see `_linger`)
 LINGER_BYTES = 32 << 20
 MAX_LINGERING = 64
+EVICT_AFTER_S = 0.25  # a stream this young is never cut for a newcomer: an honest 28 KB trip needs < 0.25 s at 1 Mbit/s
 _HANDLE = "TripServicer.rpc_trip"  # the handler name hivemind's ServicerBase gave it: kept for compatibility
 
 TripHandler = Callable[[bytes, PeerID], Awaitable[bytes]]
@@ -81,10 +85,31 @@ class _Sender:
 
 
 class _Reception:
-    __slots__ = ("task", "evicted")
+    __slots__ = ("task", "evicted", "frames")
 
-    def __init__(self, task: asyncio.Task):
-        self.task, self.evicted = task, False
+    def __init__(self, task: asyncio.Task, frames: Frames):
+        self.task, self.evicted, self.frames = task, False, frames
+
+    def rate(self, now: float) -> float:
+        """Bytes per second this stream has delivered so far (0 for a stalled one)."""
+        return self.frames.received / max(now - self.frames.start, 1e-3)
+
+
+def slowest(receptions: list[tuple[float, float]], now: float) -> int | None:
+    """Index of the stream to cut for a newcomer when every receive slot is taken, given each stream's
+    (start time, bytes received): the one with the least progress (bytes / elapsed; a stalled stream has
+    none), among those that began at least EVICT_AFTER_S ago. Who sends it does not matter, so many
+    identities each holding one stalled stream are cut one by one as honest trips arrive. None if every
+    stream began less than EVICT_AFTER_S ago (then the newcomer is refused: the slots are busy, not held)."""
+    best, best_rate = None, float("inf")
+    for i, (start, received) in enumerate(receptions):
+        elapsed = now - start
+        if elapsed < EVICT_AFTER_S:
+            continue
+        rate = received / elapsed
+        if rate < best_rate:
+            best, best_rate = i, rate
+    return best
 
 
 class TripServicer:
@@ -207,33 +232,33 @@ class TripServicer:
                 raise WireError(ErrorCode.OVERLOADED, "too many messages being received") from None
         else:
             raise WireError(ErrorCode.OVERLOADED, "too many messages being received")
-        reception = _Reception(asyncio.current_task())
+        frames = Frames(reader, self.max_bytes, min_rate=self.min_rate, grace=self.grace, deadline=self.deadline)
+        reception = _Reception(asyncio.current_task(), frames)
         sender.active.append(reception)
         try:
-            frames = Frames(reader, self.max_bytes, min_rate=self.min_rate, grace=self.grace, deadline=self.deadline)
             return await frames.message(runtime_pb2.ExpertRequest)
         except asyncio.CancelledError:
             if not reception.evicted:
                 raise
             if hasattr(reception.task, "uncancel"):
                 reception.task.uncancel()
-            raise WireError(ErrorCode.OVERLOADED, "cut for a sender with fewer messages being received") from None
+            raise WireError(ErrorCode.OVERLOADED, "cut: the slowest stream when all receive slots were taken") from None
         finally:
             sender.active.remove(reception)
             self.receiving.release()
 
     def _evict_for(self, newcomer: _Sender) -> bool:
-        """All slots taken: a sender that holds none may cut the oldest stream of the sender holding
-        the most (at least 2), so that many identities that each hold a few slots cannot starve a
-        sender that holds none; a sender with a single stream being received is never cut."""
-        if newcomer.active:
+        """All slots taken: cut the stream with the least progress (`slowest`), whoever sends it and however
+        many streams its sender holds, so stalled streams (from one identity or from many, each holding a
+        single stream) cannot starve anyone. `newcomer` is not used: a sender's own streams are already
+        bounded by its per-sender slots."""
+        now = asyncio.get_running_loop().time()
+        live = [r for s in self.senders.values() for r in s.active if not r.evicted]
+        i = slowest([(r.frames.start, r.frames.received) for r in live], now)
+        if i is None:
             return False
-        holder = max(self.senders.values(), key=lambda s: sum(not r.evicted for r in s.active))
-        victims = [r for r in holder.active if not r.evicted]
-        if len(victims) < 2:
-            return False
-        victims[0].evicted = True
-        victims[0].task.cancel()
+        live[i].evicted = True
+        live[i].task.cancel()
         return True
 
     async def _linger(self, reader: asyncio.StreamReader) -> None:

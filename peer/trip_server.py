@@ -2,7 +2,9 @@
 
 A forward trip for stage s is accepted only from a libp2p peer id (authenticated by libp2p) that
 holds a live record of this run for stage s−1 (for s = 1 that is a driver); anyone else is answered
-`unknown_sender` before the message is decoded, and counted. A backward reply is read only from the
+`unknown_sender` before a receive slot is given or a byte of its stream is read (`admit_stream`),
+and counted; the refusal kicks a rate-limited background DHT re-read, so a peer that joined a moment
+ago is served on its retry (`peer/admission.py`). A backward reply is read only from the
 stream this peer opened to the peer it chose (`send_trip` dials that peer id, and libp2p
 authenticates the peer at the other end), so nobody else can answer for it. Known senders are held
 to a token bucket and an in-flight cap (`sender_limits`), and every refusal is logged once per
@@ -19,6 +21,7 @@ from collections.abc import Callable
 from hivemind.p2p import PeerID
 from hivemind.utils.timed_storage import get_dht_time
 
+from peer.admission import RefreshGate, UpstreamIds
 from peer.refusals import RefusalLog, SenderLimits
 from peer.trip import Fetch, Hop, Stats
 from swarm.wire import ErrorCode, encode_error
@@ -48,8 +51,10 @@ class TripServer:
         self.refusal_log = refusal_log
         self.sender_limits = self._sender_limits()
         self.hop: Hop | None = None
-        self._sender_refresh_at = -float("inf")
-        self._sender_refresh_lock: asyncio.Lock | None = None
+        self.upstream = UpstreamIds()
+        self._upstream_stage: int | None = None
+        self._refresh_gate = RefreshGate(SENDER_REFRESH_INTERVAL)
+        self._refresh_task: asyncio.Task | None = None  # referenced so it is not collected while running
 
     def _sender_limits(self) -> SenderLimits:
         """Per-sender limits, sized so honest traffic never meets them.
@@ -87,49 +92,66 @@ class TripServer:
             self.refusal_log.note(sender, code.value)
         return encode_error(code, message, hops)
 
-    def _upstream(self) -> set[str]:
-        """Peer ids with a live record of this run for the stage before ours (for stage 1: the drivers)."""
+    def _upstream_known(self, sender: str) -> bool:
+        """Whether `sender` has a live record of the stage before ours (for stage 1: is a driver).
+
+        The router's latest read is merged into `upstream`, never replacing it (see `peer/admission.py`):
+        an id stays known until its own record expires, whatever later reads return."""
         hop, now = self.hop, get_dht_time()
         if hop is None or not hop.index:
-            return set()
-        return {e.record.peer_id for e in hop.router.stages.get(hop.index - 1, []) if e.expiration > now}
+            return False
+        if self._upstream_stage != hop.index:
+            self.upstream.clear()
+            self._upstream_stage = hop.index
+        self.upstream.merge(((e.record.peer_id, e.expiration) for e in hop.router.stages.get(hop.index - 1, [])), now)
+        return self.upstream.known(sender, now)
 
-    def admit_stream(self, peer: PeerID) -> ErrorCode | None:
-        """The transport asks this before reading a stream: a sender that is not upstream of us is refused
-        at once, unless a DHT re-read is due (then `handle_trip` reads the message and checks again after
-        re-reading, so a peer that joined a moment ago is served). Everything else is decided there."""
-        if self.hop is None or not self.hop.index or self.state() != "online":
-            return None
-        if peer.to_base58() in self._upstream():
-            return None
-        if time.monotonic() - self._sender_refresh_at >= SENDER_REFRESH_INTERVAL:
-            return None
-        return ErrorCode.UNKNOWN_SENDER
+    def _kick_refresh(self) -> None:
+        """Start a background DHT read for unknown senders, at most once per SENDER_REFRESH_INTERVAL for all of
+        them together: the refused sender is not kept waiting, and a peer that joined a moment ago is known
+        by the time it retries."""
+        if not self._refresh_gate.due(time.monotonic()):
+            return
+        task = asyncio.get_running_loop().create_task(self._refresh())
+        self._refresh_task = task
 
-    async def _admit(self, sender: str) -> bytes | None:
-        """None if `sender` may send us a trip now (its slot then taken), else the refusal. Nothing of the
-        message is read before this: an unknown sender costs a set lookup and, at most once per
-        SENDER_REFRESH_INTERVAL for all of them together, a DHT read (so an honest peer that joined
-        seconds ago is refused at most until that read)."""
+    async def _refresh(self) -> None:
+        hop = self.hop
+        try:
+            stages = await asyncio.wait_for(self.fetch(), 5.0)
+        except Exception as exc:  # noqa: BLE001 - the sender was refused already; the next miss reads again
+            logger.warning("%s could not read the DHT for a sender check: %s", self.label(), exc)
+            return
+        if hop is not None and hop is self.hop and hop.index:
+            entries = stages.get(hop.index - 1, [])
+            self.upstream.merge(((e.record.peer_id, e.expiration) for e in entries), get_dht_time())
+
+    def _not_admitted(self, sender: str) -> tuple[ErrorCode, str] | None:
+        """None if `sender` may be given a receive slot now, else the refusal (code, message). Pure lookups:
+        an unknown sender is refused at once and a background re-read kicked (`_kick_refresh`)."""
         hop, state = self.hop, self.state()
         if hop is None or state != "online":
-            return self.refuse(sender, ErrorCode.LEAVING, f"peer is {state}, not serving")
+            return ErrorCode.LEAVING, f"peer is {state}, not serving"
         if hop.runtime.stage.is_head:
-            return self.refuse(sender, ErrorCode.WRONG_STAGE, "stage 0 drives trips and accepts none")
-        if sender not in self._upstream():
-            if self._sender_refresh_lock is None:
-                self._sender_refresh_lock = asyncio.Lock()
-            async with self._sender_refresh_lock:
-                if time.monotonic() - self._sender_refresh_at >= SENDER_REFRESH_INTERVAL:
-                    self._sender_refresh_at = time.monotonic()
-                    try:
-                        hop.router.update(await asyncio.wait_for(self.fetch(), 5.0))
-                    except Exception as exc:  # noqa: BLE001 - refuse now; the next miss reads again
-                        logger.warning("%s could not read the DHT for a sender check: %s", self.label(), exc)
-            if sender not in self._upstream():
-                return self.refuse(
-                    sender, ErrorCode.UNKNOWN_SENDER, f"no live record of stage {hop.index - 1} for this peer id"
-                )
+            return ErrorCode.WRONG_STAGE, "stage 0 drives trips and accepts none"
+        if not self._upstream_known(sender):
+            self._kick_refresh()
+            return ErrorCode.UNKNOWN_SENDER, f"no live record of stage {hop.index - 1} for this peer id"
+        return None
+
+    def admit_stream(self, peer: PeerID) -> ErrorCode | None:
+        """The transport asks this before giving a stream a receive slot: anyone but a known upstream peer of a
+        serving stage is refused at once, so strangers never hold a slot (issue 12's slowloris with fresh
+        identities). The refusal is counted by the transport (`on_refused`, `on_refused_from`)."""
+        refusal = self._not_admitted(peer.to_base58())
+        return None if refusal is None else refusal[0]
+
+    async def _admit(self, sender: str) -> bytes | None:
+        """None if `sender` may send us a trip now (its in-flight slot then taken), else the refusal. Checked
+        again after the message was read: the peer's state or stage may have changed meanwhile."""
+        refusal = self._not_admitted(sender)
+        if refusal is not None:
+            return self.refuse(sender, *refusal)
         why = self.sender_limits.admit(sender, time.monotonic())
         if why is not None:
             return self.refuse(sender, ErrorCode.OVERLOADED, why)

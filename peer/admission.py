@@ -1,0 +1,63 @@
+"""Who is upstream of this peer, remembered across DHT reads: pure bookkeeping for `peer/trip_server.py`.
+
+A receive slot is given only to a sender this peer already knows to be upstream (a live record of
+the stage before, or a driver for stage 1). The set is built from successive DHT reads by *merging*:
+an id stays known until its own record expires, so a failed, partial or empty read (which
+`dhtio.records.parse_stage_entries` turns into an empty list) never empties it, and an honest
+sender is not refused `unknown_sender` for a moment because one read went wrong.
+
+An unknown sender is refused at once, before a byte of its stream is read; the refusal only *asks*
+for a re-read (`RefreshGate`), at most once per interval for all unknown senders together, so a
+peer that joined seconds ago is served on its retry while a flood of fresh identities costs one DHT
+read per interval and no receive slot.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+MAX_KNOWN = 65536  # ids remembered at most; expired ones are dropped first (records are signed, so this is a guard)
+
+
+@dataclass
+class UpstreamIds:
+    """Peer id -> the DHT expiration time of its newest live record of the stage before ours."""
+
+    expires: dict[str, float] = field(default_factory=dict)
+
+    def merge(self, entries: Iterable[tuple[str, float]], now: float) -> None:
+        """Add (peer_id, expiration) pairs from one read; an id keeps the later of its expirations."""
+        for peer_id, expiration in entries:
+            if expiration > now and expiration > self.expires.get(peer_id, -1.0):
+                self.expires[peer_id] = expiration
+        if len(self.expires) > MAX_KNOWN:
+            self.prune(now)
+
+    def prune(self, now: float) -> None:
+        self.expires = {p: t for p, t in self.expires.items() if t > now}
+        if len(self.expires) > MAX_KNOWN:  # keep the longest-lived
+            keep = sorted(self.expires.items(), key=lambda item: -item[1])[:MAX_KNOWN]
+            self.expires = dict(keep)
+
+    def known(self, peer_id: str, now: float) -> bool:
+        return self.expires.get(peer_id, -1.0) > now
+
+    def clear(self) -> None:
+        """The stage changed: the peers before it are others."""
+        self.expires = {}
+
+
+@dataclass
+class RefreshGate:
+    """At most one background DHT read per `interval` seconds on behalf of unknown senders."""
+
+    interval: float
+    last: float = -float("inf")
+
+    def due(self, now: float) -> bool:
+        """True (and the read counted as started now) if a read may start."""
+        if now - self.last < self.interval:
+            return False
+        self.last = now
+        return True

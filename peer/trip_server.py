@@ -59,15 +59,18 @@ class TripServer:
     def _sender_limits(self) -> SenderLimits:
         """Per-sender limits, sized so honest traffic never meets them.
 
-        In flight: half of the global cap (`overload_cap`), so one sender can never take every slot;
-        an honest driver keeps `--max-inflight` trips in flight (default 4, an eighth of it for a
-        2-stage run and less for longer ones), and an honest relay only carries more when this peer
-        is near its global cap anyway. Rate: a sender refills a slot only when we answered, so honest
-        trips arrive no faster than we complete them (plus a few quick retries after refusals); the
-        bucket allows 4× our measured rate, at least 20 trips/s, in bursts of twice the in-flight cap.
-        The rate is set once the stage's throughput is measured (`set_throughput`)."""
-        cap = max(self.overload_cap // 2, 1)
-        return SenderLimits(rate=20.0, burst=2.0 * cap, max_inflight=cap)
+        In flight: a fair share of the global cap (`overload_cap`, `peer.refusals.fair_share`): no limit
+        while fewer than half the cap's trips are in flight, then each sender at most its equal share of
+        the cap among the senders with trips in flight. The cap is this peer's own capacity, so it does not
+        depend on what a sender's `--max-inflight` is: a stage-1 relay carrying 4 drivers' trips (4×D in
+        flight), as the only sender, may use the whole cap; it is refused only when the peer is at least
+        half full and it holds more than its share, i.e. when it would take slots other senders need. Rate:
+        a sender refills a slot only when we answered, so honest trips arrive no faster than we complete
+        them (plus a few quick retries after refusals); the bucket allows 4× our measured rate, at least
+        20 trips/s, in bursts of the whole cap. The rate is set once the stage's throughput is measured
+        (`set_throughput`)."""
+        cap = max(self.overload_cap, 1)
+        return SenderLimits(rate=20.0, burst=float(cap), max_inflight=cap, total_cap=cap)
 
     def set_throughput(self, tokens_per_second: float, tokens_per_trip: int) -> None:
         self.sender_limits.rate = max(20.0, 4.0 * tokens_per_second / tokens_per_trip)

@@ -187,3 +187,27 @@ def test_one_stalled_stream_each_from_16_identities_is_cut_for_an_honest_one():
         except WireError as exc:
             codes.append(exc.code.value)
     assert codes.count("overloaded") == 1 and codes.count("timeout") == 15, replies
+
+
+def test_fair_share_limits_a_sender_only_when_half_full_and_above_its_share():
+    from peer.refusals import fair_share
+
+    assert fair_share(48, load=23, active=5) == 48  # under half the cap: nobody is limited
+    assert fair_share(48, load=24, active=4) == 12
+    assert fair_share(48, load=40, active=100) == 1  # never below one trip
+
+
+def test_sender_limits_fair_share_lets_a_lone_relay_use_the_cap_and_shares_it_under_contention():
+    from peer.refusals import SenderLimits
+
+    cap = 48  # 4 × --max-inflight 4 × 3 stages
+    limits = SenderLimits(rate=1e9, burst=1e9, max_inflight=cap, total_cap=cap)
+    # one stage-1 relay carrying 4 drivers × 8 trips (more than any receiver-sized per-sender cap of old)
+    assert all(limits.admit("relay", now=0.0) is None for _ in range(32))
+    # a second sender arrives: the peer is over half full, its share is 24 of 48 and it holds none
+    assert all(limits.admit("other", now=0.0) is None for _ in range(16))
+    assert "in flight" in limits.admit("relay", now=0.0)  # 32 > 48 / 2: above its share now
+    assert limits.admit("other", now=0.0) is None  # 16 < 24
+    for _ in range(16):
+        limits.release("relay")
+    assert limits.admit("relay", now=0.0) is None  # 16 in flight < its share of 24

@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from swarm.manifest import save_manifest
 from swarm.presets import preset
-from swarm.records import PeerEntry, StagePeerRecord
+from swarm.records import PeerEntry, StagePeerRecord, plausible_loss_bound, plausible_throughput
 from tracker.app import create_app
 from tracker.cli import build_parser, default_host_maddrs, main
 from tracker.history import History, with_rates
@@ -26,13 +26,16 @@ from tracker.service import SwarmMonitor
 from tracker.summary import (
     MAX_PEERS_LISTED,
     MAX_PEERS_PER_STAGE,
+    TOKENS_SLACK_S,
     PeerView,
     boundary_directions,
+    credited_tokens,
     current_u_version,
     dialable_addrs,
     peers_listed_per_stage,
     summarize,
     track_last_seen,
+    weighted_median,
 )
 
 MANIFEST = preset("tiny", stages=3)
@@ -143,12 +146,44 @@ def test_traffic_totals_compare_with_dense_per_boundary_direction():
     assert s["totals"]["manifest_bytes_ratio"] == MANIFEST.compressed_bytes_per_token() / dense
 
 
-def test_loss_is_token_weighted_over_online_drivers():
+def test_loss_is_the_token_weighted_median_over_online_drivers():
     stages = full_swarm(s0={"loss": 2.0, "tokens": 300})
     stages[0].append(view(record(0, "b", loss=4.0, tokens=100)))
     stages[0].append(view(record(0, "gone", loss=100.0, tokens=100, state="leaving")))
     s = summarize(MANIFEST, stages, NOW)
-    assert s["totals"]["loss"] == pytest.approx(2.5)
+    assert s["totals"]["loss"] == pytest.approx(2.0)
+    stages[0].append(view(record(0, "c", loss=5.0, tokens=300)))
+    assert summarize(MANIFEST, stages, NOW)["totals"]["loss"] == pytest.approx(4.0)  # 700 tokens: median at 350
+
+
+def test_weighted_median():
+    assert weighted_median([]) is None
+    assert weighted_median([(3.0, 1.0)]) == 3.0
+    assert weighted_median([(1.0, 1.0), (2.0, 1.0), (9.0, 1.0)]) == 2.0
+    assert weighted_median([(1.0, 0.0), (2.0, 5.0)]) == 2.0
+
+
+def test_a_huge_token_claim_is_clamped_to_plausible_hardware_over_the_time_seen():
+    bound = plausible_throughput(MANIFEST, 0)
+    assert credited_tokens(1000, bound, seen_for=0.0) == 1000  # honest counts are far below the bound
+    assert credited_tokens(10**18, bound, seen_for=100.0) == int(bound * (100.0 + TOKENS_SLACK_S))
+    assert credited_tokens(-5, bound, seen_for=10.0) == 0
+    honest = [view(record(0, f"h{i}", loss=3.0, tokens=50_000)) for i in range(3)]
+    liar = view(record(0, "liar", loss=0.01, tokens=10**18), owner=b"liar")
+    s = summarize(MANIFEST, {0: [*honest, liar]}, NOW)
+    assert s["totals"]["tokens_trained"] <= 150_000 + bound * TOKENS_SLACK_S  # first seen just now
+    assert s["totals"]["loss"] == pytest.approx(3.0)  # clamped tokens: the liar cannot set the loss
+    # seen for an hour, the liar would weigh more; a weighted median still needs half of all tokens
+    old = PeerView(liar.record, liar.expiration, liar.owner, NOW, first_seen=NOW - 3600)
+    assert summarize(MANIFEST, {0: [*honest, old]}, NOW)["totals"]["tokens_trained"] <= 150_000 + bound * 3660
+
+
+def test_a_loss_outside_the_plausible_bound_is_ignored():
+    bound = plausible_loss_bound(MANIFEST)
+    stages = full_swarm(s0={"loss": 3.0, "tokens": 100})
+    stages[0].append(view(record(0, "high", loss=bound + 1, tokens=10_000)))
+    stages[0].append(view(record(0, "neg", loss=-1.0, tokens=10_000)))
+    assert summarize(MANIFEST, stages, NOW)["totals"]["loss"] == pytest.approx(3.0)
 
 
 def test_untrusted_strings_pass_through_verbatim_in_json():
@@ -171,11 +206,11 @@ def test_last_seen_moves_only_when_a_record_is_refreshed():
     a = PeerEntry(record(0, "a"), expiration=NOW + 30, owner=b"a")
     b = PeerEntry(record(1, "b"), expiration=NOW + 30, owner=b"b")
     seen = track_last_seen({}, [a, b], NOW)
-    assert seen == {b"a": (NOW + 30, NOW), b"b": (NOW + 30, NOW)}
+    assert seen == {b"a": (NOW + 30, NOW, NOW), b"b": (NOW + 30, NOW, NOW)}
     a2 = PeerEntry(a.record, expiration=NOW + 40, owner=b"a")
     seen = track_last_seen(seen, [a2, b], NOW + 10)
-    assert seen == {b"a": (NOW + 40, NOW + 10), b"b": (NOW + 30, NOW)}
-    assert track_last_seen(seen, [a2], NOW + 20) == {b"a": (NOW + 40, NOW + 10)}
+    assert seen == {b"a": (NOW + 40, NOW + 10, NOW), b"b": (NOW + 30, NOW, NOW)}  # first seen stays
+    assert track_last_seen(seen, [a2], NOW + 20) == {b"a": (NOW + 40, NOW + 10, NOW)}
 
 
 # --- history ---

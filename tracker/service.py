@@ -67,7 +67,7 @@ class SwarmMonitor:
         self._own_peer_id = own_peer_id
         self._remembered: set[str] = set()
         self._remembered_at = 0.0
-        self._last_seen: dict[bytes, tuple[float, float]] = {}
+        self._last_seen: dict[bytes, tuple[float, float, float]] = {}  # expiration, last seen, first seen
         self._lock = threading.Lock()
         self._summary = summarize(manifest, {}, get_dht_time(), stale_after=stale_after, polled=False)
         self._error: str | None = None
@@ -124,7 +124,9 @@ class SwarmMonitor:
         self._log_changes(self._last_seen, seen, entries)
         self._last_seen = seen
         views = {
-            stage: [PeerView(e.record, e.expiration, e.owner, seen[e.owner][1]) for e in stage_entries]
+            stage: [
+                PeerView(e.record, e.expiration, e.owner, seen[e.owner][1], seen[e.owner][2]) for e in stage_entries
+            ]
             for stage, stage_entries in fetched.items()
         }
         summary = summarize(self.manifest, views, now, stale_after=self.stale_after)

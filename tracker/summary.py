@@ -20,6 +20,7 @@ from swarm.records import (
     PeerEntry,
     StagePeerRecord,
     claimed_throughput,
+    plausible_loss_bound,
     plausible_throughput,
 )
 
@@ -30,6 +31,10 @@ DEFAULT_STALE_AFTER = 5 * ANNOUNCE_INTERVAL
 MAX_PEERS_PER_STAGE = 256
 MAX_PEERS_LISTED = 2048  # over all stages: a 32-stage run lists up to 64 peers per stage
 MAX_WARNINGS = 200
+# Tokens a peer is credited with: what its stage could do at `plausible_throughput` for as long as the tracker
+# has seen it, plus this slack (a peer's counter starts before its first record reaches the tracker's poll:
+# one announce period, one poll, and the seconds its first trips took).
+TOKENS_SLACK_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -40,6 +45,7 @@ class PeerView:
     expiration: float
     owner: bytes
     last_seen: float
+    first_seen: float | None = None  # when the tracker first saw this owner's record; None: at `last_seen`
 
     @property
     def key(self) -> str:
@@ -148,6 +154,49 @@ def peer_summary(view: PeerView, now: float, manifest: Manifest | None = None) -
     )
 
 
+def credited_tokens(claimed: int, bound: float, seen_for: float, slack: float = TOKENS_SLACK_S) -> int:
+    """The tokens the tracker counts for a peer claiming `claimed`: at most what a peer of its stage could
+    have trained at `bound` tokens/s (`plausible_throughput`) in the `seen_for` seconds the tracker has seen
+    it, plus `slack` seconds. A record claiming 1e18 tokens is counted as at most ~a minute of the fastest
+    plausible hardware; an honest peer is far below the bound (2 PFLOP/s), so its count is unchanged, except
+    that a peer that trained long before the tracker started is counted from then on."""
+    return int(max(0, min(claimed, bound * max(0.0, seen_for + slack))))
+
+
+def weighted_median(values: Sequence[tuple[float, float]]) -> float | None:
+    """The lower weighted median of (value, weight) pairs with positive weights; None if there are none.
+
+    Unlike a weighted mean, one value with a huge weight moves it only if that weight is half the total,
+    and a value far from the rest does not pull it at all."""
+    pairs = sorted((v, w) for v, w in values if w > 0)
+    total = sum(w for _, w in pairs)
+    if not pairs:
+        return None
+    acc = 0.0
+    for value, weight in pairs:
+        acc += weight
+        if acc >= total / 2:
+            return value
+    return pairs[-1][0]
+
+
+def capped_weights(values: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
+    """(value, weight) pairs with each weight capped at the lower median weight. The plausible-hardware
+    clamp (`credited_tokens`) is generous (2 PFLOP/s per peer): a fresh liar still gets ~a minute of it,
+    far more than honest drivers have trained. Capped at the typical driver's weight, no single record
+    outweighs the others, so a lie moves the weighted median only with half of the drivers behind it."""
+    if not values:
+        return []
+    weights = sorted(w for _, w in values)
+    cap = weights[(len(weights) - 1) // 2]
+    return [(v, min(w, cap)) for v, w in values]
+
+
+def plausible_loss(loss: float | None, bound: float) -> bool:
+    """A published loss the tracker averages: finite and within [0, `plausible_loss_bound`]."""
+    return loss is not None and 0.0 <= loss <= bound
+
+
 def peers_listed_per_stage(num_stages: int) -> int:
     """How many peers a stage lists in full (the best first); the rest are only counted."""
     return max(8, min(MAX_PEERS_PER_STAGE, MAX_PEERS_LISTED // max(1, num_stages)))
@@ -167,7 +216,11 @@ def summarize(
     needs every stage, so one empty stage stops training for the whole swarm.
     Totals: `capacity_tokens_per_s` is the pipeline's bottleneck (the weakest stage's summed
     throughput, as its peers claim it, each claim clamped to `throughput_bound`: see `peer_summary`);
-    `tokens_trained` sums the stage-0 drivers' counters (every trip starts there);
+    `tokens_trained` sums the stage-0 drivers' counters (every trip starts there), each clamped to what
+    plausible hardware could have done while the tracker saw it (`credited_tokens`); `loss` is the
+    weighted median of the online drivers' losses within the plausible bound (`plausible_loss_bound`),
+    weighted by credited tokens capped at the typical driver's (`capped_weights`), so one record claiming
+    1e18 tokens at loss 0.01 sets neither number;
     `dense_equivalent_bytes` is what the same tokens would have cost uncompressed across the same
     boundaries, so `bytes_sent / dense_equivalent_bytes` is the achieved compression.
     """
@@ -187,6 +240,7 @@ def summarize(
     stage_rows, bytes_sent, dense_bytes, capacity = [], 0, 0, []
     tokens_trained, losses = 0, []
     per_stage = peers_listed_per_stage(manifest.num_stages)
+    loss_bound = plausible_loss_bound(manifest)
     for i in range(manifest.num_stages):
         bound = plausible_throughput(manifest, i)
         views = sorted(
@@ -198,13 +252,15 @@ def summarize(
         capacity.append(stage_capacity)
         directions = boundary_directions(i, manifest.num_stages)
         for v in views:
+            first_seen = v.last_seen if v.first_seen is None else v.first_seen
+            tokens = credited_tokens(v.record.tokens, bound, now - first_seen)
             bytes_sent += v.record.bytes_out
-            dense_bytes += v.record.tokens * dense_per_token * directions
+            dense_bytes += tokens * dense_per_token * directions
             warnings.extend(peer_warnings(v, manifest, u_version, now, stale_after))
             if i == 0:
-                tokens_trained += v.record.tokens
-                if v.record.loss is not None and v.record.state == "online":
-                    losses.append((v.record.loss, max(v.record.tokens, 1)))
+                tokens_trained += tokens
+                if v.record.state == "online" and plausible_loss(v.record.loss, loss_bound):
+                    losses.append((v.record.loss, max(tokens, 1)))
         if not serving:
             warnings.append(
                 dict(
@@ -232,7 +288,7 @@ def summarize(
             )
         )
     healthy = polled and all(row["peers_serving"] > 0 for row in stage_rows)
-    loss = sum(value * weight for value, weight in losses) / sum(w for _, w in losses) if losses else None
+    loss = weighted_median(capped_weights(losses))
     return dict(
         run_id=manifest.run_id,
         time=now,
@@ -256,21 +312,24 @@ def summarize(
 
 
 def track_last_seen(
-    previous: Mapping[bytes, tuple[float, float]], entries: Iterable[PeerEntry], now: float
-) -> dict[bytes, tuple[float, float]]:
-    """Update {owner: (expiration, last_seen)}: a record counts as seen when its expiration moved.
+    previous: Mapping[bytes, tuple[float, float, float]], entries: Iterable[PeerEntry], now: float
+) -> dict[bytes, tuple[float, float, float]]:
+    """Update {owner: (expiration, last_seen, first_seen)}: a record counts as seen when its expiration moved.
 
     A peer refreshes its record by re-announcing with a new expiration, so an unchanged
-    expiration means no news from that peer since the last poll. Owners whose records vanished
-    are dropped, which keeps the map as small as the swarm.
+    expiration means no news from that peer since the last poll. `first_seen` is when the tracker
+    first saw the owner (the time its token claims are clamped over, `credited_tokens`). Owners whose
+    records vanished are dropped, which keeps the map as small as the swarm (a peer that comes back
+    starts over).
     """
     out = {}
     for entry in entries:
         old = previous.get(entry.owner)
+        first = now if old is None else old[2]
         if old is not None and old[0] == entry.expiration:
-            out[entry.owner] = old
+            out[entry.owner] = (old[0], old[1], first)
         else:
-            out[entry.owner] = (entry.expiration, now)
+            out[entry.owner] = (entry.expiration, now, first)
     return out
 
 

@@ -29,7 +29,7 @@ from dhtio.records import fetch_stages
 from peer.announcer import Announcer, stage_record
 from peer.driver import Driver
 from peer.placement import choose_stage, online_loads, should_move
-from peer.processes import kill_descendants, stop_dht_and_children, stop_signals_ignored_by_children
+from peer.processes import arm_hard_exit, kill_descendants, stop_dht_and_children, stop_signals_ignored_by_children
 from peer.refusals import RefusalLog
 from peer.routing import Router
 from peer.runtime import StageRuntime, pick_device
@@ -46,6 +46,7 @@ logger = logging.getLogger("peer")
 
 LEAVE_DHT_TIMEOUT = 5.0  # a DHT call while leaving gives up after this (p2pd may already be gone)
 SIGNAL_DRAIN_TIMEOUT = 15.0  # stopped by a signal: trips in flight get at most this long (exit within 30 s)
+HARD_EXIT_AFTER = 25.0  # stopped by a signal: whatever still hangs after this, the process exits (within 30 s)
 
 
 @dataclass
@@ -232,7 +233,14 @@ class PeerDaemon:
         bounds = {s: plausible_throughput(self.manifest, s) for s in range(self.manifest.num_stages)}
         self.router = router = Router(subspace.t_fixed_sha256, self.peer_id, claim_bounds=bounds)
         hop = Hop(
-            self.manifest, index, runtime, router, self._send, self._fetch, self.stats, self.label,
+            self.manifest,
+            index,
+            runtime,
+            router,
+            self._send,
+            self._fetch,
+            self.stats,
+            self.label,
             self.options.trip_timeout,
         )
         self.announcer = Announcer(self.dht, self.manifest, self.signer, self.record, lambda: self.label)
@@ -309,7 +317,9 @@ class PeerDaemon:
         runtime, self.runtime = self.runtime, None
         if runtime is not None:
             await runtime.run(runtime.save_checkpoint)  # queued behind any backward still running
-            runtime.shutdown()
+            # hivemind's Optimizer.shutdown joins its tracker and averagers (5 s each): off the event loop,
+            # so a second Ctrl-C is still handled meanwhile
+            await asyncio.to_thread(runtime.shutdown)
         logger.info(
             "%s left the stage (trips %d, tokens %d, errors %s)",
             self.label,
@@ -331,23 +341,24 @@ class PeerDaemon:
         heartbeat = asyncio.create_task(self.heartbeat_loop()) if self.options.heartbeat_file else None
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._on_stop_signal, sig)
-        self.p2p = await self.dht.replicate_p2p()
-        servicer = TripServicer(
-            self.server.handle_trip,
-            max_bytes=expectation_for(self.manifest, 0, "forward", 0, "").max_bytes,
-            on_refused=self.stats.error,
-            # a refusal before the message is read is noted for the aggregated log line like any other
-            on_refused_from=lambda code, peer: self.refusal_log.note(peer.to_base58(), code.value),
-            admit=self.server.admit_stream,  # refuse known strangers before a byte of their stream is read
-        )
-        await servicer.add_p2p_handlers(self.p2p, namespace=self.manifest.run_id)
-        logger.info(
-            "peer %s joined run %s; visible at %s",
-            self.peer_id,
-            self.manifest.run_id,
-            " ".join(str(a) for a in self.dht.get_visible_maddrs()),
-        )
         try:
+            # inside the try: if this fails, the DHT child and p2pd (which ignore stop signals) are still stopped
+            self.p2p = await self.dht.replicate_p2p()
+            servicer = TripServicer(
+                self.server.handle_trip,
+                max_bytes=expectation_for(self.manifest, 0, "forward", 0, "").max_bytes,
+                on_refused=self.stats.error,
+                # a refusal before the message is read is noted for the aggregated log line like any other
+                on_refused_from=lambda code, peer: self.refusal_log.note(peer.to_base58(), code.value),
+                admit=self.server.admit_stream,  # only known upstream peers get a receive slot
+            )
+            await servicer.add_p2p_handlers(self.p2p, namespace=self.manifest.run_id)
+            logger.info(
+                "peer %s joined run %s; visible at %s",
+                self.peer_id,
+                self.manifest.run_id,
+                " ".join(str(a) for a in self.dht.get_visible_maddrs()),
+            )
             index = await self.pick_stage_or_stop()
             while index is not None and not self.stopping.is_set():
                 index = await self.serve(index)
@@ -367,8 +378,9 @@ class PeerDaemon:
         return pick.result()
 
     def _on_stop_signal(self, sig: int) -> None:
-        """First SIGINT/SIGTERM: leave in order. A second SIGINT (not an echo of the first through a child,
-        hence the half second) or a third signal of any kind: exit now."""
+        """First SIGINT/SIGTERM: leave in order, and arm the hard-exit timer (exit within 30 s whatever hangs).
+        A second SIGINT or a third signal of any kind: exit now. Signals within half a second of the first
+        are echoes of a group signal through a child and do not count."""
         now = time.monotonic()
         if not self.stopping.is_set():
             self._stop_signals = [now]
@@ -378,9 +390,14 @@ class PeerDaemon:
                 signal.Signals(sig).name,
             )
             self.stopping.set()
+            arm_hard_exit(
+                HARD_EXIT_AFTER, f"{self.label} still not stopped {HARD_EXIT_AFTER:.0f}s after the signal: exiting now"
+            )
             return
+        if now - self._stop_signals[0] <= 0.5:
+            return  # an echo: children forked with our handlers share our signal wake-up pipe (peer/processes.py)
         self._stop_signals.append(now)
-        if (sig == signal.SIGINT and now - self._stop_signals[0] > 0.5) or len(self._stop_signals) >= 3:
+        if sig == signal.SIGINT or len(self._stop_signals) >= 3:
             logger.warning("%s %s again: exiting now, without leaving in order", self.label, signal.Signals(sig).name)
             logging.shutdown()
             kill_descendants()

@@ -1,12 +1,14 @@
 """The processes below a peer: hivemind's DHT and averager processes and p2pd.
 
-They are started with the stop signals ignored, so a signal to the whole process group reaches
-only the peer, which then leaves in order and stops them itself; what is left at exit is killed.
+They are started with the stop signals ignored (they alone: the peer keeps its handlers), so a signal
+to the whole process group reaches only the peer, which then leaves in order and stops them itself;
+what is left at exit is killed. A hard-exit timer armed at the first stop signal bounds the exit.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import multiprocessing
 import os
 import signal
@@ -14,23 +16,51 @@ import threading
 import time
 from pathlib import Path
 
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
 
 @contextlib.contextmanager
 def stop_signals_ignored_by_children():
-    """SIGINT and SIGTERM ignored while child processes are forked (hivemind's DHT, its averagers): they
-    inherit it, so a signal to the whole process group (Ctrl-C, systemd's KillMode) reaches only us,
-    and we stop them in order. p2pd, exec'd by the DHT process, keeps SIGINT ignored too (Go respects
-    an inherited SIG_IGN for SIGINT) but dies on SIGTERM; the leave tolerates that (bounded DHT calls).
-    Our own handlers are restored afterwards (a signal arriving meanwhile is lost: send it again)."""
+    """Children forked inside this block (hivemind's DHT, its averagers) do not die of SIGINT or SIGTERM, so
+    a signal to the whole process group (Ctrl-C, systemd's KillMode) stops only us, and we stop them in order.
+
+    Meanwhile this process's stop signals are not ignored but *remembered*: the handler in the block only
+    notes the signal, the forked children inherit that harmless handler (hivemind's DHT and averager
+    processes set SIGINT ignored themselves), and at the end of the block our own handlers are put back
+    (also over the SIG_IGN that hivemind's `DecentralizedAverager.run_in_background` sets in the parent) and
+    every signal noted meanwhile is raised again. So a group SIGTERM while a stage runtime is being built
+    (seconds: a state download) is handled once the build returns, not lost. p2pd, exec'd by the DHT
+    process, gets the default action back on exec and dies on a group signal; the leave tolerates that
+    (bounded DHT calls)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+    noted: list[int] = []
+    previous = {sig: signal.signal(sig, lambda sig, frame: noted.append(sig)) for sig in _STOP_SIGNALS}
     try:
         yield
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        for sig in dict.fromkeys(noted):  # once each, in order
+            signal.raise_signal(sig)
+
+
+def arm_hard_exit(seconds: float, message: str) -> threading.Timer:
+    """After `seconds`, log `message`, kill what is below us and exit (status 1), from a daemon thread: it
+    fires even if the event loop is blocked (a hivemind join, a stuck DHT call), so a peer told to stop
+    exits whatever hangs."""
+
+    def expire() -> None:
+        logging.getLogger("peer").warning("%s", message)
+        logging.shutdown()
+        kill_descendants()
+        os._exit(1)
+
+    timer = threading.Timer(seconds, expire)
+    timer.daemon = True
+    timer.start()
+    return timer
 
 
 def descendants(pid: int) -> list[int]:

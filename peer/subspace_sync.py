@@ -26,12 +26,13 @@ from collections.abc import Awaitable, Callable
 import numpy as np
 import torch
 from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.utils.timed_storage import get_dht_time
 
 from dhtio.records import fetch_subspace_records, store_subspace_record
 from peer.runtime import StageRuntime
 from peer.trip import Hop
 from swarm.manifest import Manifest
-from swarm.records import SubspaceRecord, contribution_key, subspace_key
+from swarm.records import PeerEntry, SubspaceRecord, contribution_key, subspace_key
 from swarm.subspace import tensor_sha256
 from swarm.subspace_update import basis_from_contributions, matrix_from_bytes, matrix_to_bytes
 
@@ -39,6 +40,11 @@ logger = logging.getLogger("peer.subspace")
 
 VERSION_TTL = 3600.0
 CONTRIBUTION_TTL = 600.0
+
+
+def stage_member(stages: dict[int, list[PeerEntry]], stage: int, peer_id: str, now: float) -> bool:
+    """Whether `peer_id` holds a live record of `stage` in `stages` (a fetch of the run's stage records)."""
+    return any(e.record.peer_id == peer_id and e.expiration > now for e in stages.get(stage, []))
 
 
 class SubspaceSync:
@@ -134,9 +140,7 @@ class SubspaceSync:
             return None  # not all of them visible yet: wait for the next round
         recomputed = self.derive([used[p] for p in commit.contributors])
         if recomputed is None or tensor_sha256(torch.from_numpy(recomputed.astype(np.float32))) != commit.u_sha256:
-            logger.error(
-                "%s U v%d does not follow from its contributions; refusing it", self.label, commit.version
-            )
+            logger.error("%s U v%d does not follow from its contributions; refusing it", self.label, commit.version)
             self.rejected.add(commit.u_sha256)
             return None
         return recomputed.astype(np.float32)
@@ -220,7 +224,11 @@ class SubspaceSync:
         if any(c.version > target for c in published) and await self.catch_up():
             return
         commits = [c for c in published if c.version == target and c.u_sha256 not in self.rejected]
-        contributions = [c for c in await self._records(contribution_key(self.manifest)) if c.target_version == target]
+        contributions = [
+            c
+            for c in await self._records(contribution_key(self.manifest))
+            if c.target_version == target and self._stage_member(c)
+        ]
         for commit in sorted(commits, key=lambda c: c.peer_id):
             if self._published_basis(commit) is None:
                 self.rejected.add(commit.u_sha256)
@@ -243,11 +251,14 @@ class SubspaceSync:
             )
             await self._store(contribution_key(self.manifest), record, CONTRIBUTION_TTL)
             self.published_for = target
-            logger.info(
-                "%s published its contribution to U v%d (%d terms)", self.label, target, accumulator.terms
-            )
+            logger.info("%s published its contribution to U v%d (%d terms)", self.label, target, accumulator.terms)
         if self.is_coordinator():
             await self.try_commit(target, contributions)
+
+    def _stage_member(self, contribution: SubspaceRecord) -> bool:
+        """A contribution for stage s counts only from a peer with a live record of stage s (records are
+        bound to their signer, so nobody can contribute for a stage it does not serve, or in another's name)."""
+        return stage_member(self.hop.router.stages, contribution.stage, contribution.peer_id, get_dht_time())
 
     def is_coordinator(self) -> bool:
         peers = [

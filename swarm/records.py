@@ -49,7 +49,11 @@ from swarm.manifest import Manifest
 PEER_STATES = ("joining", "online", "leaving")
 RECORD_TTL = 30.0  # seconds a record lives unless re-announced
 ANNOUNCE_INTERVAL = 5.0
-SOFTWARE_VERSION = "0.1.0"
+# 0.2.0: records are bound to their signer (the `peer_id` of a stage, subspace or contribution record must be
+# the libp2p id of the key that signed it, `BoundPeerIdValidator`). Records signed the old way (a separate
+# record key, or naming another id) are refused by peers of this version: a swarm mixing 0.1.0 and 0.2.0 peers
+# does not see the old peers' records.
+SOFTWARE_VERSION = "0.2.0"
 
 _Count = pydantic.conint(strict=True, ge=0)
 _NonNegative = pydantic.confloat(strict=True, ge=0.0, allow_inf_nan=False)
@@ -134,17 +138,19 @@ def contribution_key(manifest: Manifest) -> str:
 
 
 def parse_subspace_entries(raw: Any) -> list[SubspaceRecord]:
-    """Records under a subspace key; anything malformed is dropped."""
+    """Records under a subspace key; anything malformed, or naming another peer id than its signer's, is dropped."""
     if raw is None or not isinstance(getattr(raw, "value", None), dict):
         return []
     found = []
-    for item in raw.value.values():
+    for subkey, item in raw.value.items():
         value = getattr(item, "value", None)
         if isinstance(value, dict):
             try:
-                found.append(SubspaceRecord.parse_obj(value))
+                record = SubspaceRecord.parse_obj(value)
             except pydantic.ValidationError:
                 continue
+            if record.peer_id == peer_id_of_owner(subkey if isinstance(subkey, bytes) else b""):
+                found.append(record)  # only records that speak for their signer
     return found
 
 
@@ -199,11 +205,14 @@ def peer_id_of_owner(owner: bytes) -> str | None:
 
 
 class BoundPeerIdValidator(RecordValidatorBase):
-    """Refuses a stage record whose `peer_id` is not the id of the key that signed it (runs after the
-    signature check and the schema, on the stripped value). Deletions and other keys pass."""
+    """Refuses a stage, subspace or contribution record whose `peer_id` is not the id of the key that signed
+    it (runs after the signature check and the schema, on the stripped value). Deletions and other keys pass.
+    A forged contribution naming an honest peer's id would make peers rebuild another contribution set than
+    the coordinator used, and reject the honest proposal for good."""
 
     def __init__(self, manifest: Manifest):
-        keys = (stage_key(manifest, i) for i in range(manifest.num_stages))
+        keys = [stage_key(manifest, i) for i in range(manifest.num_stages)]
+        keys += [subspace_key(manifest), contribution_key(manifest)]  # U versions and contributions too
         self._stage_keys = {DHTID.generate(source=key).to_bytes() for key in keys}
 
     def validate(self, record: DHTRecord) -> bool:

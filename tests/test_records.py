@@ -14,14 +14,19 @@ from hivemind.utils.timed_storage import ValueWithExpiration, get_dht_time
 
 from swarm.presets import preset
 from swarm.records import (
+    PeerEntry,
+    SubspaceRecord,
     claimed_throughput,
+    contribution_key,
     load_identity_key,
     make_validators,
     parse_stage_entries,
+    parse_subspace_entries,
     peer_id_of_owner,
     plausible_loss_bound,
     plausible_throughput,
     stage_key,
+    subspace_key,
 )
 
 MANIFEST = preset("tiny", stages=3)
@@ -96,3 +101,60 @@ def test_claims_are_clamped_to_what_hardware_can_do():
     big = preset("8b", stages=8)
     assert plausible_throughput(big, 3) < 1e6  # 4 layers of an 8B model: under a million tokens/s anywhere
     assert plausible_loss_bound(MANIFEST) > 2 * math.log(256)
+
+
+def _signed_subspace(validator: CompositeValidator, signer, key: str, record: SubspaceRecord) -> DHTRecord:
+    unsigned = DHTRecord(
+        key=DHTID.generate(source=key).to_bytes(),
+        subkey=MSGPackSerializer.dumps(signer.local_public_key),
+        value=MSGPackSerializer.dumps(record.dict()),
+        expiration_time=get_dht_time() + 30,
+    )
+    return DHTRecord(unsigned.key, unsigned.subkey, validator.sign_value(unsigned), unsigned.expiration_time)
+
+
+def _contribution(peer_id: str, stage: int = 1) -> SubspaceRecord:
+    return SubspaceRecord(
+        kind="contribution",
+        peer_id=peer_id,
+        version=0,
+        target_version=1,
+        stage=stage,
+        epoch=3,
+        terms=2,
+        u_sha256="ab" * 32,
+        contributors=[],
+        data=b"\0" * 16,
+    )
+
+
+def test_subspace_and_contribution_records_naming_another_peer_are_refused(tmp_path):
+    a_id, a_signer, a_validator = identity(tmp_path, "a.id")
+    _, b_signer, b_validator = identity(tmp_path, "b.id")
+    _, _, storing_node = identity(tmp_path, "c.id")
+    for key in (contribution_key(MANIFEST), subspace_key(MANIFEST)):
+        assert storing_node.validate(_signed_subspace(a_validator, a_signer, key, _contribution(a_id)))
+        assert not storing_node.validate(_signed_subspace(b_validator, b_signer, key, _contribution(a_id)))
+    # and on reading: a record under B's key naming A is dropped
+    expires = get_dht_time() + 30
+    raw = SimpleNamespace(
+        value={
+            a_signer.local_public_key: ValueWithExpiration(_contribution(a_id).dict(), expires),
+            b_signer.local_public_key: ValueWithExpiration(_contribution(a_id, stage=2).dict(), expires),
+        }
+    )
+    assert [(r.peer_id, r.stage) for r in parse_subspace_entries(raw)] == [(a_id, 1)]
+
+
+def test_a_contribution_counts_only_from_a_live_member_of_its_stage():
+    from peer.subspace_sync import stage_member
+
+    now = get_dht_time()
+    stages = {
+        1: [PeerEntry(stage_record(1, "a", peer_id="A"), expiration=now + 10, owner=b"a")],
+        2: [PeerEntry(stage_record(2, "b", peer_id="B"), expiration=now - 1, owner=b"b")],
+    }
+    assert stage_member(stages, 1, "A", now)
+    assert not stage_member(stages, 2, "A", now)  # A serves stage 1, not 2
+    assert not stage_member(stages, 2, "B", now)  # B's record expired
+    assert not stage_member(stages, 0, "A", now)

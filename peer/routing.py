@@ -16,7 +16,12 @@ lag a switch by seconds, and a peer at another version answers at once with the 
 which the driver resolves by running the trip again. A peer that keeps refusing that way (stuck
 at another `U`) is banned once it has refused over several seconds with no trip carried between,
 so the trips it turns away go to the stage's other peers; the burst of refusals every switch
-causes (all trips in flight at once) counts once.
+causes (all trips in flight at once) counts once. `unknown_sender` (the next hop has not seen our record
+yet) and `overloaded` are no fault: the hop backs off and tries another peer, with no ban. Strikes outlive
+the ban they caused, so bans escalate; they are forgotten `strike_memory` × `max_ban` after the last one.
+
+Which peer's reply may be *used* is a second question, answered by audit trips (`peer/audit.py`, the
+`ledger`): a peer not yet verified only gets duplicates of trips a verified peer carries.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import random
 import time
 from dataclasses import dataclass, field
 
+from peer.audit import Ledger
 from swarm.records import PeerEntry, usable_peer
 from swarm.wire import ErrorCode
 
@@ -38,6 +44,7 @@ class Failover(enum.Enum):
     GIVE_UP = "give up"  # raise: the stage behind is empty or U is switching, the driver runs the trip again
     RETRY = "retry"  # the stage's only peer: try it again shortly rather than empty the stage for a ban
     NEXT = "next"  # ban it and try another peer of the stage
+    BACKOFF = "back off"  # no fault (it does not know us yet, or is busy): try another peer, or it shortly
 
 
 def failover(code: ErrorCode, candidates: int, failures: int) -> Failover:
@@ -45,6 +52,8 @@ def failover(code: ErrorCode, candidates: int, failures: int) -> Failover:
     failed this trip (counting this failure)."""
     if code in (ErrorCode.NO_PEER, ErrorCode.WRONG_VERSION):
         return Failover.GIVE_UP
+    if code in (ErrorCode.UNKNOWN_SENDER, ErrorCode.OVERLOADED):
+        return Failover.BACKOFF
     if candidates == 1 and failures < ONLY_PEER_RETRIES:
         # a transient failure (a stream reset at first contact) should not empty the stage
         return Failover.RETRY
@@ -61,6 +70,7 @@ def counts_as_stuck(code: ErrorCode, hops: int, candidates: int) -> bool:
 class Ban:
     until: float
     strikes: int
+    struck: float = 0.0  # when the last strike was given
 
 
 @dataclass
@@ -81,18 +91,24 @@ class Router:
     max_ban: float = 60.0
     refusals_before_ban: int = 3
     refusal_spacing: float = 2.0  # refusals closer together than this are one burst
+    strike_memory: float = 4.0  # strikes are forgotten this many max_ban after the last one
+    audit_ban: float = 300.0  # first ban for a reply that disagreed with a verified peer's; doubles per strike
+    max_audit_ban: float = 3600.0
     stages: dict[int, list[PeerEntry]] = field(default_factory=dict)
     bans: dict[str, Ban] = field(default_factory=dict)
     inflight: dict[str, int] = field(default_factory=dict)
     refusals: dict[str, tuple[int, float]] = field(default_factory=dict)  # peer -> (count, last counted)
     measures: dict[str, Measure] = field(default_factory=dict)
     rng: random.Random = field(default_factory=random.Random)
+    ledger: Ledger = field(default_factory=Ledger)
 
     def update(self, stages: dict[int, list[PeerEntry]], now: float | None = None) -> None:
-        """New records from the DHT; bans that ran out are forgotten so the table stays small."""
+        """New records from the DHT. A ban that ran out keeps its strikes (so the next one is longer) until
+        `strike_memory` × `max_ban` passed without a new strike; then it is forgotten so the table stays small."""
         now = time.monotonic() if now is None else now
         self.stages = stages
-        self.bans = {peer: ban for peer, ban in self.bans.items() if ban.until > now}
+        memory = self.strike_memory * self.max_ban
+        self.bans = {peer: ban for peer, ban in self.bans.items() if ban.until > now or now - ban.struck < memory}
         listed = {e.record.peer_id for entries in stages.values() for e in entries}
         self.refusals = {peer: n for peer, n in self.refusals.items() if peer in listed}
         self.measures = {peer: m for peer, m in self.measures.items() if peer in listed}
@@ -153,12 +169,16 @@ class Router:
 
         return sorted(usable, key=expected_wait)
 
-    def ban(self, peer_id: str, now: float | None = None) -> float:
+    def ban(self, peer_id: str, now: float | None = None, lied: bool = False) -> float:
+        """Ban `peer_id`, doubling with its strikes; a peer caught lying by an audit (`lied`) for far longer.
+        Returns the ban in seconds."""
         now = time.monotonic() if now is None else now
         previous = self.bans.get(peer_id)
         strikes = previous.strikes + 1 if previous else 1
-        seconds = min(self.base_ban * 2 ** (strikes - 1), self.max_ban)
-        self.bans[peer_id] = Ban(until=now + seconds, strikes=strikes)
+        base, cap = (self.audit_ban, self.max_audit_ban) if lied else (self.base_ban, self.max_ban)
+        seconds = min(base * 2 ** (strikes - 1), cap)
+        self.bans[peer_id] = Ban(until=max(now + seconds, previous.until if previous else 0.0), strikes=strikes,
+                                 struck=now)
         return seconds
 
     def refused(self, peer_id: str, now: float | None = None) -> float:
@@ -202,7 +222,7 @@ class Router:
         action = failover(code, candidates, failures)
         if action is Failover.GIVE_UP:
             return action, self.refused(peer_id, now) if counts_as_stuck(code, hops, candidates) else 0.0
-        if action is Failover.RETRY:
+        if action in (Failover.RETRY, Failover.BACKOFF):
             return action, 0.0
         self.failed(peer_id)
         return action, self.ban(peer_id, now)

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from peer.audit import replies_disagree
 from peer.routing import Failover, Router
 from peer.runtime import StageRuntime
 from swarm.manifest import Manifest
@@ -65,13 +66,16 @@ class Stats:
 
 
 def check_loss(loss: float | None, manifest: Manifest) -> float | None:
-    """A loss carried back by a reply: None, or finite within [0, plausible_loss_bound]; anything else is
-    refused (a fake but plausible loss cannot be told from a real one; routing keeps liars to few trips)."""
+    """A loss carried back by a reply: a non-finite one (or not a number) is refused; a finite one outside
+    [0, plausible_loss_bound] is dropped (None), not refused: an honest run that diverges must not get its
+    peers banned, but its loss is not published either. A fake but plausible loss cannot be told from a real
+    one by looking at it: audit trips (`peer/audit.py`) keep replies of unverified peers from being used."""
     if loss is None:
         return None
-    bound = plausible_loss_bound(manifest)
-    if not (isinstance(loss, (int, float)) and math.isfinite(loss) and 0.0 <= loss <= bound):
-        raise WireError(ErrorCode.OUT_OF_RANGE, f"reported loss {loss!r} is outside [0, {bound:.1f}]")
+    if isinstance(loss, bool) or not isinstance(loss, (int, float)) or not math.isfinite(loss):
+        raise WireError(ErrorCode.NOT_FINITE, f"reported loss {loss!r} is not a finite number")
+    if not 0.0 <= loss <= plausible_loss_bound(manifest):
+        return None
     return float(loss)
 
 
@@ -122,6 +126,7 @@ class Hop:
         self.manifest, self.index, self.runtime, self.router = manifest, index, runtime, router
         self.send, self.fetch, self.stats, self.label = send, fetch, stats, label
         self.trip_timeout = trip_timeout
+        self.shadows: dict[str, asyncio.Task] = {}  # peer -> the duplicate in flight to it (one at a time)
 
     @property
     def tokens_per_trip(self) -> int:
@@ -213,12 +218,15 @@ class Hop:
         return Reply(grad, loss, hop_versions(header.extra, self.manifest.num_stages), len(reply))
 
     async def send_next(self, message: bytes) -> Reply:
-        """Send to the best peer of the next stage and check its reply; on failure ban that peer and
-        try another (`Router.after_failure`). A reply that fails the checks is the next hop's fault
-        (hops=1), so the peer that answered garbage is the one banned, not us upstream."""
+        """Send to the best verified peer of the next stage (`Router.ledger`, `peer/audit.py`) and check its
+        reply; an unverified candidate (or, now and then, another verified peer) gets the same message as a
+        duplicate, compared in the background. On failure ban the peer and try another
+        (`Router.after_failure`). A reply that fails the checks is the next hop's fault (hops=1), so the
+        peer that answered garbage is the one banned, not us upstream."""
         target, router = self.index + 1, self.router
         max_reply = expectation_for(self.manifest, self.index, "backward", 0, "").max_bytes
         failures: dict[str, int] = {}
+        skip: set[str] = set()  # peers that asked us to back off during this trip
         for attempt in range(1, SEND_ATTEMPTS + 1):
             candidates = router.candidates(target)
             if not candidates:
@@ -226,30 +234,98 @@ class Hop:
                 candidates = router.candidates(target)
             if not candidates:
                 raise WireError(ErrorCode.NO_PEER, f"stage {target} has no live compatible peer")
-            peer_id = candidates[0].record.peer_id
+            ids = [e.record.peer_id for e in candidates]
+            plan = router.ledger.plan([p for p in ids if p not in skip] or ids, busy=set(self.shadows))
+            peer_id = plan.primary
+            shadow = self._duplicate(plan.shadow, message, max_reply) if plan.shadow else None
             router.sending(peer_id)
             started = time.monotonic()
             try:
-                reply = await self.send(peer_id, message, self.hop_timeout(), max_reply)
-                raise_if_error(reply)
-                try:
-                    checked = self.check_reply(reply)
-                except WireError as exc:
-                    raise WireError(exc.code, exc.message, hops=1) from None
+                checked = await self._ask(peer_id, message, max_reply)
                 router.answered(peer_id, time.monotonic() - started, self.tokens_per_trip)
+                if not router.ledger.trusted(peer_id):
+                    checked.loss = None  # verified peers gone: its gradient keeps trips going, its loss is not told
+                if router.ledger.clean_trip(peer_id, time.monotonic(), tofu=True):
+                    logger.info("%s next hop %s verified (trust on first use)", self.label, peer_id[-6:])
+                if shadow is not None:
+                    self._compare_later(peer_id, checked, plan.shadow, shadow)
                 return checked
             except WireError as exc:
+                if shadow is not None:
+                    shadow.cancel()
+                    self.shadows.pop(plan.shadow, None)
                 self.stats.error(exc.code)
+                router.ledger.failed(peer_id)
                 failures[peer_id] = failures.get(peer_id, 0) + 1
                 action, banned = router.after_failure(peer_id, exc.code, exc.hops, len(candidates), failures[peer_id])
                 self._log_failure(peer_id, exc, action, banned, attempt)
                 if action is Failover.GIVE_UP:
                     raise
-                if action is Failover.RETRY:
+                if action is Failover.BACKOFF:
+                    skip.add(peer_id)
+                if action in (Failover.RETRY, Failover.BACKOFF):
                     await asyncio.sleep(0.2 * failures[peer_id])
             finally:
                 router.done_sending(peer_id)
         raise WireError(ErrorCode.NO_PEER, f"no peer of stage {target} answered after {SEND_ATTEMPTS} attempts")
+
+    async def _ask(self, peer_id: str, message: bytes, max_reply: int) -> Reply:
+        reply = await self.send(peer_id, message, self.hop_timeout(), max_reply)
+        raise_if_error(reply)
+        try:
+            return self.check_reply(reply)
+        except WireError as exc:
+            raise WireError(exc.code, exc.message, hops=1) from None
+
+    def _duplicate(self, peer_id: str, message: bytes, max_reply: int) -> asyncio.Task:
+        """Send the same message to `peer_id` as an audit duplicate; its reply is only ever compared."""
+        router = self.router
+        router.sending(peer_id)
+
+        async def ask() -> tuple[Reply, float]:
+            started = time.monotonic()
+            try:
+                return await self._ask(peer_id, message, max_reply), time.monotonic() - started
+            finally:
+                router.done_sending(peer_id)
+
+        task = asyncio.ensure_future(ask())
+        self.shadows[peer_id] = task  # busy until its reply is compared (`_compare_later`) or it is cancelled
+        return task
+
+    def _compare_later(self, primary: str, used: Reply, shadow: str, task: asyncio.Task) -> None:
+        """Once the duplicate is back, compare it with the reply we used: agreement counts toward the shadow's
+        verification, disagreement costs the peer with the shorter verified history its standing and a long ban."""
+        router, ledger = self.router, self.router.ledger
+
+        def done(t: asyncio.Task) -> None:
+            self.shadows.pop(shadow, None)  # a fast liar gets no second duplicate before the first is judged
+            if t.cancelled():
+                return
+            exc = t.exception()
+            if isinstance(exc, WireError):
+                self.stats.error(exc.code)
+                ledger.failed(shadow)
+                action, banned = router.after_failure(shadow, exc.code, exc.hops, 2, 1)
+                self._log_failure(shadow, exc, action, banned, 0)
+                return
+            if exc is not None:
+                logger.warning("%s audit duplicate to %s failed: %r", self.label, shadow[-6:], exc)
+                return
+            reply, seconds = t.result()
+            why = replies_disagree(used.grad, used.loss, reply.grad, reply.loss)
+            if why is None:
+                router.answered(shadow, seconds, self.tokens_per_trip)
+                if ledger.clean_trip(shadow, time.monotonic(), tofu=False):
+                    logger.info("%s next hop %s verified by audit trips", self.label, shadow[-6:])
+                return
+            loser = ledger.loser(primary, shadow)
+            ledger.distrust(loser)
+            banned = router.ban(loser, lied=True)
+            logger.warning("%s audit: replies of %s and %s disagree (%s); %s banned %.0fs", self.label,
+                           primary[-6:], shadow[-6:], why, loser[-6:], banned)
+
+        task.add_done_callback(done)
 
     def _log_failure(self, peer_id: str, exc: WireError, action: Failover, banned: float, attempt: int) -> None:
         short = peer_id[-6:]
@@ -257,6 +333,8 @@ class Hop:
             if banned:
                 logger.warning("%s next hop %s kept refusing trips for our U version; banned %.0fs", self.label, short,
                                banned)
+        elif action is Failover.BACKOFF:
+            logger.debug("%s next hop %s asked us to back off (%s)", self.label, short, exc)
         elif action is Failover.RETRY:
             logger.warning("%s next hop %s failed (%s); retrying it (attempt %d)", self.label, short, exc, attempt)
         else:

@@ -9,7 +9,7 @@ import uuid
 import pytest
 import torch
 from builders import dht_with_record
-from harness import online, swarm_of, wait_for
+from harness import entries_by_name, online, swarm_of, wait_for
 from hivemind.p2p import PeerID
 
 from peer.transport import send_trip
@@ -118,3 +118,85 @@ def test_a_record_claiming_another_peers_id_is_not_stored():
         assert [e.record.public_name for e in stages[1]] == ["honest"]
         honest.shutdown()
         liar.shutdown()
+
+
+FAKE_LOSS = 0.0123
+
+
+def test_a_fast_liar_in_stage_1_gets_audited_out_and_its_loss_is_never_published():
+    """Issue 12's bar for audit trips (peer/audit.py): a hostile peer announcing stage 1 with a claim of 1e12
+    tokens/s that answers every trip at once with zero gradients and FAKE_LOSS joins a warmed-up 2-stage swarm.
+    Its replies are only ever duplicates compared with the honest tail's: after the first mismatch it is banned
+    for minutes, the honest tail carries >= 90% of the trips and the driver never publishes the fake loss."""
+    import threading
+
+    from builders import stage_record
+
+    from dhtio.records import announce
+    from peer.transport import TripServicer
+    from swarm.records import load_identity_key, make_validators
+
+    manifest = preset("tiny", stages=2)
+    codec = BoundaryCodec(manifest, SubspaceState(manifest))
+    served = {"trips": 0}
+    stop = threading.Event()
+
+    async def on_trip(blob: bytes, remote: PeerID) -> bytes:
+        served["trips"] += 1
+        header, hidden, _ = codec.decode_forward(blob, stage=1)
+        return codec.encode_backward(torch.zeros_like(hidden), header.trip_id, to_stage=0, loss=FAKE_LOSS,
+                                     extra={"versions": [header.u_version]})
+
+    with swarm_of(manifest, name="fast-liar") as swarm:
+        swarm.spawn_peer("driver", "0")
+        swarm.spawn_peer("tail", "1")
+
+        def warmed():  # the driver verified the tail by trust on first use (3 clean trips) and kept going
+            entries = online(swarm, ["driver", "tail"])
+            return entries and entries["driver"].record.trips >= 5 and entries
+
+        warmed_up = wait_for(warmed, 120, "the honest pipeline to carry 5 trips")
+        liar = dht_with_record(swarm.bootstrap, manifest, None, swarm.workdir, "liar")
+        signer, _ = make_validators(manifest, load_identity_key(swarm.workdir / "liar.id"))
+
+        def serve() -> None:
+            async def main() -> None:
+                p2p = await liar.replicate_p2p()
+                await TripServicer(on_trip, max_bytes=1 << 24).add_p2p_handlers(p2p, namespace=manifest.run_id)
+                while not stop.is_set():
+                    record = stage_record(1, "liar", manifest=manifest, peer_id=str(liar.peer_id), throughput=1e12)
+                    await asyncio.to_thread(announce, liar, manifest, signer, record, ttl=60.0)
+                    await asyncio.sleep(2.0)
+
+            asyncio.run(main())
+
+        server = threading.Thread(target=serve, daemon=True)
+        server.start()
+        try:
+            wait_for(lambda: len(swarm.poll().get(1, [])) == 2, 30, "the liar's record in the DHT")
+            start = entries_by_name(swarm)
+            liar_before = served["trips"]
+            losses = set()
+            deadline = time.monotonic() + 15
+            while time.monotonic() < deadline:
+                driver = entries_by_name(swarm).get("driver")
+                if driver is not None and driver.record.loss is not None:
+                    losses.add(driver.record.loss)
+                time.sleep(0.5)
+            end = entries_by_name(swarm)
+        finally:
+            stop.set()
+            server.join(timeout=10)
+            liar.shutdown()
+        driver_trips = end["driver"].record.trips - start["driver"].record.trips
+        honest_trips = end["tail"].record.trips - start["tail"].record.trips
+        liar_trips = served["trips"] - liar_before
+        print(f"after warm-up ({warmed_up['driver'].record.trips} trips): driver {driver_trips} trips, "
+              f"honest tail {honest_trips}, liar {liar_trips}; published losses {sorted(losses)[:5]}...")
+        assert driver_trips >= 5
+        assert liar_trips >= 1, "the liar was never audited: no duplicate reached it"
+        assert honest_trips >= 0.9 * driver_trips and liar_trips <= max(1, driver_trips // 10)
+        assert FAKE_LOSS not in losses and all(loss > 1.0 for loss in losses)
+        log = next(c.log for c in swarm.children if c.name == "driver").read_text()
+        audits = [line for line in log.splitlines() if "audit:" in line]
+        assert len(audits) == 1 and str(liar.peer_id)[-6:] in audits[0], audits

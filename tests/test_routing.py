@@ -75,13 +75,15 @@ def test_hop_versions_audit_refuses_malformed_lists():
         assert info.value.code == ErrorCode.MALFORMED
 
 
-def test_expired_bans_are_forgotten_on_update():
+def test_strikes_outlive_their_ban_so_bans_escalate_and_are_forgotten_by_age():
     r = router(entry("x", 10.0))
-    r.ban("x", now=0.0)
-    r.update(r.stages, now=1.0)
-    assert "x" in r.bans
-    r.update(r.stages, now=100.0)
+    assert r.ban("x", now=0.0) == 5.0
+    r.update(r.stages, now=100.0)  # the ban ran out, the strike is kept
+    assert [e.record.peer_id for e in r.candidates(1, now=100.0)] == ["x"]
+    assert r.ban("x", now=100.0) == 10.0
+    r.update(r.stages, now=100.0 + 4 * r.max_ban + 1)  # no new strike for 4 x max_ban: forgotten
     assert r.bans == {}
+    assert r.ban("x", now=400.0) == 5.0
 
 
 def test_identity_key_is_private_from_creation(tmp_path):

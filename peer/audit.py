@@ -1,0 +1,167 @@
+"""Audit trips: verification of next-hop peers by redundancy.
+
+Measuring service time cannot tell a fast liar from a fast honest peer: a peer that answers every trip at
+once with a well-formed fake reply (zero input gradients, a plausible loss) is measured fastest. So a hop
+trusts a peer of the next stage only after it has checked that peer's answers against a peer it already
+trusts: a candidate it has not verified gets trips only as *duplicates* (the same message, sent at the same
+time to it and to the best verified peer of the stage; the verified peer's reply is the one used), and
+`VERIFY_AFTER` consecutive matching duplicates make it verified. A mismatch bans it for a long, escalating
+time. Verified peers are audited at a low random rate (`AUDIT_RATE` of their trips duplicated to another
+verified peer; the message is the same one, so the audited peer cannot tell); on a mismatch the peer with
+the shorter verified history loses its status and is banned.
+
+Bootstrapping is trust on first use: when no peer of the stage is verified from this hop's point of view
+(a new swarm, or every peer new), the best candidate is used normally and becomes verified after
+`VERIFY_AFTER` clean trips. A hostile peer that is first in a stage is therefore trusted until a second
+peer appears and audits disagree, and then the longer verified history wins: a liar that got there first
+keeps the stage until it is out-audited by a peer verified before it elsewhere, which is a limit of
+verification by redundancy without a ground truth (documented in docs/DESIGN.md §4).
+
+Tolerances, measured (tiny preset, 2 stages, compressed wire; the tail stage as a snapshot at optimizer
+step t and at step t+lag, the same boundary message to both, t in 5/20/40, 4 microbatches each; two honest
+peers of one stage differ by their averaging lag, an epoch or two):
+
+    lag 1 step:   min cosine 0.988, max relative loss difference 0.028
+    lag 2 steps:  min cosine 0.944, max relative loss difference 0.075
+    lag 5 steps:  min cosine 0.618, max relative loss difference 0.119
+    lag 10 steps: min cosine 0.642, max relative loss difference 0.199
+    lag 20 steps: min cosine 0.329, max relative loss difference 0.366
+
+(early training, where parameters move fastest). In a live swarm (tests/test_peer_swarm.py failover
+test: 2 drivers, 2 honest stage-1 peers, ~60 s of training) the first audits between the two honest peers
+measured gradient cosine 0.089 and 0.200 with losses within 25 %: peers that step between averaging rounds
+diverge far more than a lagged copy, so early in training the gradient's direction cannot tell an honest
+peer from a liar. So the loss is the discriminator (`LOSS_RTOL` 0.25, honest peers within 0.20 at a lag of
+10 steps; the fake 0.0123 against an honest 3–10 differs by ~1), and the gradient check only refuses what
+no honest peer sends: an all-zero gradient against a non-zero one, a non-finite one, or one pointing
+against the verified reply (`COSINE_MIN` -0.5). A liar that sends a plausible loss with a random gradient
+passes (a limit, stated in docs/DESIGN.md); a liar that computes the real reply passes, which is the point.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field
+
+import torch
+
+COSINE_MIN = -0.5  # see the measurements above: direction is only checked for a sign flip
+LOSS_RTOL = 0.25
+VERIFY_AFTER = 3  # consecutive matching duplicates (or clean trust-on-first-use trips) to be verified
+AUDIT_RATE = 0.02  # share of a verified peer's trips duplicated to another verified peer
+
+
+def replies_disagree(
+    grad_a: torch.Tensor,
+    loss_a: float | None,
+    grad_b: torch.Tensor,
+    loss_b: float | None,
+    cosine_min: float = COSINE_MIN,
+    loss_rtol: float = LOSS_RTOL,
+) -> str | None:
+    """Why two replies to the same message cannot both be honest, or None if they agree.
+
+    Losses are compared when both are present (relative difference against the larger; a loss beyond the
+    plausible bound is dropped on receipt, so one may be missing); gradients by the
+    cosine similarity of the flattened tensors. An all-zero gradient agrees only with another all-zero one
+    (a tail with a zero loss gradient is honest only if both say so)."""
+    if loss_a is not None and loss_b is not None:
+        scale = max(abs(loss_a), abs(loss_b))
+        if scale > 0 and abs(loss_a - loss_b) / scale > loss_rtol:
+            return f"losses {loss_a:.4g} and {loss_b:.4g} differ by more than {loss_rtol:.0%}"
+    a, b = grad_a.detach().flatten().double(), grad_b.detach().flatten().double()
+    if a.shape != b.shape:
+        return f"gradients of {a.numel()} and {b.numel()} elements"
+    norm_a, norm_b = a.norm().item(), b.norm().item()
+    if norm_a == 0.0 and norm_b == 0.0:
+        return None
+    if norm_a == 0.0 or norm_b == 0.0 or not (math.isfinite(norm_a) and math.isfinite(norm_b)):
+        return f"gradient norms {norm_a:.3g} and {norm_b:.3g}"
+    cosine = (a @ b).item() / (norm_a * norm_b)
+    if cosine < cosine_min:
+        return f"gradient cosine {cosine:.3f} below {cosine_min}"
+    return None
+
+
+@dataclass
+class Standing:
+    clean: int = 0  # consecutive matching duplicates (or clean trust-on-first-use trips)
+    verified_since: float | None = None  # when it became verified; earlier wins a disagreement
+
+
+@dataclass
+class Plan:
+    """Where one trip goes: `primary` is the peer whose reply is used, `shadow` (if any) gets a duplicate."""
+
+    primary: str  # verified, or the trust-on-first-use peer: only such replies are used (and their loss published)
+    shadow: str | None
+
+
+@dataclass
+class Ledger:
+    """Which peers of the next stage this hop has verified. Pure: the caller passes the clock and the
+    candidates (best first, from `Router.candidates`)."""
+
+    verify_after: int = VERIFY_AFTER
+    audit_rate: float = AUDIT_RATE
+    standings: dict[str, Standing] = field(default_factory=dict)
+    rng: random.Random = field(default_factory=random.Random)
+
+    def verified(self, peer_id: str) -> bool:
+        standing = self.standings.get(peer_id)
+        return standing is not None and standing.verified_since is not None
+
+    def trusted(self, peer_id: str) -> bool:
+        """May a reply of `peer_id` be believed (its loss published)? Verified, or nobody is (trust on first use).
+        A hop still uses an untrusted peer's gradient when no trusted one is left, to keep trips going."""
+        return self.verified(peer_id) or not any(s.verified_since is not None for s in self.standings.values())
+
+    def plan(self, candidates: list[str], busy: set[str] | None = None) -> Plan:
+        """The primary is the best verified candidate; with none, the best candidate (trust on first use).
+        A duplicate goes to the best unverified candidate not already checking a duplicate (`busy`), else,
+        at `audit_rate`, to another verified candidate."""
+        busy = busy or set()
+        verified = [p for p in candidates if self.verified(p)]
+        if not verified:
+            return Plan(candidates[0], None)
+        primary = verified[0]
+        unverified = [p for p in candidates if not self.verified(p) and p not in busy]
+        if unverified:
+            return Plan(primary, unverified[0])
+        if len(verified) > 1 and verified[1] not in busy and self.rng.random() < self.audit_rate:
+            return Plan(primary, verified[1])
+        return Plan(primary, None)
+
+    def clean_trip(self, peer_id: str, now: float, tofu: bool) -> bool:
+        """A trust-on-first-use trip answered cleanly (`tofu`) or a duplicate that matched: counts toward
+        verification. True when this made the peer verified."""
+        standing = self.standings.setdefault(peer_id, Standing())
+        if standing.verified_since is not None:
+            return False
+        if tofu and any(s.verified_since is not None for s in self.standings.values()):
+            return False  # trust on first use only while nobody is verified
+        standing.clean += 1
+        if standing.clean >= self.verify_after:
+            standing.verified_since = now
+            return True
+        return False
+
+    def loser(self, primary: str, shadow: str) -> str:
+        """Of two peers whose replies disagree, the one to distrust: the unverified one, else the one with the
+        shorter verified history (a tie goes against the shadow, the peer being audited)."""
+        a, b = self.standings.get(primary, Standing()), self.standings.get(shadow, Standing())
+        if a.verified_since is None:
+            return primary if b.verified_since is not None else shadow
+        if b.verified_since is None:
+            return shadow
+        return primary if a.verified_since > b.verified_since else shadow
+
+    def distrust(self, peer_id: str) -> None:
+        self.standings.pop(peer_id, None)
+
+    def failed(self, peer_id: str) -> None:
+        """A duplicate or trust-on-first-use trip that failed: the unverified peer's streak starts again."""
+        standing = self.standings.get(peer_id)
+        if standing is not None and standing.verified_since is None:
+            standing.clean = 0

@@ -108,6 +108,37 @@ async def slowloris(p2p: P2P, peer: PeerID, streams: int = 20, prefix: int = 10,
     return held
 
 
+async def stalled_vs_honest(
+    sybils: list[P2P],
+    honest: P2P,
+    peer: PeerID,
+    streams_each: int,
+    honest_trips: int,
+    size: int,
+    namespace: str = NAMESPACE,
+    read_timeout: float = 30.0,
+) -> tuple[list[float], list[str]]:
+    """Every sybil holds `streams_each` stalled streams; meanwhile `honest` sends `honest_trips` messages of
+    `size` bytes. Returns the honest round trips' latencies and what each stalled stream got back."""
+    from peer.transport import send_trip  # lazily, as in _attack: `serve` may load another transport
+
+    handle, held = f"{namespace}::TripServicer.rpc_trip", []
+    for p2p in sybils:
+        held += await slowloris(p2p, peer, streams=streams_each, prefix=10, handle=handle)
+    closing = [asyncio.create_task(read_until_closed(r, read_timeout)) for r, _ in held]
+    await asyncio.sleep(0.5)
+    latencies = []
+    for _ in range(honest_trips):
+        sent = time.monotonic()
+        reply = await send_trip(honest, peer, namespace, b"h" * size, timeout=30, max_reply=1024)
+        latencies.append(time.monotonic() - sent)
+        assert reply == b"ok:%d" % size, reply
+    replies = [reply_text(r) for r in await asyncio.gather(*closing)]
+    for _, writer in held:
+        writer.close()
+    return latencies, replies
+
+
 async def empty_chunk_flood(
     p2p: P2P, peer: PeerID, chunks: int = 10_000, batch: int = 1000, handle: str = HANDLE
 ) -> dict:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import sys
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -24,7 +23,7 @@ if str(REPO) not in sys.path:  # benchmarks/ is not an installed package
 from benchmarks import attack_clients as ac  # noqa: E402
 from peer.admission import RefreshGate, UpstreamIds  # noqa: E402
 from peer.refusals import RefusalLog  # noqa: E402
-from peer.transport import EVICT_AFTER_S, TripServicer, send_trip, slowest  # noqa: E402
+from peer.transport import EVICT_AFTER_S, TripServicer, slowest  # noqa: E402
 from peer.trip import Stats  # noqa: E402
 from peer.trip_server import TripServer  # noqa: E402
 from swarm.wire import ErrorCode, WireError  # noqa: E402
@@ -119,20 +118,9 @@ def test_stalled_streams_of_16_fresh_identities_do_not_delay_a_known_sender():
         server.hop.serve = lambda blob, refuse: serve(blob, None)
         await servicer.add_p2p_handlers(receiver, namespace=ac.NAMESPACE)
         try:
-            held = []
-            for p2p in sybils:
-                held += await ac.slowloris(p2p, receiver.peer_id, streams=1, prefix=10)
-            closing = [asyncio.create_task(ac.read_until_closed(r, 10)) for r, _ in held]
-            await asyncio.sleep(0.5)
-            latencies = []
-            for _ in range(5):
-                sent = time.monotonic()
-                reply = await send_trip(honest, receiver.peer_id, ac.NAMESPACE, b"h" * 20_000, timeout=30, max_reply=64)
-                latencies.append(time.monotonic() - sent)
-                assert reply == b"ok:20000"
-            replies = [ac.reply_text(r) for r in await asyncio.gather(*closing)]
-            for _, writer in held:
-                writer.close()
+            latencies, replies = await ac.stalled_vs_honest(
+                sybils, honest, receiver.peer_id, 1, 5, 20_000, read_timeout=10
+            )
             return latencies, replies, refused
         finally:
             for p2p in [honest, *sybils, receiver]:
@@ -154,23 +142,7 @@ def test_one_stalled_stream_each_from_16_identities_is_cut_for_an_honest_one():
             honest = await ac.attacker_p2p(receiver.maddrs)
             sybils = [await ac.attacker_p2p(receiver.maddrs) for _ in range(16)]
             try:
-                held = []
-                for p2p in sybils:
-                    held += await ac.slowloris(p2p, receiver.peer_id, streams=1, prefix=10)
-                closing = [asyncio.create_task(ac.read_until_closed(r, 30)) for r, _ in held]
-                await asyncio.sleep(0.5)
-                latencies = []
-                for _ in range(3):
-                    sent = time.monotonic()
-                    reply = await send_trip(
-                        honest, receiver.peer_id, ac.NAMESPACE, b"h" * 1000, timeout=30, max_reply=64
-                    )
-                    latencies.append(time.monotonic() - sent)
-                    assert reply == b"ok:1000"
-                replies = [ac.reply_text(r) for r in await asyncio.gather(*closing)]
-                for _, writer in held:
-                    writer.close()
-                return latencies, replies
+                return await ac.stalled_vs_honest(sybils, honest, receiver.peer_id, 1, 3, 1000)
             finally:
                 for p2p in [honest, *sybils]:
                     await p2p.shutdown()

@@ -73,19 +73,8 @@ def test_slowloris_from_one_sender_leaves_slots_for_others(receiver):
 
     async def body(attacker, honest):
         start = time.monotonic()
-        held = await ac.slowloris(attacker, receiver.peer_id, streams=20, prefix=10)
-        closing = [asyncio.create_task(ac.read_until_closed(r, 30)) for r, _ in held]
-        await asyncio.sleep(0.5)
-        latencies = []
-        for _ in range(5):
-            sent = time.monotonic()
-            reply = await send_trip(honest, receiver.peer_id, ac.NAMESPACE, b"h" * 20_000, timeout=30, max_reply=1024)
-            latencies.append(time.monotonic() - sent)
-            assert reply == b"ok:20000"
-        replies = await asyncio.gather(*closing)
-        for _, writer in held:
-            writer.close()
-        return latencies, [ac.reply_text(r) for r in replies], time.monotonic() - start
+        latencies, replies = await ac.stalled_vs_honest([attacker], honest, receiver.peer_id, 20, 5, 20_000)
+        return latencies, replies, time.monotonic() - start
 
     latencies, replies, took = attack(receiver, body)
     assert max(latencies) < 0.5, latencies  # served at once, not after the slow streams' deadline
@@ -105,21 +94,7 @@ def test_slowloris_from_many_identities_still_leaves_a_slot_for_an_honest_sender
     async def body(attacker, honest):
         sybils = [attacker] + [await ac.attacker_p2p(receiver.maddrs) for _ in range(3)]
         try:
-            held = []
-            for p2p in sybils:
-                held += await ac.slowloris(p2p, receiver.peer_id, streams=4, prefix=10)
-            closing = [asyncio.create_task(ac.read_until_closed(r, 30)) for r, _ in held]
-            await asyncio.sleep(0.5)
-            latencies = []
-            for _ in range(3):
-                sent = time.monotonic()
-                reply = await send_trip(honest, receiver.peer_id, ac.NAMESPACE, b"h" * 1000, timeout=30, max_reply=64)
-                latencies.append(time.monotonic() - sent)
-                assert reply == b"ok:1000"
-            replies = [ac.reply_text(r) for r in await asyncio.gather(*closing)]
-            for _, writer in held:
-                writer.close()
-            return latencies, replies
+            return await ac.stalled_vs_honest(sybils, honest, receiver.peer_id, 4, 3, 1000)
         finally:
             for p2p in sybils[1:]:
                 await p2p.shutdown()

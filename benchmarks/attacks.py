@@ -248,7 +248,13 @@ async def run_attacks(args: argparse.Namespace, swarm: LocalSwarm, workdir: Path
 
     insider = Attacker(swarm, workdir)
     await insider.start()
-    await insider.announce(insider.record(0, 100.0))
+
+    async def insider_keeps_announcing() -> None:  # a live stage-0 record: the target admits its streams
+        while True:
+            await insider.announce(insider.record(0, 100.0))
+            await asyncio.sleep(5)
+
+    insider_announcing = asyncio.create_task(insider_keeps_announcing())
     await asyncio.sleep(6)  # the target refreshes its view of the DHT
 
     async def poison():
@@ -322,6 +328,7 @@ async def run_attacks(args: argparse.Namespace, swarm: LocalSwarm, workdir: Path
     await cell("hijack by claimed throughput (1e12), fast fake answers", hijack, window * 2)
     announcing.cancel()
 
+    insider_announcing.cancel()
     for attacker in (hijacker, stranger, insider):
         with contextlib.suppress(Exception):
             await attacker.p2p.shutdown()

@@ -254,17 +254,20 @@ class Hop:
                 if shadow is not None:
                     shadow.cancel()
                     self.shadows.pop(plan.shadow, None)
-                self.stats.error(exc.code)
                 router.ledger.failed(peer_id)
                 failures[peer_id] = failures.get(peer_id, 0) + 1
                 action, banned = router.after_failure(peer_id, exc.code, exc.hops, len(candidates), failures[peer_id])
+                if action is not Failover.BACKOFF:  # a next hop asking us to wait is not at fault: the refusal
+                    self.stats.error(exc.code)  # is counted once, by the peer that refused
                 self._log_failure(peer_id, exc, action, banned, attempt)
                 if action is Failover.GIVE_UP:
                     raise
                 if action is Failover.BACKOFF:
                     skip.add(peer_id)
                 if action in (Failover.RETRY, Failover.BACKOFF):
-                    await asyncio.sleep(0.2 * failures[peer_id])
+                    # a peer that does not know us yet re-reads the DHT at most every 2 s: give it that long
+                    pause = 1.0 if exc.code is ErrorCode.UNKNOWN_SENDER else 0.2
+                    await asyncio.sleep(pause * failures[peer_id])
             finally:
                 router.done_sending(peer_id)
         raise WireError(ErrorCode.NO_PEER, f"no peer of stage {target} answered after {SEND_ATTEMPTS} attempts")

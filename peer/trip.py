@@ -52,6 +52,8 @@ class Stats:
 
     trips: int = 0
     tokens: int = 0
+    # a driver counts a trip's boundary bytes with its tokens, when the trip ends: trips in flight and sends
+    # that failed do not inflate bytes per token (failures show in `errors`)
     bytes_in: int = 0
     bytes_out: int = 0
     load: int = 0  # trips this peer is serving right now
@@ -106,6 +108,8 @@ class HopResult:
     input_grad: torch.Tensor | None  # None on stage 0: nothing upstream
     loss: float | None
     versions: list[int]  # this hop's U version last
+    sent: int = 0  # bytes of the forward message to the next stage and of its reply
+    received: int = 0
 
 
 class Hop:
@@ -151,6 +155,8 @@ class Hop:
             logger.error("%s trip used U versions %s", self.label, result.versions)
         stats.trips += 1
         stats.tokens += tokens.numel()
+        stats.bytes_out += result.sent  # a driver's byte counters are its boundary's traffic
+        stats.bytes_in += result.received
         if result.loss is not None:
             stats.losses.append(result.loss)
             stats.last_loss = result.loss
@@ -189,15 +195,11 @@ class Hop:
         """This stage's turn: forward, the rest of the pipeline (unless this is the tail), backward, step."""
         runtime = self.runtime
         leaf, output, residual = await runtime.run(runtime.forward, hidden, tokens, version)
-        grad, loss, downstream = None, None, []
+        grad, loss, downstream, sent, received = None, None, [], 0, 0
         if not runtime.stage.is_tail:
             message = await runtime.run(runtime.encode_forward, version, output, tokens, trip_id, self.index + 1)
-            driving = self.index == 0  # a driver's byte counters are its boundary's traffic
-            if driving:
-                self.stats.bytes_out += len(message)
             reply = await self.send_next(message)
-            if driving:
-                self.stats.bytes_in += reply.size
+            sent, received = len(message), reply.size
             grad, loss, downstream = reply.grad, reply.loss, reply.versions
 
         def learn() -> tuple[torch.Tensor | None, float | None]:
@@ -207,7 +209,7 @@ class Hop:
             return result
 
         input_grad, tail_loss = await runtime.run(learn)
-        return HopResult(input_grad, loss if tail_loss is None else tail_loss, downstream + [version])
+        return HopResult(input_grad, loss if tail_loss is None else tail_loss, downstream + [version], sent, received)
 
     # --- the next hop ----------------------------------------------------------------------------
 

@@ -177,8 +177,11 @@ def test_a_fast_liar_in_stage_1_gets_audited_out_and_its_loss_is_never_published
             start = entries_by_name(swarm)
             liar_before = served["trips"]
             losses = set()
-            deadline = time.monotonic() + 15
-            while time.monotonic() < deadline:
+            # 15 s of trips, longer (up to 60 s) until a duplicate reached the liar: the driver first has to
+            # read its record and dial it, which a loaded machine can slow down
+            started = time.monotonic()
+            while time.monotonic() - started < 15 or (served["trips"] == liar_before
+                                                       and time.monotonic() - started < 60):
                 driver = entries_by_name(swarm).get("driver")
                 if driver is not None and driver.record.loss is not None:
                     losses.add(driver.record.loss)
@@ -194,9 +197,10 @@ def test_a_fast_liar_in_stage_1_gets_audited_out_and_its_loss_is_never_published
         print(f"after warm-up ({warmed_up['driver'].record.trips} trips): driver {driver_trips} trips, "
               f"honest tail {honest_trips}, liar {liar_trips}; published losses {sorted(losses)[:5]}...")
         assert driver_trips >= 5
-        assert liar_trips >= 1, "the liar was never audited: no duplicate reached it"
+        log = next(c.log for c in swarm.children if c.name == "driver").read_text()
+        about_liar = [line for line in log.splitlines() if str(liar.peer_id)[-6:] in line][-5:]
+        assert liar_trips >= 1, f"the liar was never audited: no duplicate reached it; driver said {about_liar}"
         assert honest_trips >= 0.9 * driver_trips and liar_trips <= max(1, driver_trips // 10)
         assert FAKE_LOSS not in losses and all(loss > 1.0 for loss in losses)
-        log = next(c.log for c in swarm.children if c.name == "driver").read_text()
         audits = [line for line in log.splitlines() if "audit:" in line]
         assert len(audits) == 1 and str(liar.peer_id)[-6:] in audits[0], audits

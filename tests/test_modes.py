@@ -45,9 +45,9 @@ def test_which_stages_contribute_to_a_move_of_u():
     assert contributing("subspace", "energy") == contributing("boundary", "energy") == [1, 2]
 
 
-def test_int8_is_the_dense_baseline_only():
+def test_int8_only_where_the_full_residual_crosses():
     assert MODES["none"].wire_dtype_error("int8") is None
-    assert "compression 'none'" in MODES["boundary"].wire_dtype_error("int8")
+    assert "sends k coefficients" in MODES["boundary"].wire_dtype_error("int8")
     assert MODES["subspace"].wire_dtype_error("bf16") is None
 
 

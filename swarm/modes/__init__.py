@@ -1,5 +1,6 @@
 """The compression modes, by the name a manifest gives (`compression`). A new mode is one module in
-this package and one line here; `DEFAULT` is the mode a manifest gets when it names none."""
+this package and its entry here (an import and a line in `MODES`); `DEFAULT` is the mode a manifest
+gets when it names none."""
 
 from __future__ import annotations
 
@@ -8,7 +9,14 @@ from swarm.modes.boundary import BoundaryMode
 from swarm.modes.dense import DenseMode
 from swarm.modes.subspace import SubspaceMode
 
-MODES: dict[str, CompressionMode] = {mode.name: mode for mode in (SubspaceMode(), BoundaryMode(), DenseMode())}
+MODES: dict[str, CompressionMode] = {
+    mode.name: mode
+    for mode in (
+        SubspaceMode(),
+        BoundaryMode(),
+        DenseMode(),
+    )
+}
 DEFAULT = "boundary"
 
 __all__ = ["DEFAULT", "MODES", "CompressionMode", "ConstrainedParameter"]

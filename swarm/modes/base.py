@@ -16,6 +16,8 @@ from torch import nn
 if TYPE_CHECKING:  # a mode is asked about a stage; it never builds one
     from swarm.model import PipelineStage
 
+FLOAT_WIRE_DTYPES = ("fp32", "bf16", "fp16")
+
 
 @dataclass(frozen=True)
 class ConstrainedParameter:
@@ -27,11 +29,10 @@ class ConstrainedParameter:
 class CompressionMode:
     name: ClassVar[str]
     compressed: ClassVar[bool] = True  # k coefficients and the token ids cross a boundary, not the residual
-    wire_dtypes: ClassVar[tuple[str, ...]] = ("fp32", "bf16", "fp16")  # int8: the dense SWARM baseline only
 
     def constrained(self, stage: PipelineStage) -> list[ConstrainedParameter]:
-        """The tensors of `stage` kept in span(U): with more than one stage, the head's `T_S` rows (so the
-        embedding's trainable part crosses as coefficients), and what `constrained_weights` adds."""
+        """The tensors of `stage` kept in span(U): with more than one stage, the head's `T_S` rows (what lets
+        the embedding's trainable part cross as coefficients), and what `constrained_weights` adds."""
         if stage.manifest.num_stages == 1:
             return []
         found = [ConstrainedParameter("t_s", stage.t_s, axis=1)] if stage.is_head else []
@@ -51,6 +52,11 @@ class CompressionMode:
     def boundaries_drive_updates(self, driver: str) -> bool:
         """Whether the boundary activations and their gradients carry this mode's ∂L/∂U terms."""
         return False
+
+    @property
+    def wire_dtypes(self) -> tuple[str, ...]:
+        """int8 (per-token absmax, SWARM's 8-bit dense wire) is for a full residual; k coefficients go as floats."""
+        return FLOAT_WIRE_DTYPES if self.compressed else (*FLOAT_WIRE_DTYPES, "int8")
 
     @property
     def moves_u(self) -> bool:
@@ -73,7 +79,7 @@ class CompressionMode:
             return None
         if wire_dtype == "int8":
             return (
-                f"wire_dtype 'int8' (dense 8-bit activations, the SWARM baseline) is only valid with "
-                f"compression 'none', got compression {self.name!r}"
+                f"wire_dtype 'int8' (8-bit activations, the SWARM baseline) is only valid with a mode that sends the "
+                f"full residual (such as 'none'), and compression {self.name!r} sends k coefficients"
             )
         return f"wire_dtype {wire_dtype!r} is not valid with compression {self.name!r}"

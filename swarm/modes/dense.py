@@ -14,7 +14,6 @@ if TYPE_CHECKING:
 class DenseMode(CompressionMode):
     name = "none"
     compressed = False
-    wire_dtypes = ("fp32", "bf16", "fp16", "int8")
 
     def constrained(self, stage: PipelineStage) -> list[ConstrainedParameter]:
         return []

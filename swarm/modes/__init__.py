@@ -7,6 +7,7 @@ from __future__ import annotations
 from swarm.modes.base import CompressionMode, ConstrainedParameter
 from swarm.modes.boundary import BoundaryMode
 from swarm.modes.dense import DenseMode
+from swarm.modes.dense_ts import DenseConstrainedEmbeddingMode
 from swarm.modes.subspace import SubspaceMode
 
 MODES: dict[str, CompressionMode] = {
@@ -15,6 +16,7 @@ MODES: dict[str, CompressionMode] = {
         SubspaceMode(),
         BoundaryMode(),
         DenseMode(),
+        DenseConstrainedEmbeddingMode(),
     )
 }
 DEFAULT = "boundary"

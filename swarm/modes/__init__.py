@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from swarm.modes.base import CompressionMode, ConstrainedParameter
 from swarm.modes.boundary import BoundaryMode
+from swarm.modes.boundary_free_ts import BoundaryFreeEmbeddingMode
 from swarm.modes.dense import DenseMode
 from swarm.modes.dense_ts import DenseConstrainedEmbeddingMode
 from swarm.modes.subspace import SubspaceMode
@@ -17,6 +18,7 @@ MODES: dict[str, CompressionMode] = {
         BoundaryMode(),
         DenseMode(),
         DenseConstrainedEmbeddingMode(),
+        BoundaryFreeEmbeddingMode(),
     )
 }
 DEFAULT = "boundary"

@@ -3,7 +3,9 @@
 One row per poll. The table is capped (oldest rows go first) and reads are downsampled in
 SQL, so neither the file nor a response grows with the run's age. The same file remembers
 the DHT addresses peers published, so a restarted tracker can rejoin the swarm by itself
-(otherwise its fresh DHT node knows nobody, and nobody knows to tell it anything).
+(otherwise its fresh DHT node knows nobody, and nobody knows to tell it anything), and keeps the
+run's monotonic counters with the last value credited to each peer (`tracker.counters`), so the
+run's count survives a restart without counting any peer twice.
 """
 
 from __future__ import annotations
@@ -42,6 +44,11 @@ class History:
             )
             self._db.execute("CREATE INDEX IF NOT EXISTS samples_time ON samples(time)")
             self._db.execute("CREATE TABLE IF NOT EXISTS dht_peers (maddr TEXT PRIMARY KEY, last_seen REAL NOT NULL)")
+            self._db.execute("CREATE TABLE IF NOT EXISTS run_totals (name TEXT PRIMARY KEY, value INTEGER NOT NULL)")
+            self._db.execute(
+                "CREATE TABLE IF NOT EXISTS peer_counters (peer TEXT NOT NULL, name TEXT NOT NULL, "
+                "value INTEGER NOT NULL, seen REAL NOT NULL, PRIMARY KEY (peer, name))"
+            )
         self._inserts = 0
 
     def add(self, sample: Mapping[str, Any]) -> None:
@@ -92,6 +99,36 @@ class History:
         with self._lock:
             rows = self._db.execute("SELECT maddr FROM dht_peers ORDER BY last_seen DESC LIMIT ?", (limit,))
             return [row[0] for row in rows.fetchall()]
+
+    def load_counters(self) -> tuple[dict[str, int], dict[str, dict[str, int]], dict[str, float]]:
+        """The run's totals, the last counters credited to each peer key, and when each key was last seen."""
+        with self._lock:
+            totals = dict(self._db.execute("SELECT name, value FROM run_totals").fetchall())
+            rows = self._db.execute("SELECT peer, name, value, seen FROM peer_counters").fetchall()
+        last: dict[str, dict[str, int]] = {}
+        seen: dict[str, float] = {}
+        for peer, name, value, when in rows:
+            last.setdefault(peer, {})[name] = value
+            seen[peer] = max(seen.get(peer, 0.0), when)
+        return totals, last, seen
+
+    def save_counters(
+        self, totals: Mapping[str, int], peers: Mapping[str, Mapping[str, int]], now: float, dropped: list[str]
+    ) -> None:
+        """Store the run's totals and the counters just credited to `peers` (seen at `now`), in one
+        transaction so totals and per-peer values never disagree after a crash; forget `dropped` keys."""
+        with self._lock, self._db:
+            self._db.executemany(
+                "INSERT INTO run_totals (name, value) VALUES (?, ?) "
+                "ON CONFLICT(name) DO UPDATE SET value = excluded.value",
+                list(totals.items()),
+            )
+            self._db.executemany(
+                "INSERT INTO peer_counters (peer, name, value, seen) VALUES (?, ?, ?, ?) "
+                "ON CONFLICT(peer, name) DO UPDATE SET value = excluded.value, seen = excluded.seen",
+                [(peer, name, value, now) for peer, values in peers.items() for name, value in values.items()],
+            )
+            self._db.executemany("DELETE FROM peer_counters WHERE peer = ?", [(peer,) for peer in dropped])
 
     def close(self) -> None:
         with self._lock:

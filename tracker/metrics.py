@@ -36,18 +36,26 @@ class SwarmCollector(Collector):
             "throughput of the weakest stage (pipeline bottleneck)",
             value=totals["capacity_tokens_per_s"],
         )
-        yield GaugeMetricFamily(
+        # run-level counters (tracker.counters): they never go back when a peer leaves, so they are counters
+        yield CounterMetricFamily(
             "protocol_swarm_tokens_trained",
-            "tokens counted by the live stage-0 drivers",
+            "tokens trained in this run, counted by the stage-0 drivers, including drivers that left",
             value=totals["tokens_trained"],
         )
-        yield GaugeMetricFamily(
-            "protocol_swarm_bytes_sent", "boundary bytes sent by live peers", value=totals["bytes_sent"]
+        yield CounterMetricFamily(
+            "protocol_swarm_bytes_sent",
+            "boundary bytes sent in this run, including by peers that left",
+            value=totals["bytes_sent"],
+        )
+        yield CounterMetricFamily(
+            "protocol_swarm_dense_equivalent_bytes",
+            "what the run's traffic would have cost uncompressed",
+            value=totals["dense_equivalent_bytes"],
         )
         yield GaugeMetricFamily(
-            "protocol_swarm_dense_equivalent_bytes",
-            "what the same traffic would have cost uncompressed",
-            value=totals["dense_equivalent_bytes"],
+            "protocol_swarm_online_tokens_trained",
+            "tokens counted by the stage-0 drivers online now (falls when one leaves)",
+            value=s["online"]["tokens_trained"],
         )
         if totals["loss"] is not None:
             yield GaugeMetricFamily(

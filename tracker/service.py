@@ -18,6 +18,7 @@ from hivemind.utils.timed_storage import get_dht_time
 from dhtio.records import fetch_stages
 from swarm.manifest import Manifest
 from swarm.records import PeerEntry, load_or_create_rsa_key, make_validators
+from tracker.counters import advance, forget_oldest
 from tracker.history import History
 from tracker.summary import (
     DEFAULT_STALE_AFTER,
@@ -25,6 +26,7 @@ from tracker.summary import (
     dialable_addrs,
     history_sample,
     owner_fingerprint,
+    run_counters,
     summarize,
     track_last_seen,
 )
@@ -69,7 +71,11 @@ class SwarmMonitor:
         self._remembered_at = 0.0
         self._last_seen: dict[bytes, tuple[float, float, float]] = {}  # expiration, last seen, first seen
         self._lock = threading.Lock()
-        self._summary = summarize(manifest, {}, get_dht_time(), stale_after=stale_after, polled=False)
+        # the run's monotonic counters (tracker.counters), resumed from the history file
+        self._run_totals, self._peer_counters, self._counters_seen = history.load_counters()
+        self._summary = summarize(
+            manifest, {}, get_dht_time(), stale_after=stale_after, polled=False, run_totals=self._run_totals
+        )
         self._error: str | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -129,7 +135,11 @@ class SwarmMonitor:
             ]
             for stage, stage_entries in fetched.items()
         }
-        summary = summarize(self.manifest, views, now, stale_after=self.stale_after)
+        current = run_counters(self.manifest, views, now)
+        self._run_totals, self._peer_counters = advance(self._run_totals, self._peer_counters, current)
+        self._counters_seen.update(dict.fromkeys(current, now))
+        dropped = forget_oldest(self._peer_counters, self._counters_seen)
+        summary = summarize(self.manifest, views, now, stale_after=self.stale_after, run_totals=self._run_totals)
         with self._lock:
             previous_healthy = self._summary["healthy"] if self.last_success is not None else None
             self._summary = summary
@@ -142,6 +152,7 @@ class SwarmMonitor:
                 f" (empty stages: {empty})" if empty else "",
             )
         try:
+            self.history.save_counters(self._run_totals, current, now, dropped)
             self.history.add(history_sample(summary))
             addrs = dialable_addrs(fetched, self._own_peer_id)
             if set(addrs) != self._remembered or now - self._remembered_at > 60:

@@ -163,6 +163,32 @@ def credited_tokens(claimed: int, bound: float, seen_for: float, slack: float = 
     return int(max(0, min(claimed, bound * max(0.0, seen_for + slack))))
 
 
+def peer_counters(view: PeerView, manifest: Manifest, stage: int, bound: float, now: float) -> dict[str, int]:
+    """What one record counts towards the run's counters: its credited tokens at stage 0 (every trip starts
+    there, `credited_tokens`), the boundary bytes it sent, and what its credited tokens would have cost
+    uncompressed across the boundaries its stage sends over."""
+    first_seen = view.last_seen if view.first_seen is None else view.first_seen
+    tokens = credited_tokens(view.record.tokens, bound, now - first_seen)
+    directions = boundary_directions(stage, manifest.num_stages)
+    return dict(
+        tokens_trained=tokens if stage == 0 else 0,
+        bytes_sent=max(0, view.record.bytes_out),
+        dense_equivalent_bytes=tokens * manifest.dense_bytes_per_token() * directions,
+    )
+
+
+def run_counters(
+    manifest: Manifest, stages: Mapping[int, Sequence[PeerView]], now: float
+) -> dict[str, dict[str, int]]:
+    """{peer key: `peer_counters`} for every record of a stage the manifest has (what `tracker.counters`
+    accumulates into the run's totals)."""
+    return {
+        v.key: peer_counters(v, manifest, i, plausible_throughput(manifest, i), now)
+        for i in range(manifest.num_stages)
+        for v in stages.get(i, ())
+    }
+
+
 def weighted_median(values: Sequence[tuple[float, float]]) -> float | None:
     """The lower weighted median of (value, weight) pairs with positive weights; None if there are none.
 
@@ -209,6 +235,7 @@ def summarize(
     *,
     stale_after: float = DEFAULT_STALE_AFTER,
     polled: bool = True,
+    run_totals: Mapping[str, int] | None = None,
 ) -> dict[str, Any]:
     """The swarm summary served by `/api/v1/swarm` (minus history), the page and `/metrics`.
 
@@ -223,6 +250,9 @@ def summarize(
     1e18 tokens at loss 0.01 sets neither number;
     `dense_equivalent_bytes` is what the same tokens would have cost uncompressed across the same
     boundaries, so `bytes_sent / dense_equivalent_bytes` is the achieved compression.
+    Those three counters are summed over the records online now in `online`; in `totals` they are the
+    run's (`run_totals`, accumulated by `tracker.counters` and never decreasing when a peer leaves), or
+    the online sums when no run totals are given.
     """
     u_version = current_u_version(stages)
     warnings: list[dict[str, Any]] = []
@@ -250,17 +280,15 @@ def summarize(
         online = [v for v in views if v.record.state == "online"]
         stage_capacity = sum(claimed_throughput(v.record, manifest) for v in serving)
         capacity.append(stage_capacity)
-        directions = boundary_directions(i, manifest.num_stages)
         for v in views:
-            first_seen = v.last_seen if v.first_seen is None else v.first_seen
-            tokens = credited_tokens(v.record.tokens, bound, now - first_seen)
-            bytes_sent += v.record.bytes_out
-            dense_bytes += tokens * dense_per_token * directions
+            counts = peer_counters(v, manifest, i, bound, now)
+            bytes_sent += counts["bytes_sent"]
+            dense_bytes += counts["dense_equivalent_bytes"]
             warnings.extend(peer_warnings(v, manifest, u_version, now, stale_after))
             if i == 0:
-                tokens_trained += tokens
+                tokens_trained += counts["tokens_trained"]
                 if v.record.state == "online" and plausible_loss(v.record.loss, loss_bound):
-                    losses.append((v.record.loss, max(tokens, 1)))
+                    losses.append((v.record.loss, max(counts["tokens_trained"], 1)))
         if not serving:
             warnings.append(
                 dict(
@@ -289,6 +317,8 @@ def summarize(
         )
     healthy = polled and all(row["peers_serving"] > 0 for row in stage_rows)
     loss = weighted_median(capped_weights(losses))
+    online = dict(tokens_trained=tokens_trained, bytes_sent=bytes_sent, dense_equivalent_bytes=dense_bytes)
+    run = {name: int(run_totals.get(name, 0)) for name in online} if run_totals is not None else online
     return dict(
         run_id=manifest.run_id,
         time=now,
@@ -299,13 +329,14 @@ def summarize(
             peers=sum(r["peers_total"] for r in stage_rows),
             peers_online=sum(r["peers_online"] for r in stage_rows),
             capacity_tokens_per_s=min(capacity) if capacity else 0.0,
-            tokens_trained=tokens_trained,
-            bytes_sent=bytes_sent,
-            dense_equivalent_bytes=dense_bytes,
-            compression_ratio=(bytes_sent / dense_bytes) if dense_bytes else None,
+            **run,
+            compression_ratio=(run["bytes_sent"] / run["dense_equivalent_bytes"])
+            if run["dense_equivalent_bytes"]
+            else None,
             manifest_bytes_ratio=manifest.compressed_bytes_per_token() / dense_per_token,
             loss=loss,
         ),
+        online=online,
         warnings=warnings[:MAX_WARNINGS],
         warnings_omitted=max(0, len(warnings) - MAX_WARNINGS),
     )

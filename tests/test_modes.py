@@ -21,7 +21,7 @@ def test_one_default_for_presets_and_manifests():
 
 def test_what_crosses_and_whether_u_moves():
     assert MODES["subspace"].compressed and MODES["boundary"].compressed and not MODES["none"].compressed
-    assert [name for name, mode in MODES.items() if mode.moves_u] == ["subspace", "boundary"]
+    assert [name for name, mode in MODES.items() if mode.moves_u] == ["subspace", "boundary", "boundary-free-ts"]
     assert tiny_manifest("none", subspace_update_interval=5).updates_u is False
     assert tiny_manifest("boundary", subspace_update_interval=5).updates_u is True
     assert tiny_manifest("boundary").updates_u is False  # no interval: U stays

@@ -26,9 +26,10 @@ Choices (the paper leaves them open; see the report of issue 16):
   would need a d_kv × d_kv matrix on every receiver; this A needs only Ū and M.
 - **Bound:** |θ_i| ≤ θ_max (tanh), checked again on decode.
 
-Variants: `paper` (every block, the owner's diagonal one included, uses the rebuilt K/V) and
-`remote` (a chunk's own block keeps its full-rank K/V; only what crosses to later chunks is
-compressed).
+What crosses is the compression mode's business (`swarm.cp_modes`: `none` ships K/V, `subspace`
+ships Z and θ). Variants of `subspace`: `paper` (every block, the owner's diagonal one included,
+uses the rebuilt K/V) and `remote` (a chunk's own block keeps its full-rank K/V; only what crosses
+to later chunks is compressed).
 """
 
 from __future__ import annotations
@@ -36,13 +37,15 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 import torch
+from pydantic import ConfigDict
 
+from swarm.cp_modes import CP_MODES, KVCompression
 from swarm.subspace import _uniform_pm1, orthonormalize, tensor_sha256
 
-COMPRESSIONS = ("none", "subspace")
 VARIANTS = ("paper", "remote")
 WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 WIRE_ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -53,7 +56,9 @@ ORTHONORMAL_TOL = 1e-5
 
 @dataclass(frozen=True)
 class ContextParallelSpec:
-    """What a run's context parallelism is; meant to become the manifest field `context_parallel`."""
+    """What a run's context parallelism is: the manifest field `context_parallel` (absent = off)."""
+
+    __pydantic_config__: ClassVar[ConfigDict] = ConfigDict(extra="forbid")  # an unknown key is refused
 
     size: int = 1  # P, chunks per sequence
     compression: str = "none"  # none | subspace
@@ -71,8 +76,10 @@ class ContextParallelSpec:
             raise ValueError("context_parallel: size, r_k, r_v, n_generators, warm_start_steps must be integers")
         if self.size < 1:
             raise ValueError(f"context_parallel.size must be at least 1, got {self.size}")
-        if self.compression not in COMPRESSIONS:
-            raise ValueError(f"context_parallel.compression must be one of {COMPRESSIONS}, got {self.compression!r}")
+        if self.compression not in CP_MODES:
+            raise ValueError(
+                f"context_parallel.compression must be one of {tuple(CP_MODES)}, got {self.compression!r}"
+            )
         if self.variant not in VARIANTS:
             raise ValueError(f"context_parallel.variant must be one of {VARIANTS}, got {self.variant!r}")
         if self.r_k < 1 or self.r_v < 1:
@@ -89,8 +96,13 @@ class ContextParallelSpec:
             raise ValueError("context_parallel.warm_start_steps must be >= 0")
 
     @property
+    def mode(self) -> KVCompression:
+        """The compression mode's answers (`swarm.cp_modes`): what a chunk's K/V message holds."""
+        return CP_MODES[self.compression]
+
+    @property
     def compressed(self) -> bool:
-        return self.compression == "subspace"
+        return self.mode.compressed
 
     @property
     def rotates(self) -> bool:
@@ -124,7 +136,7 @@ class ContextParallelSpec:
 
     def widths(self, shape) -> tuple[int, int]:
         """Values per token per message for K and V: the ranks, or d_kv when dense."""
-        return (self.r_k, self.r_v) if self.compressed else (kv_width(shape), kv_width(shape))
+        return self.mode.widths(self.r_k, self.r_v, kv_width(shape))
 
     def payload_bytes_per_token(self, shape, seq_len: int, batch: int = 1) -> dict:
         """Formula: payload bytes per token per layer, forward (backward is the same size): each
@@ -256,16 +268,6 @@ def rotated_basis(ubar: torch.Tensor, gens: torch.Tensor, theta: torch.Tensor | 
     return ubar.unsqueeze(0) * shrink[:, None, None] + torch.einsum("bg,gdr->bdr", theta, gens)
 
 
-def compress_kv(full: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
-    """(B, n, d_kv) → Z = K U(θ): (B, n, r)."""
-    return full @ basis
-
-
-def expand_kv(z: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
-    """Z → K = Z U(θ)ᵀ: (B, n, d_kv)."""
-    return z @ basis.transpose(-1, -2)
-
-
 class _WireRound(torch.autograd.Function):
     """What a message does to a tensor: rounds it to the wire dtype forward and, when it is a
     received tensor whose gradient goes back in a message, rounds the gradient too."""
@@ -302,6 +304,11 @@ def block_attention(q: torch.Tensor, blocks: list[tuple[torch.Tensor, torch.Tens
     Differentiable: each block's partial output and LSE are merged with softmax weights.
     """
     n_heads, seq = q.shape[1], q.shape[2]
+    if len(blocks) == 1:  # the first chunk (or P = 1): exactly swarm.model.Attention's causal SDPA
+        k, v = blocks[0]
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, _expand_heads(k, n_heads), _expand_heads(v, n_heads), is_causal=True
+        )
     scale = 1.0 / math.sqrt(q.shape[-1])
     outs, lses = [], []
     for i, (k, v) in enumerate(blocks):
@@ -313,8 +320,6 @@ def block_attention(q: torch.Tensor, blocks: list[tuple[torch.Tensor, torch.Tens
         lse = torch.logsumexp(scores, dim=-1, keepdim=True)
         outs.append(torch.exp(scores - lse) @ v)
         lses.append(lse)
-    if len(outs) == 1:
-        return outs[0]
     total = torch.logsumexp(torch.stack(lses), dim=0)
     return sum(torch.exp(lse - total) * out for lse, out in zip(lses, outs, strict=True))
 

@@ -1,14 +1,15 @@
 """A decoder whose attention is split into context-parallel chunks (dense or compressed K/V).
 
-`CPDecoder.forward` is the one-graph model: every chunk's queries attend to their own block and to
-every earlier chunk's K/V *as a receiver rebuilds them from a message* (`wire_round` rounds Z to the
-wire dtype forward and its gradient backward, per sender-receiver pair, θ to float32), so it
-computes the same function as `swarm.cp_wire.wire_step`, which cuts the graph at every message and
-ships the bytes. With `round_wire=False` and compression none it is plain causal attention.
+`CPAttention.forward` is one layer's attention in one graph: every chunk's queries attend to their
+own block and to every earlier chunk's K/V *as a receiver rebuilds them from a message*
+(`wire_round` rounds Z to the wire dtype forward and its gradient backward, per sender-receiver
+pair, θ to float32), so it computes the same function as `swarm.cp_wire.wire_step`, which cuts the
+graph at every message and ships the bytes. With `round_wire=False` and compression none it is
+plain causal attention. `swarm.model.Block` uses it when the manifest turns context parallelism on;
+`CPDecoder` is a whole decoder of them for the one-process benchmark and tests.
 
-The blocks reuse swarm.model's RMSNorm, SwiGLU and RoPE and keep swarm.model.Block's parameter
-names (attn.wq/wk/wv/wo, ...), so a dense pipeline stage's weights load into a CP block; the only
-new parameter is `attn.theta_head` (rotating modes).
+The attention keeps swarm.model.Attention's parameter names (wq/wk/wv/wo), so a dense stage's
+weights load into it; the only new parameter is `theta_head` (rotating modes, zero at the start).
 """
 
 from __future__ import annotations
@@ -25,17 +26,20 @@ from swarm.context_parallel import (
     ContextParallelSpec,
     CPBasis,
     block_attention,
-    compress_kv,
-    expand_kv,
     kv_width,
     pca_basis,
     rotated_basis,
     wire_round,
 )
-from swarm.model import RMSNorm, SwiGLU, apply_rope, rope_tables
+from swarm.cp_modes import DENSE_KV, Bases, KVCompression
+from swarm.layers import RMSNorm, SwiGLU, apply_rope, rope_tables
 
 
 class CPAttention(nn.Module):
+    """One layer's attention split into `spec.size` chunks; `mode` is what crosses between them (the
+    spec's, or none during a dense warm-up); `tap`, when set, is told of every crossing (the
+    simulator counts the messages the swarm would send)."""
+
     def __init__(self, shape, spec: ContextParallelSpec, layer: int, basis: CPBasis):
         super().__init__()
         self.spec, self.layer, self.basis = spec, layer, basis
@@ -51,8 +55,10 @@ class CPAttention(nn.Module):
             nn.init.zeros_(self.theta_head.weight)
             nn.init.zeros_(self.theta_head.bias)
         self.stats: dict[str, torch.Tensor] | None = None  # Σ kᵀk, Σ vᵀv while collecting for PCA
+        self.mode: KVCompression = spec.mode
+        self.tap = None  # swarm.cp_traffic.CPTraffic while the simulator counts messages
 
-    def project(self, xn: torch.Tensor, compressed: bool):
+    def project(self, xn: torch.Tensor, mode: KVCompression):
         """One chunk's normalised input (B, n, d) → q (B, H, n, hd) pre-RoPE, full K and V (B, n, d_kv)
         pre-RoPE, θ (B, n_theta) or None."""
         batch, seq, _ = xn.shape
@@ -63,11 +69,11 @@ class CPAttention(nn.Module):
                 self.stats["k"] += (k_full.flatten(0, 1).double().T @ k_full.flatten(0, 1).double()).cpu()
                 self.stats["v"] += (v_full.flatten(0, 1).double().T @ v_full.flatten(0, 1).double()).cpu()
         theta = None
-        if compressed and self.theta_head is not None:
+        if mode.compressed and self.theta_head is not None:
             theta = self.spec.theta_max * torch.tanh(self.theta_head(xn.mean(dim=1)))
         return q, k_full, v_full, theta
 
-    def _bases(self, theta: torch.Tensor | None, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def bases(self, theta: torch.Tensor | None, like: torch.Tensor) -> Bases:
         g = self.spec.n_generators
         out = []
         for which, part in (("k", slice(0, g)), ("v", slice(g, 2 * g))):
@@ -75,29 +81,55 @@ class CPAttention(nn.Module):
             out.append(rotated_basis(ubar, gens, None if theta is None else theta[:, part]))
         return out[0], out[1]
 
-    def payload(self, k_full, v_full, theta, compressed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def payload(self, k_full, v_full, theta, mode: KVCompression) -> Bases:
         """What a chunk sends: Z_k, Z_v (B, n, r) when compressed, else K and V themselves."""
-        if not compressed:
-            return k_full, v_full
-        basis_k, basis_v = self._bases(theta, k_full)
-        return compress_kv(k_full, basis_k), compress_kv(v_full, basis_v)
+        return mode.encode(k_full, v_full, self.bases(theta, k_full) if mode.compressed else None)
 
-    def rebuild(self, p_k, p_v, theta, compressed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def rebuild(self, p_k, p_v, theta, mode: KVCompression) -> Bases:
         """What a receiver makes of a message: K = Z_k U_k(θ)ᵀ, V = Z_v U_v(θ)ᵀ (or the dense K, V)."""
-        if not compressed:
-            return p_k, p_v
-        basis_k, basis_v = self._bases(theta, p_k)
-        return expand_kv(p_k, basis_k), expand_kv(p_v, basis_v)
+        return mode.decode(p_k, p_v, self.bases(theta, p_k) if mode.compressed else None)
 
-    def own_block(self, k_full, v_full, p_k, p_v, theta, compressed: bool, round_wire: bool):
+    def sends(self, chunk: int, mode: KVCompression) -> bool:
+        """Whether chunk `chunk` builds a payload: it has receivers, or its own block is rebuilt from it."""
+        return chunk < self.spec.size - 1 or mode.owner_uses_message(self.spec.variant)
+
+    def own_block(self, k_full, v_full, p_k, p_v, theta, mode: KVCompression, round_wire: bool):
         """The chunk's own (diagonal) K/V: rebuilt from its own message in paper-style, full otherwise."""
-        if not (compressed and self.spec.variant == "paper"):
+        if not mode.owner_uses_message(self.spec.variant):
             return k_full, v_full
         if round_wire:  # the owner uses exactly what its receivers decode; no message goes back
             dtype = WIRE_DTYPES[self.spec.wire_dtype]
             p_k, p_v = wire_round(p_k, dtype, False), wire_round(p_v, dtype, False)
             theta = None if theta is None else wire_round(theta, torch.float32, False)
-        return self.rebuild(p_k, p_v, theta, compressed)
+        return self.rebuild(p_k, p_v, theta, mode)
+
+    def forward(self, xn: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, round_wire: bool = True):
+        """The layer's attention for the whole normalised sequence (B, S, d), chunk by chunk, every
+        crossing simulated: a receiver rebuilds K/V from the sender's payload as the wire rounds it."""
+        spec, mode = self.spec, self.mode
+        dtype = WIRE_DTYPES[spec.wire_dtype]
+        sent, outs = [], []
+        for c, chunk in enumerate(xn.split(xn.shape[1] // spec.size, dim=1)):
+            q, k_full, v_full, theta = self.project(chunk, mode)
+            p_k, p_v = self.payload(k_full, v_full, theta, mode) if self.sends(c, mode) else (None, None)
+            blocks = []
+            for j, (pk_j, pv_j, th_j, full_j) in enumerate(sent):
+                received = (pk_j, pv_j, th_j)
+                if round_wire:
+                    received = (
+                        wire_round(pk_j, dtype),
+                        wire_round(pv_j, dtype),
+                        None if th_j is None else wire_round(th_j, torch.float32),
+                    )
+                if self.tap is not None:  # each receiver's copy its own node, so its gradient is its message
+                    received = tuple(None if t is None else t.view_as(t) for t in received)
+                blocks.append(self.rebuild(*received, mode))
+                if self.tap is not None:
+                    self.tap.note(self, j, c, (pk_j, pv_j, th_j), received, blocks[-1], full_j)
+            blocks.append(self.own_block(k_full, v_full, p_k, p_v, theta, mode, round_wire))
+            outs.append(self.attend(q, blocks, cos, sin))
+            sent.append((p_k, p_v, theta, (k_full, v_full)))
+        return torch.cat(outs, dim=1)
 
     def attend(self, q, blocks: list[tuple[torch.Tensor, torch.Tensor]], cos, sin) -> torch.Tensor:
         """q of chunk c = len(blocks) − 1; blocks: pre-RoPE (K, V) of chunks 0..c, (B, n, d_kv) each."""
@@ -134,7 +166,6 @@ class CPDecoder(nn.Module):
         super().__init__()
         self.shape, self.spec, self.seed = shape, spec, seed
         self.basis = basis or CPBasis.for_spec(spec, shape, seed)
-        self.compress_active = spec.compressed  # False during a dense warm-up
         self.embed = nn.Parameter(torch.randn(shape.vocab_size, shape.d_model, generator=_generator(seed, 0)) * 0.02)
         self.blocks = nn.ModuleList(CPBlock(shape, spec, i, self.basis) for i in range(shape.n_layers))
         self.final_norm = RMSNorm(shape.d_model, shape.norm_eps)
@@ -150,36 +181,29 @@ class CPDecoder(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
 
     @property
-    def compressed(self) -> bool:
-        return self.compress_active and self.spec.compressed
+    def mode(self) -> KVCompression:
+        """What crosses between chunks now: the spec's mode, or none during a dense warm-up."""
+        return self.blocks[0].attn.mode
 
-    def layer_attention(self, block: CPBlock, x: torch.Tensor, round_wire: bool) -> torch.Tensor:
-        """One layer's attention output for the whole sequence, chunk by chunk, messages simulated."""
-        spec, attn, compressed = self.spec, block.attn, self.compressed
-        chunks = block.attn_norm(x).split(x.shape[1] // spec.size, dim=1)
-        dtype = WIRE_DTYPES[spec.wire_dtype]
-        sent, outs = [], []
-        for c, xn in enumerate(chunks):
-            q, k_full, v_full, theta = attn.project(xn, compressed)
-            needs_payload = c < spec.size - 1 or (compressed and spec.variant == "paper")
-            p_k, p_v = attn.payload(k_full, v_full, theta, compressed) if needs_payload else (None, None)
-            blocks = []
-            for pk_j, pv_j, th_j in sent:
-                if round_wire:
-                    pk_j, pv_j = wire_round(pk_j, dtype), wire_round(pv_j, dtype)
-                    th_j = None if th_j is None else wire_round(th_j, torch.float32)
-                blocks.append(attn.rebuild(pk_j, pv_j, th_j, compressed))
-            blocks.append(attn.own_block(k_full, v_full, p_k, p_v, theta, compressed, round_wire))
-            outs.append(attn.attend(q, blocks, self.rope_cos, self.rope_sin))
-            sent.append((p_k, p_v, theta))
-        return torch.cat(outs, dim=1)
+    @property
+    def compressed(self) -> bool:
+        return self.mode.compressed
+
+    @property
+    def compress_active(self) -> bool:
+        return self.mode is self.spec.mode
+
+    @compress_active.setter
+    def compress_active(self, on: bool) -> None:
+        for block in self.blocks:
+            block.attn.mode = self.spec.mode if on else DENSE_KV
 
     def forward(self, tokens: torch.Tensor, round_wire: bool = True) -> torch.Tensor:
         if tokens.shape[1] % self.spec.size:
             raise ValueError(f"sequence of {tokens.shape[1]} tokens does not split into {self.spec.size} chunks")
         x = self.embed[tokens]
         for block in self.blocks:
-            x = x + self.layer_attention(block, x, round_wire)
+            x = x + block.attn(block.attn_norm(x), self.rope_cos, self.rope_sin, round_wire)
             x = x + block.mlp(block.mlp_norm(x))
         return self.lm_head(self.final_norm(x))
 

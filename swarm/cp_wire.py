@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from swarm.context_parallel import THETA_ITEMSIZE, WIRE_DTYPES, WIRE_ITEMSIZE, ContextParallelSpec, CPBasis, kv_width
+from swarm.cp_modes import KVCompression
 from swarm.wire import MAX_ACTIVATION_NORM, MAX_GRADIENT_NORM, ErrorCode, WireError, check_range
 
 CP_MAGIC = b"PCP1"
@@ -221,15 +222,23 @@ class CPCodec:
         self.layers = layers if layers is not None else range(shape.n_layers)
         self.chunk_len, self.max_batch = spec.chunk_len(seq_len), max_batch
 
-    def widths(self, compressed: bool) -> tuple[int, int, int]:
-        if compressed:
-            return self.spec.r_k, self.spec.r_v, self.spec.n_theta
-        return kv_width(self.shape), kv_width(self.shape), 0
+    def widths(self, mode: KVCompression) -> tuple[int, int, int]:
+        """Values per token of K and V, and θ values per sequence, of a message in `mode`."""
+        width_k, width_v = mode.widths(self.spec.r_k, self.spec.r_v, kv_width(self.shape))
+        return width_k, width_v, self.spec.n_theta if mode.compressed else 0
 
     def header(
-        self, kind: Kind, layer: int, owner: int, src: int, dst: int, batch: int, compressed: bool, trip_id: str = ""
+        self,
+        kind: Kind,
+        layer: int,
+        owner: int,
+        src: int,
+        dst: int,
+        batch: int,
+        mode: KVCompression,
+        trip_id: str = "",
     ) -> KVHeader:
-        width_k, width_v, n_theta = self.widths(compressed)
+        width_k, width_v, n_theta = self.widths(mode)
         return KVHeader(
             self.run_id,
             self.basis.version,
@@ -249,8 +258,8 @@ class CPCodec:
             n_theta,
         )
 
-    def expectation(self, kind: Kind, chunk: int, compressed: bool) -> KVExpectation:
-        width_k, width_v, n_theta = self.widths(compressed)
+    def expectation(self, kind: Kind, chunk: int, mode: KVCompression) -> KVExpectation:
+        width_k, width_v, n_theta = self.widths(mode)
         return KVExpectation(
             self.run_id,
             self.basis.version,
@@ -275,7 +284,7 @@ def wire_step(model, tokens: torch.Tensor, codec: CPCodec) -> tuple[float, dict]
     """One forward and backward of `model` (a CPDecoder) with every chunk its own graph, all K/V
     traffic encoded and decoded; accumulates parameter gradients; returns the loss and the bytes
     sent per layer ({"forward": [...], "backward": [...]}, summed over messages)."""
-    spec, compressed, dtype = model.spec, model.compressed, model.embed.dtype
+    spec, mode, dtype = model.spec, model.mode, model.embed.dtype
     size, n = spec.size, tokens.shape[1] // spec.size
     batch, n_layers = tokens.shape[0], len(model.blocks)
     sent_bytes = {"forward": [0] * n_layers, "backward": [0] * n_layers}
@@ -287,11 +296,10 @@ def wire_step(model, tokens: torch.Tensor, codec: CPCodec) -> tuple[float, dict]
         attn, inbox, outputs, layer_segments = block.attn, {}, [], []
         for c in range(size):  # every chunk computes its K/V and sends them to every later chunk
             xn = block.attn_norm(hidden[c])
-            q, k_full, v_full, theta = attn.project(xn, compressed)
-            needs_payload = c < size - 1 or (compressed and spec.variant == "paper")
-            p_k, p_v = attn.payload(k_full, v_full, theta, compressed) if needs_payload else (None, None)
+            q, k_full, v_full, theta = attn.project(xn, mode)
+            p_k, p_v = attn.payload(k_full, v_full, theta, mode) if attn.sends(c, mode) else (None, None)
             for dst in range(c + 1, size):
-                blob = encode_kv(codec.header("forward", layer, c, c, dst, batch, compressed), p_k, p_v, theta)
+                blob = encode_kv(codec.header("forward", layer, c, c, dst, batch, mode), p_k, p_v, theta)
                 sent_bytes["forward"][layer] += len(blob)
                 inbox[dst, c] = blob
             layer_segments.append([hidden[c], q, k_full, v_full, p_k, p_v, theta, {}])
@@ -299,12 +307,12 @@ def wire_step(model, tokens: torch.Tensor, codec: CPCodec) -> tuple[float, dict]
             h_in, q, k_full, v_full, p_k, p_v, theta, received = layer_segments[c]
             blocks = []
             for j in range(c):
-                _, z_k, z_v, th = decode_kv(inbox[c, j], codec.expectation("forward", c, compressed))
+                _, z_k, z_v, th = decode_kv(inbox[c, j], codec.expectation("forward", c, mode))
                 z_k, z_v = leaf(z_k.to(dtype)), leaf(z_v.to(dtype))
                 th = None if th is None else leaf(th.to(dtype))
                 received[j] = (z_k, z_v, th)
-                blocks.append(attn.rebuild(z_k, z_v, th, compressed))
-            blocks.append(attn.own_block(k_full, v_full, p_k, p_v, theta, compressed, True))
+                blocks.append(attn.rebuild(z_k, z_v, th, mode))
+            blocks.append(attn.own_block(k_full, v_full, p_k, p_v, theta, mode, True))
             x = h_in + attn.attend(q, blocks, model.rope_cos, model.rope_sin)
             outputs.append(x + block.mlp(block.mlp_norm(x)))
         segments.append(layer_segments)
@@ -344,9 +352,9 @@ def wire_step(model, tokens: torch.Tensor, codec: CPCodec) -> tuple[float, dict]
                     z_v.grad if z_v.grad is not None else zero(z_v),
                     None if th is None else (th.grad if th.grad is not None else zero(th)),
                 )
-                blob = encode_kv(codec.header("backward", layer, j, c, j, batch, compressed), *g)
+                blob = encode_kv(codec.header("backward", layer, j, c, j, batch, mode), *g)
                 sent_bytes["backward"][layer] += len(blob)
-                _, d_k, d_v, d_th = decode_kv(blob, codec.expectation("backward", j, compressed))
+                _, d_k, d_v, d_th = decode_kv(blob, codec.expectation("backward", j, mode))
                 d_k, d_v = d_k.to(dtype), d_v.to(dtype)
                 d_th = None if d_th is None else d_th.to(dtype)
                 if j in sums:

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from swarm.layers import RMSNorm, SwiGLU, apply_rope, rope_tables
 from swarm.manifest import Manifest, ModelShape
 from swarm.subspace import initial_basis, t_fixed_table, tensor_sha256
 from swarm.subspace_update import UpdateAccumulator, receiver_term, sender_term, weight_term
@@ -50,30 +51,6 @@ class SubspaceState(nn.Module):
         raise ValueError(f"unsupported projection axis {axis}")
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
-
-
-def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), inv_freq)
-    return angles.cos(), angles.sin()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: (B, H, S, hd); rotates interleaved pairs."""
-    seq = x.shape[-2]
-    x1, x2 = x[..., 0::2], x[..., 1::2]
-    c, s = cos[:seq].to(x.dtype), sin[:seq].to(x.dtype)
-    return torch.stack((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1).flatten(-2)
-
-
 class Attention(nn.Module):
     def __init__(self, shape: ModelShape):
         super().__init__()
@@ -95,17 +72,6 @@ class Attention(nn.Module):
             k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
-
-
-class SwiGLU(nn.Module):
-    def __init__(self, shape: ModelShape):
-        super().__init__()
-        self.w1 = nn.Linear(shape.d_model, shape.d_ff, bias=False)
-        self.w3 = nn.Linear(shape.d_model, shape.d_ff, bias=False)
-        self.w2 = nn.Linear(shape.d_ff, shape.d_model, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
 class Block(nn.Module):

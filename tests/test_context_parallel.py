@@ -13,13 +13,12 @@ from swarm.context_parallel import (
     ContextParallelSpec,
     CPBasis,
     block_attention,
-    compress_kv,
-    expand_kv,
     orthonormality_error,
     prefix_attention,
     rotated_basis,
 )
 from swarm.cp_model import CPDecoder, next_token_loss
+from swarm.cp_modes import CP_MODES, compress_kv, expand_kv
 from swarm.cp_wire import CP_MAGIC, CPCodec, decode_kv, encode_kv, wire_step
 from swarm.manifest import ModelShape
 from swarm.model import Block
@@ -134,7 +133,7 @@ def test_theta_is_bounded_by_theta_max():
     with torch.no_grad():
         model.blocks[0].attn.theta_head.weight.fill_(1e3)
     xn = model.blocks[0].attn_norm(model.embed[_tokens()])
-    theta = model.blocks[0].attn.project(xn, True)[3]
+    theta = model.blocks[0].attn.project(xn, spec.mode)[3]
     assert theta.shape == (2, 2) and float(theta.detach().abs().max()) <= 0.3 * (1 + 1e-6)  # float32 rounding of θ_max
 
 
@@ -269,7 +268,7 @@ def _message(kind="forward", **header_changes):
     basis = CPBasis.for_spec(spec, SHAPE, seed=9)
     codec = CPCodec(spec, SHAPE, SEQ, 2, "run-c", basis)
     owner, src, dst = (1, 1, 3) if kind == "forward" else (1, 3, 1)
-    header = dataclasses.replace(codec.header(kind, 1, owner, src, dst, 2, True), **header_changes)
+    header = dataclasses.replace(codec.header(kind, 1, owner, src, dst, 2, spec.mode), **header_changes)
     z_k, z_v, theta = torch.randn(2, 8, spec.r_k), torch.randn(2, 8, spec.r_v), torch.full((2, 2), 0.25)
     return codec, header, (z_k, z_v, theta)
 
@@ -286,7 +285,7 @@ def _reheader(blob: bytes, **changes) -> bytes:
 def test_codec_round_trip(kind):
     codec, header, (z_k, z_v, theta) = _message(kind)
     blob = encode_kv(header, z_k, z_v, theta)
-    got, d_k, d_v, d_theta = decode_kv(blob, codec.expectation(kind, header.dst, True))
+    got, d_k, d_v, d_theta = decode_kv(blob, codec.expectation(kind, header.dst, CP_MODES["subspace"]))
     assert got == header
     assert torch.equal(d_k, z_k.bfloat16().float()) and torch.equal(d_v, z_v.bfloat16().float())
     assert torch.equal(d_theta, theta)
@@ -319,13 +318,13 @@ def test_codec_refuses_every_wrong_claim(changes, code):
     codec, header, payload = _message()
     blob = _reheader(encode_kv(header, *payload), **changes)
     with pytest.raises(WireError) as caught:
-        decode_kv(blob, codec.expectation("forward", 3, True))
+        decode_kv(blob, codec.expectation("forward", 3, CP_MODES["subspace"]))
     assert caught.value.code == code
 
 
 def test_codec_refuses_bad_bytes_and_values():
     codec, header, (z_k, z_v, theta) = _message()
-    expect = codec.expectation("forward", 3, True)
+    expect = codec.expectation("forward", 3, CP_MODES["subspace"])
     blob = encode_kv(header, z_k, z_v, theta)
     cases = [
         (b"XXXX" + blob[4:], ErrorCode.MALFORMED),

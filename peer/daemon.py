@@ -24,11 +24,12 @@ from pathlib import Path
 
 from hivemind.dht import DHT
 from hivemind.p2p import P2P, PeerID
+from hivemind.utils.timed_storage import get_dht_time
 
 from dhtio.records import fetch_stages
 from peer.announcer import Announcer, stage_record
 from peer.driver import Driver
-from peer.placement import choose_stage, online_loads, should_move
+from peer.placement import Hysteresis, choose_stage, online_loads, placement_wait, should_move
 from peer.processes import arm_hard_exit, kill_descendants, stop_dht_and_children, stop_signals_ignored_by_children
 from peer.refusals import RefusalLog
 from peer.routing import Router
@@ -64,6 +65,7 @@ class PeerOptions:
     trip_timeout: float = 60.0
     placement_delay: float = 3.0
     rebalance_interval: float = 60.0
+    hysteresis: Hysteresis = field(default_factory=Hysteresis)
     drain_timeout: float = 30.0
     log_interval: float = 5.0
     fault_t_fixed_seed: int | None = None
@@ -97,6 +99,8 @@ class PeerDaemon:
         )
         self._temp_identity: Path | None = None
         self._stop_signals: list[float] = []
+        self.started = time.monotonic()
+        self.online_since = time.monotonic()  # when this peer last went online on its stage
 
     @property
     def overload_cap(self) -> int:
@@ -148,14 +152,17 @@ class PeerDaemon:
         return await asyncio.to_thread(fetch_stages, self.dht, self.manifest)
 
     async def pick_stage(self) -> int:
+        """Wait until every record we would count was refreshed after we came up (`placement_wait`), plus a
+        random delay against a herd of newcomers, then join the stage that needs us most."""
         if self.options.stage != "auto":
             return int(self.options.stage)
-        await asyncio.sleep(self.rng.uniform(0, self.options.placement_delay))  # against a herd of newcomers
+        wait = placement_wait(time.monotonic() - self.started) + self.rng.uniform(0, self.options.placement_delay)
+        await asyncio.sleep(wait)
         stages = await self._fetch()
-        loads = online_loads(stages, self.manifest, self.manifest.t_fixed_sha256, self.peer_id)
+        loads = online_loads(stages, self.manifest, self.manifest.t_fixed_sha256, self.peer_id, get_dht_time())
         stage = choose_stage(loads, self.manifest.num_stages, self.rng)
         logger.info(
-            "%s placement: stage totals %s -> stage %d",
+            "%s placement: live stage totals %s -> stage %d",
             self.label,
             {s: round(sum(v), 1) for s, v in loads.items()},
             stage,
@@ -191,20 +198,49 @@ class PeerDaemon:
                 logger.warning("%s could not read the DHT: %s", self.label, exc)
             await asyncio.sleep(3.0)
 
+    async def move_target(self) -> int | None:
+        """Where a move would raise the bottleneck enough (`should_move`), counting only live peers we can
+        reach; None to stay (also when the DHT cannot be read)."""
+        try:
+            stages = await self._fetch()
+        except Exception as exc:  # noqa: BLE001 - try again next round
+            logger.warning("%s could not read the DHT for rebalancing: %s", self.label, exc)
+            return None
+        loads = online_loads(
+            stages,
+            self.manifest,
+            self.runtime.stage.subspace.t_fixed_sha256,
+            self.peer_id,
+            get_dht_time(),
+            self.router.unreachable(),
+        )
+        loads.setdefault(self.index, []).append(self.throughput)
+        policy = self.options.hysteresis
+        return should_move(
+            loads,
+            self.manifest.num_stages,
+            self.index,
+            self.throughput,
+            policy.min_gain,
+            served_for=time.monotonic() - self.online_since,
+            min_dwell=policy.min_dwell,
+        )
+
     async def rebalance_loop(self) -> None:
+        """Every ~`rebalance_interval`: if a move would pay, wait a random part of `recheck_delay` and look
+        again; move only if it still pays (another peer may have taken the hole meanwhile)."""
         while True:
             await asyncio.sleep(self.options.rebalance_interval * self.rng.uniform(0.8, 1.2))
-            try:
-                stages = await self._fetch()
-            except Exception as exc:  # noqa: BLE001 - try again next round
-                logger.warning("%s could not read the DHT for rebalancing: %s", self.label, exc)
+            target = await self.move_target()
+            if target is None:
                 continue
-            loads = online_loads(stages, self.manifest, self.runtime.stage.subspace.t_fixed_sha256, self.peer_id)
-            loads.setdefault(self.index, []).append(self.throughput)
-            target = should_move(loads, self.manifest.num_stages, self.index, self.throughput)
-            if target is not None:
+            delay = self.options.hysteresis.recheck_delay * self.rng.uniform(0.2, 1.0)
+            logger.info("%s rebalancing: stage %d needs help, checking again in %.0fs", self.label, target, delay)
+            await asyncio.sleep(delay)
+            if await self.move_target() == target:
                 logger.info("%s rebalancing: moving to stage %d", self.label, target)
                 raise StageMove(target)
+            logger.info("%s rebalancing: stage %d no longer needs us, staying", self.label, target)
 
     async def log_loop(self) -> None:
         await log_progress(
@@ -268,6 +304,7 @@ class PeerDaemon:
         router.update(stages)
         self.server.hop = hop
         self.state = "online"
+        self.online_since = time.monotonic()
         await self.announcer.announce_now()
         logger.info(
             "%s online: %.0f tokens/s measured, layers %s",

@@ -3,31 +3,91 @@
 The swarm is as fast as its weakest stage, so a newcomer joins an empty stage first, else the
 stage with the least total throughput. A serving peer moves only when the move clearly raises
 the swarm's bottleneck and does not empty the stage it leaves (hysteresis against flapping).
+
+Only live peers count. A record lives `RECORD_TTL` (30 s) after its last announcement, so a peer
+killed a second ago still has one for half a minute; counting it sent replacements to the stage
+that only looked full. A record counts when it was refreshed within `LIVENESS_WINDOW` (its announce
+interval plus slack) and its peer is not one this peer failed to reach (the router's bans). A
+newcomer reads the swarm only after it has itself been up for that window, so every record it
+counts was refreshed after it started: a peer that died before it came up never counts. Joining
+peers count (they are on their way), leaving ones do not.
+
+Moves have real hysteresis (`Hysteresis`, after Petals' block selection): a minimum dwell on a
+stage, a required gain of the simulated move, and a random delay followed by a re-check, so that
+of several peers who see the same hole only the first moves; the others see its `leaving` record
+at the re-check, and the simulated move no longer gains.
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, Sequence, Set
+from dataclasses import dataclass
 
 from swarm.manifest import Manifest
-from swarm.records import PeerEntry, claimed_throughput, usable_peer
+from swarm.records import ANNOUNCE_INTERVAL, RECORD_TTL, PeerEntry, StagePeerRecord, claimed_throughput
 
-StageLoads = Mapping[int, Sequence[float]]  # stage → throughputs (tokens/s) of its online peers
+StageLoads = Mapping[int, Sequence[float]]  # stage → throughputs (tokens/s) of its live peers
+
+# A live peer re-announces every ANNOUNCE_INTERVAL (5 s); the slack covers a store that took long on a busy
+# machine. A record older than this is from a peer that stopped announcing (dead, or stuck).
+LIVENESS_WINDOW = 2 * ANNOUNCE_INTERVAL
+
+
+@dataclass(frozen=True)
+class Hysteresis:
+    """When a serving peer may move: after `min_dwell` seconds online on its stage, for a simulated gain of
+    the bottleneck above `min_gain`, still there after a random `recheck_delay` (a fraction 0.2-1 of it)."""
+
+    min_dwell: float = 300.0
+    min_gain: float = 0.2
+    recheck_delay: float = 30.0
+
+
+def record_age(expiration: float, now: float, ttl: float = RECORD_TTL) -> float:
+    """Seconds since the record was announced (it was stored to expire `ttl` later)."""
+    return max(0.0, now - (expiration - ttl))
+
+
+def counts_for_placement(
+    entry: PeerEntry, now: float, t_fixed_sha256: str, own_peer_id: str, unreachable: Set[str] = frozenset()
+) -> bool:
+    """Another peer of our function, online or joining, refreshed within `LIVENESS_WINDOW`, and not one
+    this peer failed to reach."""
+    record: StagePeerRecord = entry.record
+    return (
+        record.state in ("online", "joining")
+        and record.t_fixed_sha256 == t_fixed_sha256
+        and record.peer_id != own_peer_id
+        and record.peer_id not in unreachable
+        and record_age(entry.expiration, now) <= LIVENESS_WINDOW
+    )
 
 
 def online_loads(
-    stages: Mapping[int, Sequence[PeerEntry]], manifest: Manifest, t_fixed_sha256: str, own_peer_id: str
+    stages: Mapping[int, Sequence[PeerEntry]],
+    manifest: Manifest,
+    t_fixed_sha256: str,
+    own_peer_id: str,
+    now: float,
+    unreachable: Set[str] = frozenset(),
 ) -> dict[int, list[float]]:
-    """Claimed throughputs of the other usable peers per stage, each clamped to the stage's plausible bound."""
+    """Claimed throughputs of the other live peers per stage (`counts_for_placement`), each clamped to the
+    stage's plausible bound."""
     return {
         stage: [
             claimed_throughput(e.record, manifest)
             for e in entries
-            if usable_peer(e.record, t_fixed_sha256, own_peer_id)
+            if counts_for_placement(e, now, t_fixed_sha256, own_peer_id, unreachable)
         ]
         for stage, entries in stages.items()
     }
+
+
+def placement_wait(up_for: float) -> float:
+    """How long a newcomer that has been up `up_for` seconds waits before reading the swarm, so that any
+    record it counts was refreshed after it came up."""
+    return max(0.0, LIVENESS_WINDOW - up_for)
 
 
 def stage_totals(loads: StageLoads, num_stages: int) -> list[float]:
@@ -50,15 +110,22 @@ def bottleneck(totals: Sequence[float]) -> float:
 
 
 def should_move(
-    loads: StageLoads, num_stages: int, current: int, own_throughput: float, min_gain: float = 0.2
+    loads: StageLoads,
+    num_stages: int,
+    current: int,
+    own_throughput: float,
+    min_gain: float = Hysteresis.min_gain,
+    served_for: float | None = None,
+    min_dwell: float = 0.0,
 ) -> int | None:
     """The stage to move to, or None.
 
-    `loads` includes this peer in `current`. Moving is simulated: take our throughput out of
+    `loads` includes this peer in `current`. A peer that has served `current` for less than `min_dwell`
+    seconds (`served_for`) stays. Moving is simulated: take our throughput out of
     `current`, add it to the weakest other stage, and move only if the bottleneck rises by more
     than `min_gain` (relative) and `current` keeps at least one other peer.
     """
-    if len(loads.get(current, ())) <= 1:
+    if len(loads.get(current, ())) <= 1 or (served_for is not None and served_for < min_dwell):
         return None
     totals = stage_totals(loads, num_stages)
     before = bottleneck(totals)

@@ -169,6 +169,12 @@ class Router:
 
         return sorted(usable, key=expected_wait)
 
+    def unreachable(self, now: float | None = None) -> set[str]:
+        """Peers banned now: this peer failed to reach them (or caught them lying), so placement does not count
+        them as serving their stage."""
+        now = time.monotonic() if now is None else now
+        return {peer for peer, ban in self.bans.items() if ban.until > now}
+
     def ban(self, peer_id: str, now: float | None = None, lied: bool = False) -> float:
         """Ban `peer_id`, doubling with its strikes; a peer caught lying by an audit (`lied`) for far longer.
         Returns the ban in seconds."""

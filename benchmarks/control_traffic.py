@@ -1,14 +1,19 @@
-"""Control-plane traffic of a real local swarm: the DHT lookups and stores behind the trips.
+"""Every byte a real local swarm sends, by kind: the trips, and the control traffic behind them.
 
-On an emulated home link (benchmarks/netsim) every mode carried a few hundred bytes per token
-that the trip counters never saw; for the compressed modes that is most of what is on the wire.
-This runs `protocol-swarm local` with benchmarks/control_traffic_probe on the children's path,
-which counts every process's hivemind DHT operations, and reports them per key family (our stage
-records, hivemind's progress tracker, its averagers' group lookups...) per 1000 trained tokens,
-with tokens/s, for each compression mode in the same invocation. `--checkout` runs another
-checkout's code with this probe, so two commits can be compared. Usage:
+On an emulated home link (benchmarks/netsim) the compressed modes carried several times more
+non-trip bytes than trip payload. This runs `protocol-swarm local` with
+benchmarks/control_traffic_probe on the children's path, which counts, inside every process and on
+the serving side of every exchange: trip messages (header and payload), DHT requests served
+(protobuf sizes) named by the key they are about (our stage records, hivemind's progress records,
+its averagers' group keys and announcements, the subspace records), averaging matchmaking, the
+all-reduce payload and state downloads. It reports them per trained token and per second, for
+each compression mode and peers-per-stage count in the same invocation. What it cannot see is
+libp2p's own framing, encryption and keep-alives inside p2pd: benchmarks/netsim measures those
+as the on-link total minus the above. `--checkout` runs another checkout's code with this probe,
+so two commits can be compared. Usage:
 
-    python benchmarks/control_traffic.py [--modes boundary none] [--stages 3] [--steps 60] [--checkout PATH]
+    python benchmarks/control_traffic.py [--modes boundary none] [--peers 1 2] [--stages 3] [--steps 60]
+        [--checkout PATH] [--json OUT]
 """
 
 from __future__ import annotations
@@ -24,6 +29,10 @@ import tempfile
 from pathlib import Path
 
 PROBE = Path(__file__).resolve().parent / "control_traffic_probe"
+# the rows of the byte table, in order: what a served DHT request was about, then the non-DHT kinds
+KINDS = ("trip payload", "trip headers", "DHT stage records", "DHT progress", "DHT averaging groups",
+         "DHT subspace", "DHT other (pings, routing)", "averaging matchmaking", "averaging payload",
+         "state download")
 
 
 def family(event: str) -> str:
@@ -37,41 +46,99 @@ def family(event: str) -> str:
     return f"{kind} {key}"
 
 
-def run_cell(mode: str, args: argparse.Namespace) -> dict:
+def dht_kind(key: str | None) -> str:
+    """Which row of the table a DHT key's traffic belongs to (None: a DHT id no process named)."""
+    if key is None:
+        return "DHT other (pings, routing)"
+    if key.endswith("_progress"):
+        return "DHT progress"
+    if "_averager" in key:
+        return "DHT averaging groups"
+    if key.endswith(("_subspace", "_ucontrib")):
+        return "DHT subspace"
+    if re.search(r"_stage\d+$", key):
+        return "DHT stage records"
+    return "DHT other (pings, routing)"
+
+
+def byte_kinds(counts: collections.Counter, names: dict[str, str]) -> dict[str, int]:
+    """Bytes per row of KINDS from the probes' raw counts (`names`: DHT id hex -> key)."""
+    kinds = dict.fromkeys(KINDS, 0)
+    for event, n in counts.items():
+        parts = event.split(" ")
+        if event.startswith("served ") and parts[1] in ("find", "store", "ping"):
+            kinds[dht_kind(names.get(parts[2]) if len(parts) > 2 else None)] += n
+        elif event.startswith("trip ") and event.endswith("payload bytes"):
+            kinds["trip payload"] += n
+        elif event.startswith("trip ") and event.endswith("header bytes"):
+            kinds["trip headers"] += n
+        elif event in kinds:
+            kinds[event] += n
+    return kinds
+
+
+def run_cell(mode: str, peers: int, args: argparse.Namespace) -> dict:
     checkout = Path(args.checkout).resolve()
     with tempfile.TemporaryDirectory(prefix="control-traffic-") as out_dir:
         env = dict(os.environ, CONTROL_TRAFFIC_DIR=out_dir,
                    PYTHONPATH=os.pathsep.join([str(checkout), str(PROBE), os.environ.get("PYTHONPATH", "")]))
         command = [sys.executable, "-m", "launcher.cli", "local", "--stages", str(args.stages), "--steps",
-                   str(args.steps), "--compression", mode, "--json", "--timeout", "900"]
+                   str(args.steps), "--compression", mode, "--peers-per-stage", str(peers), "--json",
+                   "--timeout", "900"]
         result = subprocess.run(command, cwd=checkout, env=env, capture_output=True, text=True, timeout=1000)
         if result.returncode != 0:
             raise RuntimeError(f"{mode}: {result.stderr[-2000:]}")
         summary = json.loads(result.stdout.strip().splitlines()[-1])
         counts: collections.Counter = collections.Counter()
+        names: dict[str, str] = {}
         for path in Path(out_dir).glob("*.json"):
             for event, n in json.loads(path.read_text()).items():
-                counts[family(event)] += n
-    per_k = 1000.0 / max(summary["tokens"], 1)
-    return {"mode": mode, "tokens": summary["tokens"], "seconds": summary["seconds"],
-            "tokens_per_second": summary["tokens_per_second"],
-            "per_1000_tokens": {event: n * per_k for event, n in sorted(counts.items())}}
+                if event.startswith("key "):
+                    _, dht_id, key = event.split(" ", 2)
+                    names[dht_id] = key
+                else:
+                    counts[event] += n
+    tokens, seconds = max(summary["tokens"], 1), max(summary["seconds"], 1e-9)
+    kinds = byte_kinds(counts, names)
+    operations = collections.Counter()
+    for event, n in counts.items():
+        operations[family(event)] += n
+    return {"mode": mode, "peers_per_stage": peers, "tokens": summary["tokens"], "seconds": summary["seconds"],
+            "tokens_per_second": summary["tokens_per_second"], "trip_messages": sum(
+                n for e, n in counts.items() if e.startswith("trip ") and e.endswith("messages")),
+            "bytes": kinds,
+            "bytes_per_token": {k: n / tokens for k, n in kinds.items()},
+            "bytes_per_second": {k: n / seconds for k, n in kinds.items()},
+            "per_1000_tokens": {e: n * 1000.0 / tokens for e, n in sorted(operations.items())
+                                if e.startswith(("lookup", "store", "served requests"))}}
 
 
 def report(cells: list[dict], commit: str) -> str:
-    lines = [f"code: {commit}", "", "| mode | tokens/s | DHT requests served / 1k tokens | DHT bytes served / token |"
-             " top lookups and stores / 1k tokens |", "|---|---|---|---|---|"]
-    for cell in cells:
+    """A markdown table: one row per kind, bytes per token and per second for every cell."""
+    heads = [f"{c['mode']} × {c['peers_per_stage']}" for c in cells]
+    lines = [f"code: {commit}; swarm totals over every link, bytes per trained token (bytes per second)", "",
+             "| kind | " + " | ".join(heads) + " |", "|---|" + "---|" * len(cells)]
+    for kind in KINDS:
+        lines.append(f"| {kind} | " + " | ".join(
+            f"{c['bytes_per_token'][kind]:.1f} ({c['bytes_per_second'][kind]:.0f})" for c in cells) + " |")
+    non_trip = [sum(v for k, v in c["bytes_per_token"].items() if not k.startswith("trip")) for c in cells]
+    lines.append("| **non-trip total** | " + " | ".join(f"**{n:.1f}**" for n in non_trip) + " |")
+    ratios = [n / max(c["bytes_per_token"]["trip payload"], 1e-9) for n, c in zip(non_trip, cells, strict=True)]
+    lines.append("| non-trip / trip payload | " + " | ".join(f"{r:.2f}" for r in ratios) + " |")
+    lines.append("| tokens/s (under load) | " + " | ".join(f"{c['tokens_per_second']:.0f}" for c in cells) + " |")
+    lines.append("| DHT requests served / 1k tokens | " + " | ".join(
+        f"{c['per_1000_tokens'].get('served requests', 0):.1f}" for c in cells) + " |")
+    for cell, head in zip(cells, heads, strict=True):
         rates = cell["per_1000_tokens"]
-        top = sorted(((n, e) for e, n in rates.items() if e.startswith(("lookup", "store"))), reverse=True)[:4]
-        lines.append(f"| {cell['mode']} | {cell['tokens_per_second']:.0f} | {rates.get('served requests', 0):.1f} | "
-                     f"{rates.get('served bytes', 0) / 1000:.0f} | {'; '.join(f'{e} {n:.1f}' for n, e in top)} |")
+        top = sorted(((n, e) for e, n in rates.items() if e.startswith(("lookup", "store"))), reverse=True)[:5]
+        lines.append(f"\n{head}: top lookups and stores / 1k tokens: {'; '.join(f'{e} {n:.1f}' for n, e in top)}")
     return "\n".join(lines)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--modes", nargs="+", default=["boundary", "none"])
+    parser.add_argument("--peers", nargs="+", type=int, default=[1], help="peers per stage, one cell each")
     parser.add_argument("--stages", type=int, default=3)
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--checkout", default=str(Path(__file__).resolve().parents[1]),
@@ -81,9 +148,10 @@ def main() -> int:
     commit = subprocess.run(["git", "-C", args.checkout, "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip() or "unknown"
     cells = []
-    for mode in args.modes:
-        cells.append(run_cell(mode, args))
-        print(f"{mode}: {cells[-1]['tokens_per_second']:.0f} tokens/s", file=sys.stderr, flush=True)
+    for peers in args.peers:
+        for mode in args.modes:
+            cells.append(run_cell(mode, peers, args))
+            print(f"{mode} × {peers}: {cells[-1]['tokens_per_second']:.0f} tokens/s", file=sys.stderr, flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps({"commit": commit, "cells": cells}, indent=1))
     print(report(cells, commit))

@@ -36,6 +36,15 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         f"bytes/token/dir   dense {dense} ({manifest.wire_dtype}), {manifest.compression} {compressed}"
         f" -> {100 * compressed / dense:.2f}% of dense"
     )
+    spec = manifest.context_parallel
+    if spec is not None:
+        formula = spec.payload_bytes_per_token(shape, manifest.batch.seq_len)
+        sent = formula["compressed" if spec.compressed else "dense"]
+        share = f" -> {100 * sent / formula['dense']:.2f}% of dense" if formula["dense"] else ""
+        print(
+            f"context parallel  P={spec.size}, {spec.compression} ({spec.variant}): K/V payload {sent:.1f}"
+            f" B/token/layer/dir, dense {formula['dense']:.1f}{share}"
+        )
     return 0
 
 
@@ -69,6 +78,14 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             f" ({100 * result.wire_bytes_per_token / result.dense_wire_bytes_per_token:.2f}%)"
         )
         print(f"max reconstruction error {result.max_reconstruction_error:.2e}")
+        if result.cp_bytes_per_token is not None:
+            sent, dense = result.cp_bytes_per_token, result.cp_dense_bytes_per_token
+            share = sent["forward"] / dense["forward"] if dense["forward"] else 1.0
+            print(
+                f"context parallel K/V {sent['forward']:.1f} + {sent['backward']:.1f} B/token/layer vs dense"
+                f" {dense['forward']:.1f} + {dense['backward']:.1f} ({100 * share:.2f}%),"
+                f" reconstruction error {result.cp_reconstruction_error:.2e}"
+            )
     return 0
 
 
@@ -77,12 +94,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     inspect = sub.add_parser("inspect", help="print a manifest, its run_id, hashes and compression ratio")
-    add_manifest_args(inspect)
+    add_manifest_args(inspect, context_parallel=True)
     inspect.add_argument("--write", metavar="FILE", help="also save the manifest to FILE")
     inspect.set_defaults(func=cmd_inspect)
 
     sim = sub.add_parser("simulate", help="train all stages in one process through the real wire codec")
-    add_manifest_args(sim)
+    add_manifest_args(sim, context_parallel=True)
     sim.add_argument("--steps", type=int, default=50, help="optimizer steps")
     sim.add_argument("--data", help="a text file or directory (default: the manifest's dataset)")
     sim.add_argument("--json", action="store_true", help="print one JSON object as the last line")

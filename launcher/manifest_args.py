@@ -4,14 +4,19 @@ from __future__ import annotations
 
 import argparse
 
+from swarm.context_parallel import VARIANTS
+from swarm.cp_modes import CP_MODES
 from swarm.manifest import Manifest, load_manifest
 from swarm.modes import MODES
 from swarm.presets import PRESETS, preset, verify_hashes
 
 
-def add_manifest_args(parser: argparse.ArgumentParser, stages: int | None = None) -> None:
+def add_manifest_args(
+    parser: argparse.ArgumentParser, stages: int | None = None, context_parallel: bool = False
+) -> None:
     """The flags that choose a run's manifest, the same for every `protocol-swarm` command; `stages` is the
-    default stage count (None: the preset's)."""
+    default stage count (None: the preset's); `context_parallel` adds the flags that turn it on (the
+    commands that can run it: one process; a swarm cannot ship K/V between peers yet)."""
     parser.add_argument("--preset", default="tiny", choices=PRESETS, help="named run shape")
     parser.add_argument("--manifest", help="a manifest JSON file instead of a preset")
     parser.add_argument("--compression", choices=tuple(MODES), help="override the compression mode")
@@ -19,6 +24,16 @@ def add_manifest_args(parser: argparse.ArgumentParser, stages: int | None = None
     parser.add_argument("--k", type=int, help="subspace width")
     parser.add_argument("--seed", type=int, help="run seed (derives T_fixed and U)")
     parser.add_argument("--subspace-update-interval", type=int, help="optimizer epochs between U updates (0 = never)")
+    if context_parallel:
+        parser.add_argument(
+            "--context-parallel", type=int, metavar="P", help="split every sequence into P chunks (context parallelism)"
+        )
+        parser.add_argument(
+            "--cp-compression", choices=tuple(CP_MODES), help="what crosses between chunks: K/V, or Z and θ"
+        )
+        parser.add_argument(
+            "--cp-variant", choices=VARIANTS, help="subspace: paper = every block compressed, remote = crossing ones"
+        )
 
 
 def manifest_from(args: argparse.Namespace) -> Manifest:
@@ -28,8 +43,14 @@ def manifest_from(args: argparse.Namespace) -> Manifest:
         manifest = load_manifest(args.manifest)
         verify_hashes(manifest)
         return manifest
+    cp_flags = {
+        "size": getattr(args, "context_parallel", None),
+        "compression": getattr(args, "cp_compression", None),
+        "variant": getattr(args, "cp_variant", None),
+    }
     return preset(
         args.preset,
+        context_parallel={key: value for key, value in cp_flags.items() if value is not None},
         stages=args.stages,
         compression=args.compression,
         seed=args.seed,

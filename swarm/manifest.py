@@ -1,8 +1,10 @@
 """The run manifest: everything peers must agree on before they exchange a single tensor.
 
 A run is identified by the hash of its canonical manifest, so two peers with the same `run_id`
-compute the same function. The manifest also records the SHA-256 of `T_fixed` and of `U`
-version 0, which every peer recomputes from the seed and checks before it starts.
+compute the same function. An optional field left at its default (`context_parallel` off) is
+left out of the canonical JSON, so adding such a field does not change existing runs' ids. The
+manifest also records the SHA-256 of `T_fixed` and of `U` version 0, which every peer recomputes
+from the seed and checks before it starts.
 """
 
 from __future__ import annotations
@@ -12,8 +14,9 @@ import json
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer, model_validator
 
+from swarm.context_parallel import ContextParallelSpec
 from swarm.modes import DEFAULT, MODES, CompressionMode
 
 WireDType = Literal["fp32", "bf16", "fp16", "int8"]
@@ -94,6 +97,16 @@ class Manifest(_Strict):
     subspace_step: float = Field(default=0.05, gt=0, le=1, description="Grassmann step size (radians, roughly)")
     t_fixed_sha256: str = ""
     u_sha256: str = ""
+    # chunks of a sequence on different peers, K/V compressed between them (swarm/context_parallel.py)
+    context_parallel: ContextParallelSpec | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_unset_options(self, handler) -> dict:
+        """Context parallelism off is absent, not null: the run ids of manifests without it stay as they were."""
+        data = handler(self)
+        if data.get("context_parallel", "set") is None:
+            del data["context_parallel"]
+        return data
 
     @field_validator("format")
     @classmethod
@@ -153,6 +166,8 @@ class Manifest(_Strict):
                 f"stages end at layer {expected} but model.n_layers is {shape.n_layers}: "
                 "stages must cover the layers exactly"
             )
+        if self.context_parallel is not None:
+            self.context_parallel.validate(shape, self.batch.seq_len)
         for field in ("t_fixed_sha256", "u_sha256"):
             value = getattr(self, field)
             if value and (len(value) != 64 or any(c not in "0123456789abcdef" for c in value)):

@@ -5,7 +5,9 @@ One `PipelineStage` is what one peer holds. The head stage embeds tokens as
 What keeps the boundary activations in span(U) is the manifest's compression mode
 (`swarm/modes/`): which tensors are constrained (their gradients are projected by hooks, so every
 consumer of `.grad`, our optimizer and hivemind's averager, sees `P G`) and whether a stage ends
-by projecting its output.
+by projecting its output. With the manifest's `context_parallel` set, every layer's attention is
+`swarm.cp_model.CPAttention`: the sequence is cut into P chunks whose K/V reach later chunks as
+that field's K/V mode says (`swarm/cp_modes.py`), through the wire's rounding.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from swarm.context_parallel import CPBasis
+from swarm.cp_model import CPAttention
 from swarm.layers import RMSNorm, SwiGLU, apply_rope, rope_tables
 from swarm.manifest import Manifest, ModelShape
 from swarm.subspace import initial_basis, t_fixed_table, tensor_sha256
@@ -75,10 +79,12 @@ class Attention(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, shape: ModelShape):
+    """One decoder layer; `attention` replaces the plain causal attention (the context-parallel one)."""
+
+    def __init__(self, shape: ModelShape, attention: nn.Module | None = None):
         super().__init__()
         self.attn_norm = RMSNorm(shape.d_model, shape.norm_eps)
-        self.attn = Attention(shape)
+        self.attn = attention if attention is not None else Attention(shape)
         self.mlp_norm = RMSNorm(shape.d_model, shape.norm_eps)
         self.mlp = SwiGLU(shape)
 
@@ -95,10 +101,11 @@ def _seeded(seed: int, *salt: int) -> torch.Generator:
 
 
 def _init_block(block: Block, seed: int, layer: int, n_layers: int) -> None:
-    """Per-layer seeded init, so a layer starts the same whatever the stage split."""
+    """Per-layer seeded init, so a layer starts the same whatever the stage split (and whether context
+    parallelism is on: its θ head starts at zero, the fixed basis, and draws nothing)."""
     generator = _seeded(seed, 1, layer)
     for name, param in sorted(block.named_parameters()):
-        if name.endswith("norm.weight"):
+        if name.endswith("norm.weight") or name.startswith("attn.theta_head."):
             continue
         std = 0.02 / math.sqrt(2 * n_layers) if name in ("attn.wo.weight", "mlp.w2.weight") else 0.02
         with torch.no_grad():
@@ -118,7 +125,11 @@ class PipelineStage(nn.Module):
         self.subspace = SubspaceState(manifest)
         layers = manifest.layers_of(index)
         self.first_layer = layers.start
-        self.layers = nn.ModuleList(Block(shape) for _ in layers)
+        cp = manifest.context_parallel  # every layer's attention split into cp.size chunks
+        self.cp_basis = None if cp is None else CPBasis.for_spec(cp, shape, manifest.seed)
+        self.layers = nn.ModuleList(
+            Block(shape, None if cp is None else CPAttention(shape, cp, layer, self.cp_basis)) for layer in layers
+        )
         for layer, block in zip(layers, self.layers, strict=True):
             _init_block(block, manifest.seed, layer, shape.n_layers)
         cos, sin = rope_tables(shape.d_model // shape.n_heads, shape.max_seq_len, shape.rope_theta)

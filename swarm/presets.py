@@ -1,7 +1,13 @@
-"""Named run shapes, from a CPU toy to the paper's 8B, with the seed-derived hashes filled in."""
+"""Named run shapes, from a CPU toy to the paper's 8B, with the seed-derived hashes filled in.
+
+The `-long` / `-cp` presets are their base shape with long sequences split into context-parallel
+chunks (`swarm/context_parallel.py`), K/V compressed between chunks."""
 
 from __future__ import annotations
 
+from dataclasses import asdict
+
+from swarm.context_parallel import ContextParallelSpec, kv_width
 from swarm.manifest import (
     BatchSpec,
     Manifest,
@@ -68,6 +74,29 @@ _SHAPES: dict[str, dict] = {
     ),
 }
 
+
+
+def _long_context(base: str, seq_len: int, size: int, target: int, k_share: float, v_share: float) -> dict:
+    """`base` with sequences of `seq_len` tokens over `size` chunks, one sequence per microbatch; the
+    K and V ranks keep `k_share` and `v_share` of d_kv (the paper reports K 98%, V 95% less traffic)."""
+    shape = _SHAPES[base]["model"].model_copy(update=dict(max_seq_len=seq_len))
+    d_kv = kv_width(shape)
+    return dict(
+        _SHAPES[base],
+        model=shape,
+        batch=BatchSpec(microbatch_size=1, seq_len=seq_len, target_batch_size=target),
+        context_parallel=ContextParallelSpec(
+            size=size, compression="subspace", r_k=round(k_share * d_kv), r_v=round(v_share * d_kv)
+        ),
+    )
+
+
+# tiny at 4096 tokens over 4 chunks (r_k 4, r_v 8 of d_kv 128: 4.7% of dense K/V bytes)
+_SHAPES["tiny-long"] = _long_context("tiny", 4096, 4, 2, 1 / 32, 1 / 16)
+# the paper's setting: 132K-token context over 8 devices (here 32K for the 1B shape); ranks at 2% / 5% of d_kv
+_SHAPES["1b-cp"] = _long_context("1b", 32768, 8, 32, 0.02, 0.05)
+_SHAPES["8b-cp"] = _long_context("8b", 131072, 8, 32, 0.02, 0.05)
+
 PRESETS = tuple(_SHAPES)
 
 
@@ -83,10 +112,15 @@ def with_hashes(manifest: Manifest) -> Manifest:
 
 
 def preset(name: str, **overrides) -> Manifest:
-    """A preset manifest; `stages` may be an int (even split), other keys replace manifest fields."""
+    """A preset manifest; `stages` may be an int (even split), `context_parallel` a dict of the fields
+    to change in the preset's context parallelism (starting from `ContextParallelSpec`'s defaults
+    where the preset has none), other keys replace manifest fields."""
     if name not in _SHAPES:
         raise ManifestError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
     fields = dict(_SHAPES[name], name=f"{name}", seed=0, wire_dtype="bf16")
+    cp_changes = overrides.pop("context_parallel", None)
+    if cp_changes:
+        fields["context_parallel"] = {**asdict(fields.get("context_parallel") or ContextParallelSpec()), **cp_changes}
     fields.update({key: value for key, value in overrides.items() if value is not None})
     if isinstance(fields["stages"], int):
         fields["stages"] = even_stages(fields["model"].n_layers, fields["stages"])

@@ -2,7 +2,9 @@
 
 This is the proof of the method before any networking: the same `PipelineStage`, `BoundaryCodec`
 and optimizer that peers use, chained in a loop. `run_trip` is also how tests compare the
-pipeline with and without the wire in between.
+pipeline with and without the wire in between. With context parallelism on, every stage's
+attention runs its P chunks in one graph, and `swarm.cp_traffic` encodes the K/V messages between
+chunks that a swarm would send, to count their bytes.
 """
 
 from __future__ import annotations
@@ -10,12 +12,15 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from swarm.codec import BoundaryCodec
+from swarm.cp_traffic import CPTraffic, CPTripTraffic
+from swarm.cp_wire import CPCodec
 from swarm.data import load_splits
 from swarm.manifest import Manifest
 from swarm.model import PipelineStage, build_stages, next_token_loss
@@ -31,6 +36,23 @@ class TripStats:
     backward_bytes: int = 0
     max_reconstruction_error: float = 0.0
     boundaries: int = 0
+    cp: CPTripTraffic | None = None  # K/V messages between context-parallel chunks, every layer
+
+
+def cp_traffic(stages: list[PipelineStage], tokens: torch.Tensor) -> CPTraffic | None:
+    """The K/V message counter of a trip of `tokens` through `stages` (None without context parallelism)."""
+    manifest = stages[0].manifest
+    spec = manifest.context_parallel
+    if spec is None:
+        return None
+    codecs = {}
+    for stage in stages:
+        layers = manifest.layers_of(stage.index)
+        codec = CPCodec(
+            spec, manifest.model, tokens.shape[1], tokens.shape[0], manifest.run_id, stage.cp_basis, stage.index, layers
+        )
+        codecs.update(dict.fromkeys(layers, codec))
+    return CPTraffic(codecs, [block.attn for stage in stages for block in stage.layers])
 
 
 def run_trip(
@@ -49,7 +71,8 @@ def run_trip(
     hidden = None
     trip_id = uuid.uuid4().hex
     grad_mode = torch.enable_grad() if backward else torch.no_grad()
-    with grad_mode:
+    traffic = cp_traffic(stages, tokens) if use_wire and backward else None
+    with grad_mode, traffic if traffic is not None else nullcontext():
         for i, stage in enumerate(stages):
             if i > 0 and use_wire:
                 blob = codecs[i - 1].encode_forward(hidden, tokens, trip_id, to_stage=i)
@@ -76,6 +99,8 @@ def run_trip(
         _, grad = codecs[i - 1].decode_backward(blob, stage=i - 1)
         outputs[i - 1].backward(grad)
         output_grads[i - 1] = grad
+    if traffic is not None:
+        stats.cp = traffic.flush()
     for i, stage in enumerate(stages):
         stage.note_boundaries(
             tokens, inputs[i], inputs[i].grad if inputs[i] is not None else None, residuals[i], output_grads[i]
@@ -137,6 +162,12 @@ class SimulationResult:
     u_version: int = 0
     subspace_updates: list[dict] = field(default_factory=list)
     update_seconds: float = 0.0
+    # context parallelism only: bytes per token per layer of the K/V messages, counted from the encoded messages
+    cp_bytes_per_token: dict[str, float] | None = None  # {"forward": …, "backward": …}
+    cp_dense_bytes_per_token: dict[str, float] | None = None  # the same crossings with dense K/V messages
+    cp_formula_bytes_per_token: float | None = None  # payload formula, one direction, without headers
+    cp_reconstruction_error: float | None = None  # max, K/V rebuilt from the decoded bytes vs the sender's
+    cp_kv_residual: float | None = None  # mean ‖rebuilt − full-rank K/V‖ / ‖full‖: what the K/V subspace leaves out
 
 
 def evaluate(stages: list[PipelineStage], batches: list[torch.Tensor]) -> float:
@@ -166,6 +197,7 @@ def simulate(
     result = SimulationResult(run_id=manifest.run_id, compression=manifest.compression, steps=steps, tokens=0)
     result.val_loss_first = evaluate(stages, validation)
     forward_bytes = backward_bytes = boundary_tokens = 0
+    cp_totals = CPTripTraffic()
     started = time.perf_counter()
     optimizer_time = 0.0
     for step in range(steps):
@@ -180,6 +212,8 @@ def simulate(
                 forward_bytes += stats.forward_bytes / stats.boundaries
                 backward_bytes += stats.backward_bytes / stats.boundaries
                 boundary_tokens += tokens.numel()
+            if stats.cp is not None:
+                _add_cp(cp_totals, stats.cp)
         tick = time.perf_counter()
         for stage, optimizer in zip(stages, optimizers, strict=True):
             clip_grad_norm(stage.parameters(), manifest.optimizer.grad_clip)
@@ -215,7 +249,34 @@ def simulate(
         result.wire_bytes_per_token_backward = backward_bytes / boundary_tokens
         result.wire_bytes_per_token = result.wire_bytes_per_token_forward + result.wire_bytes_per_token_backward
     result.dense_wire_bytes_per_token = 2 * manifest.dense_bytes_per_token()
+    if manifest.context_parallel is not None:
+        _report_cp(result, manifest, cp_totals)
     result.seconds = elapsed
     result.step_seconds = elapsed / max(steps, 1)
     result.optimizer_seconds = optimizer_time / max(steps, 1)
     return result
+
+
+def _add_cp(total: CPTripTraffic, trip: CPTripTraffic) -> None:
+    total.forward_bytes += trip.forward_bytes
+    total.backward_bytes += trip.backward_bytes
+    total.dense_forward_bytes += trip.dense_forward_bytes
+    total.dense_backward_bytes += trip.dense_backward_bytes
+    total.max_reconstruction_error = max(total.max_reconstruction_error, trip.max_reconstruction_error)
+    total.kv_residuals += trip.kv_residuals
+
+
+def _report_cp(result: SimulationResult, manifest: Manifest, total: CPTripTraffic) -> None:
+    """Per token of training and per layer; zero bytes where nothing crossed (P = 1)."""
+    spec, shape = manifest.context_parallel, manifest.model
+    per = max(result.tokens * shape.n_layers, 1)
+    result.cp_bytes_per_token = {"forward": total.forward_bytes / per, "backward": total.backward_bytes / per}
+    result.cp_dense_bytes_per_token = {
+        "forward": total.dense_forward_bytes / per,
+        "backward": total.dense_backward_bytes / per,
+    }
+    formula = spec.payload_bytes_per_token(shape, manifest.batch.seq_len)
+    result.cp_formula_bytes_per_token = formula["compressed" if spec.compressed else "dense"]
+    result.cp_reconstruction_error = total.max_reconstruction_error
+    residuals = total.kv_residuals
+    result.cp_kv_residual = sum(residuals) / len(residuals) if residuals else 0.0

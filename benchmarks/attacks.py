@@ -10,7 +10,7 @@ frames; and a mixed fuzz of 10,000 mutated trips. Per attack it reports the code
 got back, the driver's tokens/s during the attack as a ratio to the quiet window before it, the
 attacked peer's RSS (and peak) before and after, and the bytes its log grew by.
 
-    python -m benchmarks.attacks [--compression none] [--seconds 30] [--fuzz 10000] [--json OUT]
+    python -m benchmarks.attacks [--compression none] [--seconds 30] [--fuzz 10000] [--only WORD ...] [--json OUT]
 
 The table it prints is the one in benchmarks/RESULTS.md.
 """
@@ -214,6 +214,8 @@ async def run_attacks(args: argparse.Namespace, swarm: LocalSwarm, workdir: Path
     window = args.seconds
 
     async def cell(name: str, make_attack, seconds: float = window) -> None:
+        if args.only and not any(word in name for word in args.only):
+            return
         quiet, _ = await _during(observer, min(seconds, 20.0), lambda: asyncio.sleep(0))
         rss0, peak0 = observer.memory_mb()
         log0 = observer.log_bytes()
@@ -344,6 +346,7 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=30.0, help="length of each attack window")
     parser.add_argument("--fuzz", type=int, default=10_000, help="mutated trips in the fuzz run")
     parser.add_argument("--json", help="write the rows here")
+    parser.add_argument("--only", nargs="+", metavar="WORD", help="run only the attacks whose name has one of these")
     args = parser.parse_args()
     torch.set_num_threads(1)
     manifest = preset("tiny", stages=2, compression=args.compression)

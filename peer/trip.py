@@ -194,22 +194,34 @@ class Hop:
     async def hop(self, hidden: torch.Tensor | None, tokens: torch.Tensor, version: int, trip_id: str) -> HopResult:
         """This stage's turn: forward, the rest of the pipeline (unless this is the tail), backward, step."""
         runtime = self.runtime
+        if runtime.stage.is_tail:
+            # the tail waits on nobody: forward, backward and the step in one stage-thread job, so a trip's
+            # graph never outlives its job and a burst of trips holds one graph's memory, not one per trip
+            def whole() -> tuple[torch.Tensor | None, float | None]:
+                leaf, output, residual = runtime.forward(hidden, tokens, version)
+                return self._learn(leaf, output, None, tokens, residual, version)
+
+            input_grad, loss = await runtime.run(whole)
+            return HopResult(input_grad, loss, [version])
         leaf, output, residual = await runtime.run(runtime.forward, hidden, tokens, version)
-        grad, loss, downstream, sent, received = None, None, [], 0, 0
-        if not runtime.stage.is_tail:
-            message = await runtime.run(runtime.encode_forward, version, output, tokens, trip_id, self.index + 1)
-            reply = await self.send_next(message)
-            sent, received = len(message), reply.size
-            grad, loss, downstream = reply.grad, reply.loss, reply.versions
+        message = await runtime.run(runtime.encode_forward, version, output, tokens, trip_id, self.index + 1)
+        reply = await self.send_next(message)
+        input_grad, _ = await runtime.run(self._learn, leaf, output, reply.grad, tokens, residual, version)
+        return HopResult(input_grad, reply.loss, reply.versions + [version], len(message), reply.size)
 
-        def learn() -> tuple[torch.Tensor | None, float | None]:
-            # backward and the step in one job on the stage thread: no other trip's gradients in between
-            result = runtime.backward(leaf, output, grad, tokens, residual, version)
-            runtime.step(batch_size=tokens.shape[0])
-            return result
-
-        input_grad, tail_loss = await runtime.run(learn)
-        return HopResult(input_grad, loss if tail_loss is None else tail_loss, downstream + [version], sent, received)
+    def _learn(
+        self,
+        leaf: torch.Tensor | None,
+        output: torch.Tensor,
+        grad: torch.Tensor | None,
+        tokens: torch.Tensor,
+        residual: torch.Tensor | None,
+        version: int,
+    ) -> tuple[torch.Tensor | None, float | None]:
+        """Backward and the step in one job on the stage thread: no other trip's gradients in between."""
+        result = self.runtime.backward(leaf, output, grad, tokens, residual, version)
+        self.runtime.step(batch_size=tokens.shape[0])
+        return result
 
     # --- the next hop ----------------------------------------------------------------------------
 

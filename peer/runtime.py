@@ -28,6 +28,7 @@ from hivemind.optim.optimizer import Optimizer
 from hivemind.optim.state_averager import TrainingStateAverager
 
 from peer.finite_state import FiniteStateGuard
+from peer.progress import PROGRESS_INTERVAL, PacedProgressTracker
 from swarm.codec import BoundaryCodec
 from swarm.manifest import Manifest
 from swarm.model import PipelineStage, next_token_loss
@@ -80,6 +81,23 @@ class StageOptimizer(Optimizer):
     def _maybe_schedule_gradient_averaging(self) -> None:
         if self.tracker.global_progress.num_peers > 1:
             super()._maybe_schedule_gradient_averaging()
+
+    def _make_gradient_averager(self, factory, **kwargs):
+        # joiners download state from the state averager only; hivemind would also declare the gradient
+        # averager as a state donor in the DHT, once more at every epoch, for nobody to read
+        return super()._make_gradient_averager(factory, allow_state_sharing=False, **kwargs)
+
+    def _make_progress_tracker(self, target_batch_size: int, **kwargs) -> PacedProgressTracker:
+        # one progress record per PROGRESS_INTERVAL instead of one per microbatch (peer/progress.py)
+        return PacedProgressTracker(
+            dht=self.dht,
+            prefix=self.run_id,
+            target_batch_size=target_batch_size,
+            client_mode=self.client_mode,
+            status_loglevel=self.status_loglevel,
+            start=True,
+            **kwargs,
+        )
 
     def _make_state_averager(self, **kwargs) -> TrainingStateAverager:
         return SnapshotStateAverager(
@@ -135,6 +153,8 @@ class StageRuntime:
             matchmaking_time=matchmaking_time,
             averaging_timeout=averaging_timeout,
             averager_opts=dict(request_timeout=1.0),
+            # reading the stage's progress more often than peers report it (PROGRESS_INTERVAL) finds nothing new
+            tracker_opts=dict(min_refresh_period=PROGRESS_INTERVAL),
             # the optimizer steps the stage's own tensors: checkpoints, U switches and re-projections
             # then act on the one copy that exists (an offloaded copy would silently undo them)
             offload_optimizer=False,

@@ -1,0 +1,87 @@
+"""The quiet swarm's cuts (issue 13): paced progress records, and one DHT traversal for all stage records."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from peer.progress import PacedEvent
+from tests.builders import dht_with_record, tiny_manifest
+
+
+def _wake_times(event: PacedEvent, sets: int, every: float, until: float) -> list[float]:
+    """`set` the event `sets` times `every` seconds apart; the times (from the start) a waiter woke up."""
+    woke, start, done = [], time.monotonic(), threading.Event()
+
+    def waiter() -> None:
+        while not done.is_set():
+            if event.wait(0.05):
+                event.clear()
+                woke.append(time.monotonic() - start)
+
+    thread = threading.Thread(target=waiter, daemon=True)
+    thread.start()
+    for _ in range(sets):
+        event.set()
+        time.sleep(every)
+    time.sleep(max(0.0, until - (time.monotonic() - start)))
+    done.set()
+    thread.join()
+    return woke
+
+
+def test_paced_event_wakes_at_most_once_per_interval_and_delivers_the_last_set():
+    woke = _wake_times(PacedEvent(0.5), sets=20, every=0.05, until=1.6)
+    # 20 sets over 1 s: the first at once, then one per interval (0.5, 1.0), none after the last set's deferral
+    assert woke[0] < 0.1
+    assert 2 <= len(woke) <= 4, woke
+    assert all(b - a >= 0.45 for a, b in zip(woke, woke[1:], strict=False)), woke
+    assert woke[-1] >= 0.95  # the sets after the last wake-up were delivered, not dropped
+
+
+def test_paced_event_set_now_is_immediate():
+    event = PacedEvent(60.0)
+    event.set()
+    event.clear()
+    event.set()  # deferred by a minute
+    assert not event.wait(0.1)
+    event.set_now()
+    assert event.wait(0.1)
+
+
+def test_fetch_stages_reads_every_stage_in_one_traversal(tmp_path):
+    from dhtio.records import fetch_stages
+
+    manifest = tiny_manifest(n_layers=3, stages=3)
+    first = dht_with_record([], manifest, 0, tmp_path, name="a")
+    others = []
+    try:
+        peers = [str(a) for a in first.get_visible_maddrs()]
+        others = [dht_with_record(peers, manifest, 2, tmp_path, name=name) for name in ("b", "c")]
+        stages = fetch_stages(first, manifest)
+        assert sorted(stages) == [0, 1, 2]
+        assert [e.record.public_name for e in stages[0]] == ["a"]
+        assert stages[1] == []
+        assert len(stages[2]) == 2 and {e.record.peer_id for e in stages[2]} == {str(d.peer_id) for d in others}
+    finally:
+        for dht in [first, *others]:
+            dht.shutdown()
+
+
+def test_paced_tracker_reports_through_a_paced_event_and_shuts_down_at_once():
+    from hivemind.dht import DHT
+
+    from peer.progress import PacedProgressTracker
+
+    dht = DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    try:
+        tracker = PacedProgressTracker(dht, "quiet", target_batch_size=64, report_interval=30.0, start=True)
+        assert isinstance(tracker.should_report_progress, PacedEvent)
+        for samples in range(1, 6):
+            tracker.report_local_progress(0, samples)
+        assert tracker.local_progress.samples_accumulated == 5  # local counters are never delayed
+        started = time.monotonic()
+        tracker.shutdown(timeout=10.0)
+        assert tracker.shutdown_complete.is_set() and time.monotonic() - started < 5.0
+    finally:
+        dht.shutdown()

@@ -365,3 +365,52 @@ def test_compression_ratio_fields():
     assert manifest.compressed_bytes_per_token() == 4 * 2 + 1
     assert preset("tiny", compression="none").compressed_bytes_per_token() == 512
     assert preset("tiny", wire_dtype="fp32").dense_bytes_per_token() == 1024
+
+
+# --- context parallelism ------------------------------------------------------------------------------
+
+def test_context_parallel_off_leaves_the_canonical_manifest_and_run_id_as_they_were(tiny_dict):
+    """A manifest written before the field existed has no `context_parallel` key: its canonical JSON,
+    hence its run id, is what it was; writing the field as null changes nothing either."""
+    assert "context_parallel" not in tiny_dict
+    manifest = parse_manifest(tiny_dict)
+    assert manifest.canonical_json() == json.dumps(tiny_dict, sort_keys=True, separators=(",", ":"))
+    assert parse_manifest({**tiny_dict, "context_parallel": None}).run_id == manifest.run_id
+    with_cp = parse_manifest({**tiny_dict, "context_parallel": {"size": 4}})
+    assert with_cp.run_id != manifest.run_id
+    assert with_cp.model_dump(mode="json")["context_parallel"]["size"] == 4
+
+
+@pytest.mark.parametrize(
+    "spec, fragments",
+    [
+        ({"size": 3}, ("batch.seq_len (128)", "divisible by context_parallel.size (3)")),
+        ({"size": 4, "compression": "subspace", "r_k": 65}, ("context_parallel.r_k (65)", "d_kv")),
+        ({"size": 4, "compression": "subspace", "r_v": 0}, ("r_k and r_v must be at least 1",)),
+        ({"size": 4, "compression": "lossy"}, ("context_parallel.compression must be one of",)),
+        ({"size": 4, "variant": "other"}, ("context_parallel.variant must be one of",)),
+        ({"size": 4, "rank": 3}, ("context_parallel.rank",)),
+        ({"size": 0}, ("context_parallel.size must be at least 1",)),
+        ({"size": 4, "theta_max": 3}, ("theta_max",)),
+    ],
+)
+def test_context_parallel_is_validated(tiny_dict, spec, fragments):
+    _refused(_with(tiny_dict, "context_parallel", spec), *fragments)
+
+
+def test_context_parallel_round_trips_through_a_file(tmp_path):
+    manifest = preset("tiny", context_parallel={"size": 4, "compression": "subspace", "variant": "paper"})
+    save_manifest(manifest, tmp_path / "m.json")
+    loaded = load_manifest(tmp_path / "m.json")
+    assert loaded == manifest and loaded.run_id == manifest.run_id
+    assert loaded.context_parallel.mode.compressed and loaded.context_parallel.variant == "paper"
+
+
+@pytest.mark.parametrize("name, seq, size", [("tiny-long", 4096, 4), ("1b-cp", 32768, 8), ("8b-cp", 131072, 8)])
+def test_long_context_presets(name, seq, size):
+    """Long sequences over P chunks, K/V compressed to at most 5% of dense K/V bytes (the issue's target)."""
+    manifest = parse_manifest(_no_hash_preset(name))
+    spec = manifest.context_parallel
+    assert (manifest.batch.seq_len, manifest.model.max_seq_len, spec.size) == (seq, seq, size)
+    formula = spec.payload_bytes_per_token(manifest.model, seq)
+    assert spec.compressed and formula["compressed"] <= 0.05 * formula["dense"]

@@ -61,13 +61,20 @@ def dht_kind(key: str | None) -> str:
     return "DHT other (pings, routing)"
 
 
+def served_dht(event: str, names: dict[str, str]) -> tuple[str, str] | None:
+    """`served find <DHT id>` -> ("find", its row of KINDS); None for other events."""
+    parts = event.split(" ")
+    if parts[0] != "served" or len(parts) < 2 or parts[1] not in ("find", "store", "ping"):
+        return None
+    return parts[1], dht_kind(names.get(parts[2]) if len(parts) > 2 else None)
+
+
 def byte_kinds(counts: collections.Counter, names: dict[str, str]) -> dict[str, int]:
     """Bytes per row of KINDS from the probes' raw counts (`names`: DHT id hex -> key)."""
     kinds = dict.fromkeys(KINDS, 0)
     for event, n in counts.items():
-        parts = event.split(" ")
-        if event.startswith("served ") and parts[1] in ("find", "store", "ping"):
-            kinds[dht_kind(names.get(parts[2]) if len(parts) > 2 else None)] += n
+        if dht := served_dht(event, names):
+            kinds[dht[1]] += n
         elif event.startswith("trip ") and event.endswith("payload bytes"):
             kinds["trip payload"] += n
         elif event.startswith("trip ") and event.endswith("header bytes"):
@@ -100,6 +107,10 @@ def run_cell(mode: str, peers: int, args: argparse.Namespace) -> dict:
                     counts[event] += n
     tokens, seconds = max(summary["tokens"], 1), max(summary["seconds"], 1e-9)
     kinds = byte_kinds(counts, names)
+    dht_by_operation: collections.Counter = collections.Counter()  # e.g. "find DHT stage records" -> bytes
+    for event, n in counts.items():
+        if dht := served_dht(event, names):
+            dht_by_operation[" ".join(dht)] += n
     operations = collections.Counter()
     for event, n in counts.items():
         operations[family(event)] += n
@@ -109,6 +120,7 @@ def run_cell(mode: str, peers: int, args: argparse.Namespace) -> dict:
             "bytes": kinds,
             "bytes_per_token": {k: n / tokens for k, n in kinds.items()},
             "bytes_per_second": {k: n / seconds for k, n in kinds.items()},
+            "dht_bytes_per_token_by_operation": {k: n / tokens for k, n in sorted(dht_by_operation.items())},
             "per_1000_tokens": {e: n * 1000.0 / tokens for e, n in sorted(operations.items())
                                 if e.startswith(("lookup", "store", "served requests"))}}
 

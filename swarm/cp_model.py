@@ -210,28 +210,39 @@ class CPDecoder(nn.Module):
     # -------------------------------------------------------------- the PCA warm start
 
     def start_collecting(self) -> None:
-        for block in self.blocks:
-            block.attn.stats = {
-                "k": torch.zeros(block.attn.d_kv, block.attn.d_kv, dtype=torch.float64),
-                "v": torch.zeros(block.attn.d_kv, block.attn.d_kv, dtype=torch.float64),
-            }
+        start_collecting([block.attn for block in self.blocks])
 
     def warm_start(self) -> dict:
-        """Switch to Ū = principal components of the K/V collected since start_collecting, turn
-        compression on, bump the basis version; returns what changed (version, hash, energy kept)."""
-        ubars, kept = {}, {}
-        for i, block in enumerate(self.blocks):
-            stats = block.attn.stats
-            if stats is None:
-                raise RuntimeError("warm_start needs K/V statistics: call start_collecting before the warm-up steps")
-            for which, rank in (("k", self.spec.r_k), ("v", self.spec.r_v)):
-                ubars[i, which] = pca_basis(stats[which], rank)
-                u = ubars[i, which].double()
-                kept[f"{i}{which}"] = float(torch.trace(u.T @ stats[which] @ u) / torch.trace(stats[which]))
-            block.attn.stats = None
-        self.basis.switch(ubars, self.basis.version + 1)
-        self.compress_active = True
-        return {"version": self.basis.version, "sha256": self.basis.sha256, "energy_kept": kept}
+        return warm_start([block.attn for block in self.blocks], [self.basis])
+
+
+def start_collecting(attentions: list[CPAttention]) -> None:
+    """Sum Kᵀ K and Vᵀ V of every chunk from now on (forward passes), for the PCA warm start."""
+    for attn in attentions:
+        attn.stats = {which: torch.zeros(attn.d_kv, attn.d_kv, dtype=torch.float64) for which in ("k", "v")}
+
+
+def warm_start(attentions: list[CPAttention], bases: list[CPBasis]) -> dict:
+    """Switch to Ū = principal components of the K/V collected since start_collecting, in every basis
+    copy (one per pipeline stage, every layer each: `attentions` must cover every layer), turn
+    compression on, bump the basis version; returns what changed (version, hash, energy kept)."""
+    ubars, kept = {}, {}
+    for attn in attentions:
+        if attn.stats is None:
+            raise RuntimeError("warm_start needs K/V statistics: call start_collecting before the warm-up steps")
+        for which, rank in (("k", attn.spec.r_k), ("v", attn.spec.r_v)):
+            stats = attn.stats[which]
+            ubars[attn.layer, which] = pca_basis(stats, rank)
+            u = ubars[attn.layer, which].double()
+            kept[f"{attn.layer}{which}"] = float(torch.trace(u.T @ stats @ u) / torch.trace(stats))
+        attn.stats = None
+    version = bases[0].version + 1
+    for basis in bases:
+        basis.switch(ubars, version)
+    for attn in attentions:
+        attn.mode = attn.spec.mode
+    same = len({basis.sha256 for basis in bases}) == 1
+    return {"version": version, "sha256": bases[0].sha256, "same_on_every_copy": same, "energy_kept": kept}
 
 
 def next_token_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:

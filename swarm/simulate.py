@@ -19,6 +19,8 @@ import numpy as np
 import torch
 
 from swarm.codec import BoundaryCodec
+from swarm.cp_model import start_collecting, warm_start
+from swarm.cp_modes import DENSE_KV
 from swarm.cp_traffic import CPTraffic, CPTripTraffic
 from swarm.cp_wire import CPCodec
 from swarm.data import load_splits
@@ -141,6 +143,30 @@ def update_subspace(stages: list[PipelineStage], optimizers: list) -> np.ndarray
     return basis
 
 
+class _CPWarmUp:
+    """The manifest's `context_parallel.warm_start_steps`: K/V cross dense for that many optimizer steps
+    while every layer sums Kᵀ K and Vᵀ V; then Ū := their principal components in every stage's basis
+    copy (version 1, one hash) and compression starts. Nothing to do without compressed CP."""
+
+    def __init__(self, stages: list[PipelineStage]):
+        spec = stages[0].manifest.context_parallel
+        self.steps = spec.warm_start_steps if spec is not None and spec.compressed else 0
+        self.stages = stages
+        self.attentions = [block.attn for stage in stages for block in stage.layers] if self.steps else []
+        for attn in self.attentions:
+            attn.mode = DENSE_KV
+
+    def start(self) -> None:
+        start_collecting(self.attentions)
+
+    def due(self, step: int) -> bool:
+        return self.steps > 0 and step + 1 == self.steps
+
+    def switch(self) -> dict:
+        info = warm_start(self.attentions, [stage.cp_basis for stage in self.stages])
+        return {"step": self.steps, **info}
+
+
 @dataclass
 class SimulationResult:
     run_id: str
@@ -168,6 +194,7 @@ class SimulationResult:
     cp_formula_bytes_per_token: float | None = None  # payload formula, one direction, without headers
     cp_reconstruction_error: float | None = None  # max, K/V rebuilt from the decoded bytes vs the sender's
     cp_kv_residual: float | None = None  # mean ‖rebuilt − full-rank K/V‖ / ‖full‖: what the K/V subspace leaves out
+    cp_warm_start: dict | None = None  # the PCA basis switch (step, version, hash, energy kept), if one happened
 
 
 def evaluate(stages: list[PipelineStage], batches: list[torch.Tensor]) -> float:
@@ -195,7 +222,9 @@ def simulate(
     micro_per_step = max(1, batch.target_batch_size // batch.microbatch_size)
     validation = held_out.fixed_batches(batch.microbatch_size, val_batches)
     result = SimulationResult(run_id=manifest.run_id, compression=manifest.compression, steps=steps, tokens=0)
+    warm_up = _CPWarmUp(stages)
     result.val_loss_first = evaluate(stages, validation)
+    warm_up.start()
     forward_bytes = backward_bytes = boundary_tokens = 0
     cp_totals = CPTripTraffic()
     started = time.perf_counter()
@@ -237,6 +266,8 @@ def simulate(
                     "max_subspace_residual": max(s.subspace_residual() for s in stages),
                 }
             )
+        if warm_up.due(step):
+            result.cp_warm_start = warm_up.switch()
         result.train_loss.append(sum(losses) / len(losses))
         if on_step:
             on_step(step, result.train_loss[-1])

@@ -128,3 +128,20 @@ def test_cli_refuses_chunks_that_do_not_divide_the_sequence(capsys):
 def test_default_spec_is_the_one_documented():
     spec = ContextParallelSpec()
     assert (spec.size, spec.compression, spec.variant) == (1, "none", "remote")
+
+
+def test_simulator_warm_start_switches_every_stage_to_the_pca_basis(corpus):
+    """`warm_start_steps`: dense K/V messages first, then Ū := PCA of the K/V seen, the same version
+    and hash on every stage, and compressed messages from then on."""
+    manifest = tiny_manifest(
+        "boundary", context_parallel={"size": 4, "compression": "subspace", "warm_start_steps": 2}
+    )
+    stages = build_stages(manifest)
+    before = stages[0].cp_basis.sha256
+    cold = simulate(manifest, 4, data=corpus, val_batches=1)
+    info = cold.cp_warm_start
+    assert info["step"] == 2 and info["version"] == 1 and info["sha256"] != before and info["same_on_every_copy"]
+    assert all(0 < kept <= 1 + 1e-9 for kept in info["energy_kept"].values())
+    # two dense steps and two compressed ones: the bytes lie between the two
+    sent, dense = cold.cp_bytes_per_token["forward"], cold.cp_dense_bytes_per_token["forward"]
+    assert 0.5 * dense < sent < 0.75 * dense

@@ -113,7 +113,7 @@ def run(mode: str, seed: int, args, shape, train_tokens, val_batches) -> dict:
         with torch.no_grad():
             for block in model.blocks:
                 xn = block.attn_norm(model.embed[batch[:, : args.seq // args.P]])
-                thetas.append(float(block.attn.project(xn, True)[3].abs().max()))
+                thetas.append(float(block.attn.project(xn, model.mode)[3].abs().max()))
     return {
         "mode": mode,
         "seed": seed,

@@ -3,7 +3,10 @@
 It starts a bootstrap DHT node in this process (which also watches the peers' records), a
 tracker, and one `protocol-peer` process per slot, all on loopback; it stops when the slowest
 stage has made `--steps` optimizer steps, and always stops every child (process groups, so
-hivemind's DHT processes and p2pd daemons go too). The status page is part of what a newcomer
+hivemind's DHT processes and p2pd daemons go too). A peer that dies is restarted with
+`--stage auto` (one log line each; `--no-restart` makes a dead peer end the run instead), and
+`--churn SECONDS` kills a random peer that is not the last of its stage every SECONDS, so the
+swarm can be watched healing on the status page. The status page is part of what a newcomer
 runs this for, so the tracker is checked like a peer: its page and `/api/v1/swarm` are fetched
 during the run (the summary reports what was fetched), and a dead tracker fails the run. The
 temporary directory is removed after a clean run and kept, with its path printed, whenever a
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import shutil
 import signal
 import sys
@@ -43,13 +47,22 @@ def run_local(args: argparse.Namespace) -> dict:
 
             bar = tqdm(total=args.steps, desc=f"local swarm {manifest.compression}", unit="step")
         deadline = time.monotonic() + args.timeout
-        epoch = 0
+        epoch, kills, rng = 0, 0, random.Random()
+        next_kill = time.monotonic() + args.churn if args.churn > 0 else float("inf")
         while epoch < args.steps:
             if time.monotonic() > deadline:
                 raise LocalSwarmError(f"timed out after {args.timeout:.0f}s at step {epoch} of {args.steps}")
-            swarm.check_children()
+            supervise(swarm, args.no_restart)
             time.sleep(1.0)
             stages = swarm.poll()
+            if time.monotonic() >= next_kill:
+                next_kill += args.churn
+                killed = swarm.kill_random_peer(stages, rng)
+                kills += killed is not None
+                said = (
+                    f"killed {killed[0]} (stage {killed[1]})" if killed else "every stage has one peer, nobody killed"
+                )
+                print(f"protocol-swarm local: churn: {said}", file=sys.stderr, flush=True)
             progress.observe(stages)
             if tracker.due():
                 tracker.probe()
@@ -65,7 +78,7 @@ def run_local(args: argparse.Namespace) -> dict:
             epoch = max(epoch, new_epoch)
         progress.observe(swarm.poll())
         tracker.probe()  # the page and the API once more at the end, with every peer still up
-        swarm.check_children()
+        supervise(swarm, args.no_restart)
         if not tracker.ok:
             raise LocalSwarmError(
                 f"the tracker at {swarm.tracker_url} never served its page and /api/v1/swarm "
@@ -104,6 +117,8 @@ def run_local(args: argparse.Namespace) -> dict:
         "tracker_api_fetches": tracker.api_fetches,
         "tracker_saw_healthy": tracker.healthy_seen,
         "workdir": str(workdir),
+        "kills": kills,
+        "restarts": sum(child.restarts for child in swarm.children),
         "peers": [
             {
                 "peer_id": e.record.peer_id,
@@ -116,6 +131,15 @@ def run_local(args: argparse.Namespace) -> dict:
             for e in sorted(progress.entries.values(), key=lambda e: (e.record.stage, e.record.public_name))
         ],
     }
+
+
+def supervise(swarm: LocalSwarm, no_restart: bool) -> None:
+    """A dead child ends the run (`--no-restart`), or a dead peer is restarted with a line on stderr."""
+    if no_restart:
+        swarm.check_children()
+        return
+    for line in swarm.heal():
+        print(f"protocol-swarm local: {line}", file=sys.stderr, flush=True)
 
 
 def _interrupt(signum, frame) -> None:
@@ -165,4 +189,14 @@ def add_local_parser(sub) -> None:
         "--keep-logs", action="store_true", help="keep the working directory with peer logs (kept anyway on failure)"
     )
     local.add_argument("--json", action="store_true", help="print one JSON summary as the last line")
+    local.add_argument(
+        "--no-restart", action="store_true", help="a peer that exits ends the run (default: it is restarted)"
+    )
+    local.add_argument(
+        "--churn",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="every SECONDS, kill a random peer that is not the last of its stage (it is restarted)",
+    )
     local.set_defaults(func=cmd_local)

@@ -9,18 +9,23 @@ multi-process tests (`tests/harness.py`) and the benchmarks.
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from hivemind.utils.timed_storage import get_dht_time
 
 from dhtio.records import fetch_stages
 from swarm.manifest import Manifest, save_manifest
-from swarm.records import PeerEntry, load_or_create_rsa_key, make_validators
+from swarm.records import ANNOUNCE_INTERVAL, RECORD_TTL, PeerEntry, load_or_create_rsa_key, make_validators
+
+MAX_RESTARTS = 100  # a peer restarted this often is broken, not unlucky
 
 
 class LocalSwarmError(RuntimeError):
@@ -36,6 +41,8 @@ class Child:
     name: str
     process: subprocess.Popen
     log: Path
+    argv: list[str] = field(default_factory=list)
+    restarts: int = 0
 
 
 def free_port() -> int:
@@ -64,19 +71,20 @@ class LocalSwarm:
 
     def _spawn(self, name: str, argv: list[str]) -> Child:
         log = self.workdir / f"{name}.log"
-        handle = log.open("wb")
-        process = subprocess.Popen(
-            argv,
-            stdout=handle,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-            env=self._child_env(),
-        )
-        handle.close()
-        child = Child(name, process, log)
+        child = Child(name, self._popen(argv, log, "wb"), log, argv)
         self.children.append(child)
         return child
+
+    def _popen(self, argv: list[str], log: Path, mode: str) -> subprocess.Popen:
+        with log.open(mode) as handle:
+            return subprocess.Popen(
+                argv,
+                stdout=handle,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                env=self._child_env(),
+            )
 
     @staticmethod
     def _child_env() -> dict[str, str]:
@@ -160,6 +168,51 @@ class LocalSwarm:
                 tail = child.log.read_text(errors="replace")[-2000:]
                 raise ChildFailed(f"{child.name} exited with code {code}; its log ends:\n{tail}")
 
+    def heal(self) -> list[str]:
+        """Restart every peer that exited, with `--stage auto` (placement sends it where a peer is missing),
+        its log appended to; returns one line per restart. A dead tracker still fails the run (the status
+        page is what a newcomer watches), and so does a peer that keeps dying (`MAX_RESTARTS`)."""
+        lines = []
+        for child in self.children:
+            code = child.process.poll()
+            if code is None:
+                continue
+            tail = child.log.read_text(errors="replace")[-2000:]
+            if child.name == "tracker" or child.restarts >= MAX_RESTARTS:
+                raise ChildFailed(
+                    f"{child.name} exited with code {code} (restarts {child.restarts}); its log ends:\n{tail}"
+                )
+            _signal_group(child.process, signal.SIGKILL)  # whatever it left in its group (DHT child, p2pd) goes too
+            argv = with_stage(child.argv, "auto")
+            child.process, child.argv, child.restarts = self._popen(argv, child.log, "ab"), argv, child.restarts + 1
+            lines.append(
+                f"{child.name} exited with code {code}; restarted it with --stage auto (pid {child.process.pid})"
+            )
+        return lines
+
+    def kill_random_peer(self, stages: dict[int, list[PeerEntry]], rng: random.Random) -> tuple[str, int] | None:
+        """SIGKILL (the whole process group of) a random running peer whose stage has another online peer,
+        as a volunteer's machine vanishes; returns its name and stage, or None when every stage has one peer."""
+        fresh = get_dht_time() - RECORD_TTL - 2 * ANNOUNCE_INTERVAL  # a killed peer's record stops being refreshed
+        online = {
+            e.record.public_name: stage
+            for stage, entries in stages.items()
+            for e in entries
+            if e.record.state == "online" and e.expiration >= fresh
+        }
+        per_stage = {stage: list(online.values()).count(stage) for stage in set(online.values())}
+        victims = [
+            c
+            for c in self.children
+            if c.name != "tracker" and c.process.poll() is None and per_stage.get(online.get(c.name, -1), 0) > 1
+        ]
+        if not victims:
+            return None
+        victim = rng.choice(victims)
+        _signal_group(victim.process, signal.SIGKILL)
+        victim.process.wait(timeout=10)
+        return victim.name, online[victim.name]
+
     def poll(self) -> dict[int, list[PeerEntry]]:
         return fetch_stages(self.dht, self.manifest)
 
@@ -169,6 +222,13 @@ class LocalSwarm:
         if self.dht is not None:
             self.dht.shutdown()
             self.dht = None
+
+
+def with_stage(argv: list[str], stage: str) -> list[str]:
+    """`argv` with the value of its `--stage` flag replaced by `stage`."""
+    out = list(argv)
+    out[out.index("--stage") + 1] = stage
+    return out
 
 
 def stop_process_groups(processes: list[subprocess.Popen], grace: float) -> list[subprocess.Popen]:

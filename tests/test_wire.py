@@ -3,7 +3,6 @@ WireError with its precise code, never as another exception."""
 
 from __future__ import annotations
 
-import json
 import random
 import struct
 from dataclasses import asdict, replace
@@ -25,6 +24,7 @@ from swarm.wire import (
     encode,
     expectation_for,
     max_token_norm,
+    pack_header,
 )
 
 D, K, B, S = 64, 4, 2, 8
@@ -63,8 +63,9 @@ def forward_blob(m, **changes) -> bytes:
 
 
 def raw_message(head: dict | bytes, body: bytes = b"") -> bytes:
-    """A message built by hand, bypassing encode()."""
-    data = head if isinstance(head, bytes) else json.dumps(head).encode()
+    """A message built by hand, bypassing encode()'s checks of the payload: `head` is the header's fields
+    (packed as the wire packs them, whatever their values) or its raw bytes."""
+    data = head if isinstance(head, bytes) else pack_header(Header(**head))
     return MAGIC + struct.pack("<I", len(data)) + data + body
 
 
@@ -169,17 +170,43 @@ def test_header_length_too_large(m):
             "out of bounds")
 
 
+def _packed(m, extra_json: bytes = b"", **changes) -> bytes:
+    """A backward header packed field by field as `pack_header` does, with raw `extra` bytes."""
+    h = header(m, kind="backward", **changes)
+    fixed = struct.pack("<BIIiii32s", 2, h.u_version, h.stage, *h.shape, bytes.fromhex(h.t_fixed_sha256))
+    texts = b"".join(bytes([len(t.encode())]) + t.encode() for t in (h.run_id, h.trip_id, h.kind, h.dtype))
+    return fixed + struct.pack("<d", h.loss) + texts + struct.pack("<H", len(extra_json)) + extra_json
+
+
 @pytest.mark.parametrize("garbage", [
-    b"not json at all",
+    b"not a header at all",
     b"\xff\xfe\xfd",
     b"[1, 2, 3]",
-    b"null",
-    b'"a string"',
-    b"[" * 3000,  # deep nesting: json raises RecursionError
-    b'{"run_id": "x"}',  # fields missing
+    b"",
+    b"\0" * 57,  # the fixed fields and nothing after them
+    b"\0" * 200,
+    b"\xff" * 300,  # unknown flags
 ])
 def test_header_garbage(m, garbage):
     refused(raw_message(garbage), expect(m), ErrorCode.MALFORMED, "header is not valid")
+
+
+def test_header_packed_by_hand_is_read(m):
+    """`_packed` writes the format swarm/wire.py describes (the garbage tests below rely on it)."""
+    got, _, _ = decode(raw_message(_packed(m, stage=0), body_of(encode(header(m, kind="backward", stage=0),
+                                                                          payload(), None, 256))),
+                       expect(m, "backward", stage=0))
+    assert got == header(m, kind="backward", stage=0)
+
+
+@pytest.mark.parametrize("corrupt", [
+    lambda raw: raw[:-1],  # a field cut short
+    lambda raw: raw + b"\0",  # bytes after the last field
+    lambda raw: raw[:65] + b"\xff" + raw[66:],  # the run id's length (after 57 fixed + 8 loss bytes) runs past the end
+    lambda raw: b"\x83" + raw[1:],  # unknown flags
+])
+def test_header_structure_corrupted(m, corrupt):
+    refused(raw_message(corrupt(_packed(m))), expect(m, "backward"), ErrorCode.MALFORMED, "header is not valid")
 
 
 def _header_dict(m, **changes) -> dict:
@@ -188,23 +215,37 @@ def _header_dict(m, **changes) -> dict:
     return data
 
 
-@pytest.mark.parametrize("changes", [
-    {"stage": "1"},
-    {"stage": True},
-    {"u_version": 0.0},
-    {"shape": [B, S]},
-    {"shape": [B, S, 4.0]},
-    {"shape": 5},
-    {"run_id": 7},
-    {"trip_id": "x" * 200},
-    {"has_tokens": 1},
-    {"extra": []},
-    {"loss": "low"},
-    {"loss": 10**400},  # float(loss) would overflow
-    {"surprise": 1},
+@pytest.mark.parametrize("changes,extra_json", [
+    ({"trip_id": "x" * 200}, b""),  # longer than a trip id may be
+    ({"run_id": "\udcff"}, b""),  # not UTF-8 on the wire (packed below as a lone surrogate's bytes)
+    ({}, b"[]"),  # extra is not an object
+    ({}, b"not json"),
+    ({}, b"[" * 3000),  # deep nesting: json raises RecursionError
+    ({}, b'{"a": 1'),
 ])
-def test_header_fields_with_wrong_types(m, changes):
-    refused(raw_message(_header_dict(m, **changes), body_of(forward_blob(m))), expect(m), ErrorCode.MALFORMED)
+def test_header_fields_with_wrong_types(m, changes, extra_json):
+    if "run_id" in changes:  # a string whose bytes are not UTF-8
+        raw = _packed(m, extra_json).replace(bytes([len(m.run_id)]) + m.run_id.encode(), b"\x01\xff", 1)
+    else:
+        raw = _packed(m, extra_json, **changes)
+    refused(raw_message(raw, body_of(encode(header(m, kind="backward"), payload(), None, 256))),
+            expect(m, "backward"), ErrorCode.MALFORMED)
+
+
+def test_header_values_the_format_cannot_carry_are_refused_by_encode(m):
+    for changes in ({"u_version": -1}, {"stage": 2**32}, {"t_fixed_sha256": "F" * 64}, {"t_fixed_sha256": "ab"},
+                    {"run_id": "r" * 300}, {"shape": (B, S, 2.0)}):
+        with pytest.raises(ValueError):
+            encode(header(m, **changes), payload(), toks(), 256)
+
+
+def test_binary_header_is_small(m):
+    """The header is what every trip pays per message besides its payload (issue 13: ~280 B as JSON)."""
+    blob = encode(header(m), payload(), toks(), 256)
+    back = encode(header(m, kind="backward", stage=0, trip_id="f" * 32, extra={"versions": [0, 0, 0]}),
+                  payload(), None, 256)
+    assert len(blob) - len(body_of(blob)) <= 8 + 57 + 4 * 1 + len(m.run_id) + len("trip-1forwardfp32") + 2
+    assert len(back) - len(body_of(back)) <= 160
 
 
 def test_too_large(m):

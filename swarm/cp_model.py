@@ -107,6 +107,8 @@ class CPAttention(nn.Module):
         """The layer's attention for the whole normalised sequence (B, S, d), chunk by chunk, every
         crossing simulated: a receiver rebuilds K/V from the sender's payload as the wire rounds it."""
         spec, mode = self.spec, self.mode
+        if xn.shape[1] % spec.size:
+            raise ValueError(f"sequence of {xn.shape[1]} tokens does not split into {spec.size} chunks")
         dtype = WIRE_DTYPES[spec.wire_dtype]
         sent, outs = [], []
         for c, chunk in enumerate(xn.split(xn.shape[1] // spec.size, dim=1)):
@@ -199,8 +201,6 @@ class CPDecoder(nn.Module):
             block.attn.mode = self.spec.mode if on else DENSE_KV
 
     def forward(self, tokens: torch.Tensor, round_wire: bool = True) -> torch.Tensor:
-        if tokens.shape[1] % self.spec.size:
-            raise ValueError(f"sequence of {tokens.shape[1]} tokens does not split into {self.spec.size} chunks")
         x = self.embed[tokens]
         for block in self.blocks:
             x = x + block.attn(block.attn_norm(x), self.rope_cos, self.rope_sin, round_wire)

@@ -145,3 +145,9 @@ def test_simulator_warm_start_switches_every_stage_to_the_pca_basis(corpus):
     # two dense steps and two compressed ones: the bytes lie between the two
     sent, dense = cold.cp_bytes_per_token["forward"], cold.cp_dense_bytes_per_token["forward"]
     assert 0.5 * dense < sent < 0.75 * dense
+
+
+def test_a_sequence_that_does_not_split_is_refused(tokens):
+    stage = build_stages(_cp(size=4))[0]
+    with pytest.raises(ValueError, match="does not split into 4 chunks"):
+        stage(None, tokens[:, :30])

@@ -13,7 +13,9 @@ from builders import tiny_manifest
 
 from launcher.cli import main
 from swarm.context_parallel import ContextParallelSpec
-from swarm.cp_model import CPAttention
+from swarm.cp_model import CPAttention, CPDecoder, next_token_loss
+from swarm.cp_traffic import CPTraffic
+from swarm.cp_wire import CPCodec, wire_step
 from swarm.manifest import save_manifest
 from swarm.model import Attention, build_stages
 from swarm.simulate import run_trip, simulate
@@ -151,3 +153,23 @@ def test_a_sequence_that_does_not_split_is_refused(tokens):
     stage = build_stages(_cp(size=4))[0]
     with pytest.raises(ValueError, match="does not split into 4 chunks"):
         stage(None, tokens[:, :30])
+
+
+@pytest.mark.parametrize("compression", ["none", "subspace"])
+def test_counted_messages_are_the_ones_the_graph_cut_wire_sends(compression):
+    """The simulator's tap on the one-graph model encodes exactly as many bytes, forward and backward,
+    as swarm.cp_wire.wire_step ships with the graph cut at every message."""
+    manifest = _cp(size=4, compression=compression, variant="paper")
+    spec, shape = manifest.context_parallel, manifest.model
+    model = CPDecoder(shape, spec, seed=5)
+    batch = torch.randint(0, V, (2, SEQ), generator=torch.Generator().manual_seed(4))
+    codec = CPCodec(spec, shape, SEQ, 2, "run-x", model.basis)
+    _, sent = wire_step(model, batch, codec)
+    traffic = CPTraffic(dict.fromkeys(range(shape.n_layers), codec), [block.attn for block in model.blocks])
+    with traffic:
+        loss = next_token_loss(model(batch), batch)
+    loss.backward()
+    counted = traffic.flush()
+    assert counted.forward_bytes == sum(sent["forward"]) > 0
+    assert counted.backward_bytes == sum(sent["backward"])
+    assert counted.max_reconstruction_error < 0.01

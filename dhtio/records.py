@@ -22,20 +22,27 @@ from swarm.records import (
     stage_key,
 )
 
+# A store lands on the `num_replicas` (hivemind's default: 5) DHT nodes nearest to its key. Reading the latest
+# value from the READ_BEAM nearest of them, merged, finds every record that reached a majority of them; hivemind's
+# default beam (its bucket size, 20) asks every node of a small swarm, each answering with the whole stage.
+READ_BEAM = 3
+
 
 def fetch_stages(dht, manifest: Manifest) -> dict[int, list[PeerEntry]]:
-    """Every stage's live peer records, the latest each DHT node holds.
+    """Every stage's live peer records, the latest the DHT nodes nearest to each stage's key hold.
 
-    One traversal for all the stages' keys (a DHT request names several keys), not one per stage: the same
-    records with a third of the requests for three stages, each request its own libp2p stream."""
+    One traversal for all the stages' keys (a DHT request names several keys), not one per stage, and it
+    asks the READ_BEAM nodes nearest to each key rather than every node it can find. The cost: a record
+    that reached none of those nodes (they joined the DHT since its last store) is missed until its peer
+    re-announces (`ANNOUNCE_INTERVAL`)."""
     keys = [stage_key(manifest, i) for i in range(manifest.num_stages)]
     found = dht.run_coroutine(partial(_get_latest, keys), return_future=False)
     return {i: parse_stage_entries(found[key]) for i, key in enumerate(keys)}
 
 
 async def _get_latest(keys: list[str], _dht, node) -> dict:
-    """Run inside the DHT process: the latest value of every key (what `DHT.get(latest=True)` does for one)."""
-    return await node.get_many(keys, sufficient_expiration_time=float("inf"))
+    """Run inside the DHT process: the latest value of every key from the READ_BEAM nodes nearest to it."""
+    return await node.get_many(keys, sufficient_expiration_time=float("inf"), beam_size=READ_BEAM)
 
 
 def announce(

@@ -49,8 +49,9 @@ def test_paced_event_set_now_is_immediate():
     assert event.wait(0.1)
 
 
-def test_fetch_stages_reads_every_stage_in_one_traversal(tmp_path):
-    from dhtio.records import fetch_stages
+def test_fetch_stages_reads_every_stage_in_one_traversal_from_any_node(tmp_path):
+    """Six nodes, more than the READ_BEAM nearest asked: every node still reads every record."""
+    from dhtio.records import READ_BEAM, fetch_stages
 
     manifest = tiny_manifest(n_layers=3, stages=3)
     first = dht_with_record([], manifest, 0, tmp_path, name="a")
@@ -58,11 +59,14 @@ def test_fetch_stages_reads_every_stage_in_one_traversal(tmp_path):
     try:
         peers = [str(a) for a in first.get_visible_maddrs()]
         others = [dht_with_record(peers, manifest, 2, tmp_path, name=name) for name in ("b", "c")]
-        stages = fetch_stages(first, manifest)
-        assert sorted(stages) == [0, 1, 2]
-        assert [e.record.public_name for e in stages[0]] == ["a"]
-        assert stages[1] == []
-        assert len(stages[2]) == 2 and {e.record.peer_id for e in stages[2]} == {str(d.peer_id) for d in others}
+        others += [dht_with_record(peers, manifest, None, tmp_path, name=name) for name in ("x", "y", "z")]
+        assert 1 + len(others) > READ_BEAM
+        for reader in [first, *others]:
+            stages = fetch_stages(reader, manifest)
+            assert sorted(stages) == [0, 1, 2]
+            assert [e.record.public_name for e in stages[0]] == ["a"]
+            assert stages[1] == []
+            assert {e.record.public_name for e in stages[2]} == {"b", "c"}
     finally:
         for dht in [first, *others]:
             dht.shutdown()

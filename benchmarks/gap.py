@@ -13,11 +13,12 @@ it also measures what the residual is made of: the RMS of `T_fixed[tok]` (frozen
 layers), and the share of the learned part's energy inside span(U) — what the projection keeps.
 This asks whether a random fixed embedding crowds the subspace.
 
-    OMP_NUM_THREADS=1 nice -n 10 python benchmarks/gap.py [--steps 250] [--seeds 0 1] \
-        [--json /tmp/gap.json] [--resume]
+    OMP_NUM_THREADS=1 nice -n 10 python benchmarks/gap.py [--steps 150] [--seeds 0 1] \
+        [--json /tmp/gap.json] [--resume] [--reuse other.json ...]
 
 Runs are deterministic (the seed sets init, U, T_fixed and the batch order), so a resumed run
-reuses finished ones from the JSON file.
+reuses finished ones from the JSON file, and `--reuse` joins the runs of several invocations (one
+process per seed, say) into one table.
 """
 
 from __future__ import annotations
@@ -197,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default="d256k4-2x2", choices=sorted(CONFIGS),
                         help="model shape and split (default: the tiny preset's, 2 stages, k=4)")
-    parser.add_argument("--steps", type=int, default=250)
+    parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--lr", type=float, default=1e-3, help="one learning rate for every mode")
     parser.add_argument("--seq-len", type=int, default=64)
@@ -208,15 +209,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data", default="builtin:stdlib")
     parser.add_argument("--json", dest="json_path", help="write every run here (after each run)")
     parser.add_argument("--resume", action="store_true", help="reuse finished runs found in the --json file")
+    parser.add_argument("--reuse", nargs="+", default=[], metavar="JSON",
+                        help="also reuse finished runs from these files (e.g. one process per seed, then one table)")
     args = parser.parse_args(argv)
 
     torch.set_num_threads(1)
     swarm.data.read_corpus = functools.lru_cache(maxsize=4)(swarm.data.read_corpus)  # one read for every run
     done: list[Run] = []
-    if args.resume and args.json_path and Path(args.json_path).exists():
-        saved = json.loads(Path(args.json_path).read_text())
-        if all(saved["args"].get(key) == getattr(args, key) for key in SETTINGS):
-            done = [Run(**r) for r in saved["runs"] if r["steps"] == args.steps]
+    for path in [*args.reuse, *([args.json_path] if args.resume and args.json_path else [])]:
+        saved = json.loads(Path(path).read_text()) if Path(path).exists() else None
+        if saved and all(saved["args"].get(key) == getattr(args, key) for key in SETTINGS):
+            done += [Run(**r) for r in saved["runs"] if r["steps"] == args.steps]
     runs: list[Run] = []
     started = time.perf_counter()
     total = len(args.seeds) * len(MODES)

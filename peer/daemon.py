@@ -332,7 +332,8 @@ class PeerDaemon:
                     else:
                         raise task.exception()
         finally:
-            await self.leave(tasks + [stop], driver)
+            # audit duplicates still out belong to this stage too (peer/trip.py `Hop.shadows`)
+            await self.leave([*tasks, stop, *hop.shadows.values()], driver)
         return target
 
     async def leave(self, tasks: list[asyncio.Task], driver) -> None:
@@ -402,17 +403,18 @@ class PeerDaemon:
         finally:
             if heartbeat is not None:
                 heartbeat.cancel()
+                await asyncio.gather(heartbeat, return_exceptions=True)
             await asyncio.to_thread(self.stop_processes)
 
     async def pick_stage_or_stop(self) -> int | None:
         pick = asyncio.create_task(self.pick_stage())
         stop = asyncio.create_task(self.stopping.wait())
         await asyncio.wait([pick, stop], return_when=asyncio.FIRST_COMPLETED)
-        stop.cancel()
-        if not pick.done():
-            pick.cancel()
-            return None
-        return pick.result()
+        stopped = not pick.done()
+        for task in (pick, stop):
+            task.cancel()
+        await asyncio.gather(pick, stop, return_exceptions=True)  # a task left pending is reported at exit
+        return None if stopped else pick.result()
 
     def _on_stop_signal(self, sig: int) -> None:
         """First SIGINT/SIGTERM: leave in order, and arm the hard-exit timer (exit within 30 s whatever hangs).

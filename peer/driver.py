@@ -50,8 +50,11 @@ class Driver:
                     await asyncio.sleep(min(0.2 * 2 ** min(self._failures, 5), 5.0))
         finally:
             self._stopped = True
-            if pending:
-                await asyncio.wait(pending, timeout=self.drain_timeout)
+            if pending:  # trips still out after the drain are cancelled and awaited: none outlives the driver
+                _, late = await asyncio.wait(pending, timeout=self.drain_timeout)
+                for task in late:
+                    task.cancel()
+                await asyncio.gather(*late, return_exceptions=True)
 
     async def _wait_for_pipeline(self) -> None:
         """Start driving once the next stage has a live peer, rather than failing trips at start-up."""

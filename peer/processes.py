@@ -109,3 +109,43 @@ def stop_dht_and_children(dht) -> None:
         dht.join(2.0)
     for child in multiprocessing.active_children():  # reaps what was killed
         child.join(0.5)
+
+
+def close_abandoned_loops() -> int:
+    """Cancel the pending tasks of event loops nobody runs any more, run each loop until they finish, and close it;
+    returns how many tasks were cancelled. Call it off every running loop (from a worker thread).
+
+    hivemind's `ProgressTracker` runs its own loop in a thread and leaves its shutdown-checker task pending
+    there when it stops; with the thread gone nobody runs that loop again, and when the task is collected
+    asyncio reports "Task was destroyed but it is pending!" (once per stage the peer served). A loop that is
+    neither running nor closed, with pending tasks, is one of those: `run_until_complete` lets the cancelled
+    tasks unwind (their `finally` blocks run) before the loop is closed and its resources freed."""
+    import asyncio
+
+    abandoned: dict[asyncio.AbstractEventLoop, list[asyncio.Task]] = {}
+    for task in list(asyncio.tasks._all_tasks):  # every task of every loop (a WeakSet), as all_tasks() reads it
+        loop = task.get_loop()
+        if not task.done() and not loop.is_running() and not loop.is_closed():
+            abandoned.setdefault(loop, []).append(task)
+    cancelled = 0
+    for loop, tasks in abandoned.items():
+        for task in tasks:
+            task.cancel()
+        cancelled += len(tasks)
+        try:
+            loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+            loop.close()
+        except RuntimeError as exc:  # started by another thread meanwhile: then it is not abandoned
+            logging.getLogger("peer").debug("left an event loop alone: %s", exc)
+    return cancelled
+
+
+def release_freed_memory() -> None:
+    """Give the heap that a released stage freed back to the OS (glibc keeps freed arenas otherwise, so a peer
+    that moved between stages would keep the peak of every stage it served). A no-op off glibc."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass

@@ -28,6 +28,7 @@ from hivemind.optim.optimizer import Optimizer
 from hivemind.optim.state_averager import TrainingStateAverager
 
 from peer.finite_state import FiniteStateGuard
+from peer.processes import close_abandoned_loops, release_freed_memory
 from peer.progress import PROGRESS_INTERVAL, PacedProgressTracker
 from swarm.codec import BoundaryCodec
 from swarm.manifest import Manifest
@@ -408,5 +409,10 @@ class StageRuntime:
         return True
 
     def shutdown(self) -> None:
+        """Release the stage: hivemind's optimizer (its averager processes and tracker thread), the stage thread,
+        the loop hivemind's tracker leaves behind with a task pending, and the freed heap. Blocking: call it off
+        the event loop."""
         self.optimizer.shutdown()
-        self.executor.shutdown(wait=False, cancel_futures=True)
+        self.executor.shutdown(wait=True, cancel_futures=True)
+        close_abandoned_loops()
+        release_freed_memory()

@@ -1,0 +1,50 @@
+"""A stage move releases the old stage (issue 14): a real peer daemon moved 5 times between the stages of a
+live 2-stage swarm (tests/mover_peer.py forces the move policy, the rest is the daemon's) keeps its memory,
+threads and child processes bounded, lets every stage it left be collected, and leaves no task pending."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from launcher.supervisor import LocalSwarm, stop_process_groups
+from swarm.presets import preset
+
+MOVES = 5
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_five_moves_release_every_stage(tmp_path: Path):
+    swarm = LocalSwarm(preset("tiny", stages=2), 1, tmp_path, max_inflight=1, with_tracker=False)
+    log = tmp_path / "mover.log"
+    mover = None
+    try:
+        swarm.start()
+        with log.open("wb") as err:
+            mover = subprocess.Popen(
+                [sys.executable, str(REPO / "tests" / "mover_peer.py"), "--manifest", str(swarm.manifest_path),
+                 "--initial-peers", *swarm.bootstrap, "--moves", str(MOVES)],
+                stdout=subprocess.PIPE, stderr=err, start_new_session=True, cwd=REPO,
+                env={"OMP_NUM_THREADS": "1", **os.environ},
+            )
+        out, _ = mover.communicate(timeout=480)
+    finally:
+        stop_process_groups([mover] if mover is not None else [], grace=10.0)
+        swarm.stop()
+    rows = [json.loads(line) for line in out.decode().splitlines() if line.startswith("{")]
+    moves = [r for r in rows if "moves" in r]
+    text = log.read_text(errors="replace")
+    assert len(moves) == MOVES and rows[-1].get("exit"), text[-3000:]
+    assert "Task was destroyed but it is pending" not in text
+    assert all(r["runtimes_alive"] == 0 for r in moves)  # every stage left was collected
+    first, last = moves[0], moves[-1]
+    # measured: 422 -> 430 MiB over 6 moves of the tiny preset (before the fix: 493 -> 673 MiB)
+    assert last["rss_mib"] <= 1.10 * first["rss_mib"], moves
+    assert last["children"] == first["children"] and last["threads"] <= first["threads"] + 1, moves
+    assert last["tasks"] <= first["tasks"], moves

@@ -69,6 +69,7 @@ class ContextParallelSpec:
     n_generators: int = 1
     wire_dtype: str = "bf16"  # Z's dtype on the wire; θ is float32
     warm_start_steps: int = 0  # dense steps before the PCA basis is switched in (0 = seed basis)
+    basis_sha256: str = ""  # CPBasis v0 derived from the run seed (filled in by swarm.presets.with_hashes)
 
     def __post_init__(self):
         ints = (self.size, self.r_k, self.r_v, self.n_generators, self.warm_start_steps)
@@ -94,6 +95,9 @@ class ContextParallelSpec:
             )
         if self.warm_start_steps < 0:
             raise ValueError("context_parallel.warm_start_steps must be >= 0")
+        digest = self.basis_sha256
+        if digest and (len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest)):
+            raise ValueError("context_parallel.basis_sha256 must be 64 lowercase hex digits")
 
     @property
     def mode(self) -> KVCompression:

@@ -5,9 +5,9 @@ chunks (`swarm/context_parallel.py`), K/V compressed between chunks."""
 
 from __future__ import annotations
 
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
-from swarm.context_parallel import ContextParallelSpec, kv_width
+from swarm.context_parallel import ContextParallelSpec, CPBasis, kv_width
 from swarm.manifest import (
     BatchSpec,
     Manifest,
@@ -101,14 +101,18 @@ PRESETS = tuple(_SHAPES)
 
 
 def with_hashes(manifest: Manifest) -> Manifest:
-    """Fill in the SHA-256 of T_fixed and U v0 derived from the manifest's seed."""
+    """Fill in the SHA-256 of T_fixed, U v0 and (with context parallelism) the CP bases v0 derived from
+    the manifest's seed."""
     shape = manifest.model
-    return manifest.model_copy(
-        update=dict(
-            t_fixed_sha256=t_fixed_sha256(manifest.seed, shape.vocab_size, shape.d_model),
-            u_sha256=tensor_sha256(initial_basis(manifest.seed, shape.d_model, manifest.k)),
-        )
+    hashes = dict(
+        t_fixed_sha256=t_fixed_sha256(manifest.seed, shape.vocab_size, shape.d_model),
+        u_sha256=tensor_sha256(initial_basis(manifest.seed, shape.d_model, manifest.k)),
     )
+    spec = manifest.context_parallel
+    if spec is not None:
+        digest = CPBasis.for_spec(spec, shape, manifest.seed).sha256
+        hashes["context_parallel"] = replace(spec, basis_sha256=digest)
+    return manifest.model_copy(update=hashes)
 
 
 def preset(name: str, **overrides) -> Manifest:
@@ -139,8 +143,13 @@ def preset(name: str, **overrides) -> Manifest:
 def verify_hashes(manifest: Manifest) -> None:
     """Refuse a manifest whose recorded hashes differ from what this machine derives."""
     derived = with_hashes(manifest)
-    for field, label in (("t_fixed_sha256", "T_fixed"), ("u_sha256", "U v0")):
-        recorded, ours = getattr(manifest, field), getattr(derived, field)
+    checks = [
+        ("T_fixed", manifest.t_fixed_sha256, derived.t_fixed_sha256),
+        ("U v0", manifest.u_sha256, derived.u_sha256),
+    ]
+    if manifest.context_parallel is not None:
+        checks.append(("CP basis v0", manifest.context_parallel.basis_sha256, derived.context_parallel.basis_sha256))
+    for label, recorded, ours in checks:
         if recorded != ours:
             raise ManifestError(
                 f"{label} hash mismatch: the manifest records {recorded or '(none)'}, this peer derives {ours} "

@@ -8,10 +8,12 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
 
+from swarm.context_parallel import CPBasis
 from swarm.manifest import (
     ManifestError,
     even_stages,
@@ -414,3 +416,16 @@ def test_long_context_presets(name, seq, size):
     assert (manifest.batch.seq_len, manifest.model.max_seq_len, spec.size) == (seq, seq, size)
     formula = spec.payload_bytes_per_token(manifest.model, seq)
     assert spec.compressed and formula["compressed"] <= 0.05 * formula["dense"]
+
+
+def test_context_parallel_basis_hash_is_recorded_and_verified():
+    manifest = preset("tiny", context_parallel={"size": 4, "compression": "subspace"})
+    spec = manifest.context_parallel
+    assert spec.basis_sha256 == CPBasis.for_spec(spec, manifest.model, manifest.seed).sha256
+    assert preset("tiny", context_parallel={"size": 4, "r_k": 8}).context_parallel.basis_sha256 != spec.basis_sha256
+    verify_hashes(manifest)
+    wrong = manifest.model_copy(update={"context_parallel": replace(spec, basis_sha256="0" * 64)})
+    with pytest.raises(ManifestError, match="CP basis v0 hash mismatch"):
+        verify_hashes(wrong)
+    with pytest.raises(ManifestError, match="basis_sha256 must be 64 lowercase hex digits"):
+        preset("tiny", context_parallel={"size": 4, "basis_sha256": "xyz"})

@@ -9,6 +9,7 @@ mode is one class here and one entry in `CP_MODES`.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import ClassVar
 
 import torch
@@ -26,25 +27,25 @@ def expand_kv(z: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
     return z @ basis.transpose(-1, -2)
 
 
-class KVCompression:
+class KVCompression(ABC):
     name: ClassVar[str]
     compressed: ClassVar[bool]  # Z in a subspace (and θ) cross, not K/V themselves; needs bases
 
+    @abstractmethod
     def widths(self, r_k: int, r_v: int, d_kv: int) -> tuple[int, int]:
         """Values per token of a message's K part and V part."""
-        raise NotImplementedError
 
+    @abstractmethod
     def encode(self, k_full: torch.Tensor, v_full: torch.Tensor, bases: Bases | None) -> Bases:
         """A sender's K/V (B, n, d_kv) → the payload it sends."""
-        raise NotImplementedError
 
+    @abstractmethod
     def decode(self, p_k: torch.Tensor, p_v: torch.Tensor, bases: Bases | None) -> Bases:
         """A received payload → the K/V the receiver attends to."""
-        raise NotImplementedError
 
+    @abstractmethod
     def owner_uses_message(self, variant: str) -> bool:
         """Whether a chunk's own block is rebuilt from its own message (so every block is compressed)."""
-        raise NotImplementedError
 
 
 class DenseKV(KVCompression):

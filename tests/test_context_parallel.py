@@ -360,3 +360,26 @@ def test_codec_does_not_send_what_it_would_refuse():
         encode_kv(header, z_k * float("nan"), z_v, theta)
     with pytest.raises(ValueError):
         encode_kv(header, z_k[:, :4], z_v, theta)
+
+
+# ---------------------------------------------------------------------------- the modes
+
+
+def test_modes_answer_what_crosses():
+    """`none` ships K/V as they are; `subspace` ships Z = K U and rebuilds exactly what lies in span(U);
+    only `subspace`'s paper variant builds the owner's block from its own message."""
+    dense, sub = CP_MODES["none"], CP_MODES["subspace"]
+    assert (dense.compressed, sub.compressed) == (False, True)
+    assert dense.widths(4, 8, 32) == (32, 32) and sub.widths(4, 8, 32) == (4, 8)
+    basis = CPBasis(seed=3, n_layers=1, d_kv=32, r_k=4, r_v=8)
+    bases = (basis.ubar[0, "k"].double().unsqueeze(0), basis.ubar[0, "v"].double().unsqueeze(0))
+    generator = torch.Generator().manual_seed(1)
+    k = torch.randn(2, 5, 4, dtype=torch.float64, generator=generator) @ bases[0][0].T  # in span(U_k)
+    v = torch.randn(2, 5, 32, dtype=torch.float64, generator=generator)
+    z_k, z_v = sub.encode(k, v, bases)
+    assert z_k.shape == (2, 5, 4) and z_v.shape == (2, 5, 8)
+    rebuilt_k, rebuilt_v = sub.decode(z_k, z_v, bases)
+    assert torch.allclose(rebuilt_k, k, atol=1e-12) and not torch.allclose(rebuilt_v, v, atol=1e-3)
+    assert all(a is b for a, b in zip(dense.decode(*dense.encode(k, v, None), None), (k, v), strict=True))
+    assert [sub.owner_uses_message(x) for x in ("paper", "remote")] == [True, False]
+    assert not dense.owner_uses_message("paper")

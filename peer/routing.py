@@ -104,7 +104,8 @@ class Router:
 
     def update(self, stages: dict[int, list[PeerEntry]], now: float | None = None) -> None:
         """New records from the DHT. A ban that ran out keeps its strikes (so the next one is longer) until
-        `strike_memory` × `max_ban` passed without a new strike; then it is forgotten so the table stays small."""
+        `strike_memory` × `max_ban` passed without a new strike; then it is forgotten so the table stays small.
+        What this peer measured or verified of a peer whose record expired is forgotten."""
         now = time.monotonic() if now is None else now
         self.stages = stages
         memory = self.strike_memory * self.max_ban
@@ -112,6 +113,10 @@ class Router:
         listed = {e.record.peer_id for entries in stages.values() for e in entries}
         self.refusals = {peer: n for peer, n in self.refusals.items() if peer in listed}
         self.measures = {peer: m for peer, m in self.measures.items() if peer in listed}
+        # a verified peer whose record is gone no longer vouches for anyone: kept, it would leave the stage with
+        # "a verified peer" that never answers, so no newcomer could ever be verified (no primary to duplicate)
+        # nor trusted on first use, and no loss would be published again (churn, issue 14). Distrust is a ban.
+        self.ledger.standings = {peer: s for peer, s in self.ledger.standings.items() if peer in listed}
 
     def observe(self, peer_id: str, seconds: float, tokens: int) -> None:
         """A trip to `peer_id` came back checked after `seconds`."""

@@ -22,6 +22,7 @@ import os
 import random
 import re
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -232,6 +233,10 @@ class Soak:
         )
 
 
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="tiny")
@@ -247,7 +252,7 @@ def main() -> int:
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="churn-"))
     soak = Soak(args, workdir)
-    summary = None
+    signal.signal(signal.SIGTERM, _interrupt)  # stopped from outside: every peer is still stopped
     try:
         summary = soak.run()
     finally:

@@ -123,6 +123,11 @@ def resolve(args: argparse.Namespace) -> tuple[Manifest, list[str]]:
         raise StartupError("no initial peers: pass --initial-peers, --tracker, or --new-swarm to start a run")
     if args.fault_t_fixed_seed is None:
         verify_hashes(manifest)
+    if manifest.context_parallel is not None:  # a peer would compute every chunk itself and ship no K/V
+        raise StartupError(
+            "this run's manifest sets context_parallel; a peer cannot serve it yet (context parallelism runs in "
+            "`protocol-swarm simulate` only)"
+        )
     if args.stage != "auto":
         try:
             stage = int(args.stage)

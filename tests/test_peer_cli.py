@@ -74,6 +74,12 @@ def test_manifest_hash_mismatch(tmp_path: Path):
     )
 
 
+def test_a_context_parallel_run_is_refused_until_peers_can_serve_it(tmp_path: Path):
+    path = tmp_path / "long.json"
+    save_manifest(preset("tiny-long"), path)
+    assert_one_line_error(run_peer("--new-swarm", "--manifest", str(path), "--stage", "0"), "context_parallel")
+
+
 def test_needs_a_way_in(manifest_file: Path):
     assert_one_line_error(run_peer("--manifest", str(manifest_file)), "initial peers")
     assert_one_line_error(run_peer(), "--tracker")

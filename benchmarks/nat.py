@@ -1,0 +1,264 @@
+"""How a peer behind a home router is reached through hivemind 1.1.12's bundled p2pd (issue 15's first question).
+
+An emulated internet on one machine: a bridge namespace joins public hosts (a relay/bootstrap peer `A`
+and a dialling peer `C`) and home routers; a router namespace masquerades its LAN behind its public
+address with iptables (no port forward unless asked). Peer `B` sits behind such a router and serves an
+echo stream handler; `C` dials `B` by peer id only, as a trip sender does. Cases:
+
+- `public`: B on the bridge itself (the baseline: a direct dial).
+- `forwarded`: B behind a NAT whose router forwards B's port (DNAT) and B announces the public address.
+- `cone`: a port-preserving NAT (plain MASQUERADE), no forward.
+- `symmetric`: MASQUERADE --random-fully (a new public port per connection), no forward.
+- `both-symmetric`: B and C each behind their own symmetric NAT.
+
+B runs with `use_auto_relay` and, unless `--no-force-private`, `force_reachability="private"` (so it
+reserves a slot on the bootstrap peer at once instead of waiting for AutoNAT). Per case: whether C
+reached B, seconds from C's start to the first echo, what kind of connection carried it (a direct
+TCP connection, through the router's public address or not, or a `/p2p-circuit` relay), and the echo
+throughput of 16 MiB.
+
+    sudo python -m benchmarks.nat [--cases public cone ...] [--json OUT]
+
+Every namespace is named `pnat<hex>-…` and deleted on exit, also on failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import secrets
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+CASES = ("public", "forwarded", "cone", "symmetric", "both-symmetric")
+RELAY_PORT, B_PORT = 40000, 41000
+ECHO_BYTES = 16 << 20
+
+
+def sh(*args: str, check: bool = True) -> str:
+    done = subprocess.run(args, capture_output=True, text=True)
+    if check and done.returncode != 0:
+        raise RuntimeError(f"{' '.join(args)}: {done.stderr.strip()}")
+    return done.stdout
+
+
+class Internet:
+    """Namespaces `<tag>-net` (the bridge), public hosts on 10.89.0.0/24, home routers with a LAN each."""
+
+    def __init__(self) -> None:
+        self.tag = "pnat" + secrets.token_hex(2)
+        self.names: list[str] = []
+        self.next_public = 2
+        self.ns("net")
+        sh("ip", "-n", self.name("net"), "link", "add", "br0", "type", "bridge")
+        sh("ip", "-n", self.name("net"), "link", "set", "br0", "up")
+
+    def name(self, short: str) -> str:
+        return f"{self.tag}-{short}"
+
+    def ns(self, short: str) -> str:
+        name = self.name(short)
+        sh("ip", "netns", "add", name)
+        self.names.append(name)
+        sh("ip", "-n", name, "link", "set", "lo", "up")
+        return name
+
+    def public_host(self, short: str) -> str:
+        """A namespace with one address on the bridge; returns that address."""
+        name, address = self.ns(short), f"10.89.0.{self.next_public}"
+        self.next_public += 1
+        outside, inside = f"{self.tag}{short}b", f"{self.tag}{short}e"
+        bridge = self.name("net")
+        sh("ip", "link", "add", inside, "netns", name, "type", "veth", "peer", "name", outside, "netns", bridge)
+        sh("ip", "-n", self.name("net"), "link", "set", outside, "master", "br0")
+        sh("ip", "-n", self.name("net"), "link", "set", outside, "up")
+        sh("ip", "-n", name, "addr", "add", f"{address}/24", "dev", inside)
+        sh("ip", "-n", name, "link", "set", inside, "up")
+        return address
+
+    def home(self, short: str, lan: int, nat: str, forward_port: int | None = None) -> tuple[str, str]:
+        """A router `<short>r` (public address, NAT kind `cone` or `symmetric`) and a host `<short>` behind it
+        on 192.168.<lan>.2; returns (host's LAN address, router's public address)."""
+        router = self.name(short + "r")
+        public = self.public_host(short + "r")
+        host = self.ns(short)
+        wan, lan_side, host_side = f"{self.tag}{short}re", f"{self.tag}{short}l", f"{self.tag}{short}h"
+        sh("ip", "link", "add", host_side, "netns", host, "type", "veth", "peer", "name", lan_side, "netns", router)
+        private = f"192.168.{lan}.2"
+        sh("ip", "-n", host, "addr", "add", f"{private}/24", "dev", host_side)
+        sh("ip", "-n", host, "link", "set", host_side, "up")
+        sh("ip", "-n", router, "addr", "add", f"192.168.{lan}.1/24", "dev", lan_side)
+        sh("ip", "-n", router, "link", "set", lan_side, "up")
+        sh("ip", "-n", host, "route", "add", "default", "via", f"192.168.{lan}.1")
+        sh("ip", "netns", "exec", router, "sysctl", "-qw", "net.ipv4.ip_forward=1")
+        masquerade = ["-j", "MASQUERADE"] + (["--random-fully"] if nat == "symmetric" else [])
+        sh("ip", "netns", "exec", router, "iptables", "-t", "nat", "-A", "POSTROUTING", "-o", wan, *masquerade)
+        if forward_port is not None:
+            sh("ip", "netns", "exec", router, "iptables", "-t", "nat", "-A", "PREROUTING", "-i", wan, "-p", "tcp",
+               "--dport", str(forward_port), "-j", "DNAT", "--to-destination", f"{private}:{forward_port}")
+        return private, public
+
+    def close(self) -> None:
+        for name in reversed(self.names):
+            for pid in sh("ip", "netns", "pids", name, check=False).split():
+                subprocess.run(["kill", "-9", pid], capture_output=True)
+            sh("ip", "netns", "del", name, check=False)
+
+
+# --- the nodes (run inside the namespaces) ----------------------------------------------------------------
+
+
+async def _echo(_info, reader, writer) -> None:
+    try:
+        while data := await reader.read(1 << 16):
+            writer.write(data)
+            await writer.drain()
+    finally:
+        writer.close()
+
+
+async def node(role: str, workdir: Path, options: dict) -> None:
+    """A: relay and bootstrap. B: the peer behind the router, echoing. C: dials B by id and measures."""
+    from hivemind.p2p import P2P, PeerID
+
+    if role == "a":
+        p2p = await P2P.create(host_maddrs=[f"/ip4/{options['address']}/tcp/{RELAY_PORT}"])
+        (workdir / "a.json").write_text(json.dumps({"id": p2p.peer_id.to_base58()}))
+        await asyncio.sleep(3600)
+    relay = json.loads((workdir / "a.json").read_text())["id"]
+    boot = [f"/ip4/{options['relay_address']}/tcp/{RELAY_PORT}/p2p/{relay}"]
+    if role == "b":
+        p2p = await P2P.create(initial_peers=boot, host_maddrs=[f"/ip4/0.0.0.0/tcp/{B_PORT}"], **options["p2p"])
+        await p2p.add_binary_stream_handler("echo", _echo)
+        (workdir / "b.json").write_text(json.dumps({"id": p2p.peer_id.to_base58()}))
+        await asyncio.sleep(3600)
+    started = time.monotonic()
+    target = PeerID.from_base58(json.loads((workdir / "b.json").read_text())["id"])
+    if options.get("via_relay"):  # B's circuit address on the relay as a bootstrap peer: p2pd dials it at start
+        boot.append(f"{boot[0]}/p2p-circuit/p2p/{target.to_base58()}")
+    p2p = await P2P.create(initial_peers=boot, host_maddrs=["/ip4/0.0.0.0/tcp/0"])
+    result: dict = {"reached": False}
+    while time.monotonic() - started < options["timeout"]:
+        try:
+            _, reader, writer = await asyncio.wait_for(p2p.call_binary_stream_handler(target, "echo"), 10)
+            writer.write(b"ping")
+            await writer.drain()
+            await asyncio.wait_for(reader.readexactly(4), 10)
+            result.update(reached=True, first_echo_s=round(time.monotonic() - started, 2))
+            result.pop("last_error", None)
+            sent = time.monotonic()
+            reading = asyncio.create_task(reader.readexactly(ECHO_BYTES))
+            for _ in range(ECHO_BYTES >> 20):
+                writer.write(b"x" * (1 << 20))
+                await writer.drain()
+            await asyncio.wait_for(reading, 120)
+            result["echo_mbit_s"] = round(8 * ECHO_BYTES / (time.monotonic() - sent) / 1e6, 1)
+            break
+        except Exception as exc:  # noqa: BLE001 - keep trying until the timeout; report the last reason
+            result["last_error"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+            await asyncio.sleep(2)
+    for info in await p2p.list_peers():
+        if info.peer_id == target:
+            result["connection"] = [str(a) for a in info.addrs]
+    (workdir / "c.json").write_text(json.dumps(result))
+
+
+# --- the cases ----------------------------------------------------------------------------------------------
+
+
+def _wait_file(path: Path, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path.name} did not appear within {timeout:.0f}s")
+        time.sleep(0.2)
+
+
+def run_case(case: str, force_private: bool, timeout: float, via_relay: bool) -> dict:
+    net, workdir = Internet(), Path(tempfile.mkdtemp(prefix="nat-"))
+    children: list[subprocess.Popen] = []
+
+    def spawn(namespace: str, role: str, options: dict) -> subprocess.Popen:
+        command = ["ip", "netns", "exec", namespace, sys.executable, "-m", "benchmarks.nat", "--node", role,
+                   str(workdir), json.dumps(options)]
+        log = open(workdir / f"{role}.log", "w")  # noqa: SIM115 - closed with the process below
+        child = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ,
+                                 "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
+        children.append(child)
+        return child
+
+    try:
+        relay_address = net.public_host("a")
+        spawn(net.name("a"), "a", {"address": relay_address})
+        _wait_file(workdir / "a.json", 60)
+        b_options: dict = {"use_auto_relay": True}
+        if case == "public":
+            net.public_host("b")
+            b_options = {}
+        elif case == "forwarded":
+            _, public = net.home("b", 10, "cone", forward_port=B_PORT)
+            b_options = {"announce_maddrs": [f"/ip4/{public}/tcp/{B_PORT}"]}
+        else:
+            net.home("b", 10, "symmetric" if "symmetric" in case else "cone")
+            if force_private:
+                b_options["force_reachability"] = "private"
+        spawn(net.name("b"), "b", {"relay_address": relay_address, "p2p": b_options})
+        _wait_file(workdir / "b.json", 60)
+        if case == "both-symmetric":
+            net.home("c", 20, "symmetric")
+        else:
+            net.public_host("c")
+        time.sleep(5)  # B's reservation on the relay, as a peer that joined a little earlier would have
+        c = spawn(net.name("c"), "c", {"relay_address": relay_address, "timeout": timeout, "via_relay": via_relay})
+        c.wait(timeout=timeout + 180)
+        if (workdir / "c.json").exists():
+            result = json.loads((workdir / "c.json").read_text())
+        else:  # C's daemon did not start (e.g. it could not reach a bootstrap address)
+            lines = [line for line in (workdir / "c.log").read_text().splitlines() if line.strip()]
+            result = {"reached": False, "last_error": lines[-1][-200:] if lines else "C exited"}
+    finally:
+        for child in children:
+            child.kill()
+            child.wait()
+        net.close()
+    connection = result.get("connection", [])
+    result["kind"] = ("relay" if any("p2p-circuit" in a for a in connection) else "direct") if connection else "-"
+    return {"case": case + (" (dialled via the relay)" if via_relay else ""), **result}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES))
+    parser.add_argument("--timeout", type=float, default=60.0, help="seconds C keeps trying to reach B")
+    parser.add_argument("--no-force-private", action="store_true", help="let AutoNAT find out B is private")
+    parser.add_argument("--via-relay", action="store_true", help="C dials B's circuit address on the relay first")
+    parser.add_argument("--json", help="write the rows here")
+    parser.add_argument("--node", nargs=3, metavar=("ROLE", "WORKDIR", "OPTIONS"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.node:
+        role, workdir, options = args.node
+        asyncio.run(node(role, Path(workdir), json.loads(options)))
+        return 0
+    if os.geteuid() != 0:
+        parser.error("needs root: it creates network namespaces and iptables rules")
+    rows = []
+    for case in args.cases:
+        row = run_case(case, not args.no_force_private, args.timeout, args.via_relay)
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    print("\n| case | reached | first echo s | connection | echo Mbit/s |\n|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['case']} | {r['reached']} | {r.get('first_echo_s', '-')} | {r['kind']} "
+              f"{' '.join(r.get('connection', []))} | {r.get('echo_mbit_s', '-')} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -76,6 +76,7 @@ class Soak:
         self.seen_ids: set[str] = set()
         self.placements, self.wrong_placements, self.kills, self.groups = 0, 0, 0, set()
         self.tokens_series: list[int] = []
+        self.rss_by_process: dict[str, list[tuple[float, float]]] = {}  # "slot pid N" -> [(time, main MiB)]
         self.minute: dict = {}
 
     def place_check(self, live: dict[int, dict[str, str]], all_records: dict) -> None:
@@ -105,7 +106,10 @@ class Soak:
             pgid = child.process.pid
             self.groups.add(pgid)
             group = [rss for pid, (pg, rss) in table.items() if pg == pgid]
-            out[child.name] = dict(main=round(table.get(pgid, (0, 0.0))[1]), group=round(sum(group)))
+            main = table.get(pgid, (0, 0.0))[1]
+            out[child.name] = dict(main=round(main), group=round(sum(group)))
+            if main:
+                self.rss_by_process.setdefault(f"{child.name} pid {pgid}", []).append((time.monotonic(), main))
         return out
 
     def run(self) -> dict:
@@ -203,11 +207,11 @@ class Soak:
         samples = sum(r["samples"] for r in rows)
         healthy = sum(r["healthy_samples"] for r in rows) / max(samples, 1)
         restarts = sum(c.restarts for c in self.swarm.children)
-        growth = {}
-        if len(rows) > 5:
-            for name in rows[4]["rss_mib"]:
-                first, last = rows[4]["rss_mib"][name]["main"], rows[-1]["rss_mib"].get(name, {}).get("main", 0)
-                growth[name] = round(last / first - 1, 3) if first else None
+        growth = {}  # per process that lived past its first 5 minutes: its RSS at its end over its RSS then
+        for process, series in self.rss_by_process.items():
+            settled = [rss for t, rss in series if t - series[0][0] >= 300]
+            if len(settled) >= 2:
+                growth[process] = round(series[-1][1] / settled[0] - 1, 3)
         total_moves = sum(r["moves"] for r in rows)
         return dict(
             minutes=len(rows),
@@ -220,12 +224,12 @@ class Soak:
             tracker_token_drops=drops,
             loss_at_churn_start=loss_start,
             loss_at_end=loss_end,
-            rss_growth_after_minute_5=growth,
+            rss_growth_after_first_5_min=growth,
             orphans_at_end=rows[-1]["orphans"] if rows else None,
             done_when=dict(
                 wrong_placements_le_1=self.wrong_placements <= 1,
                 moves_le_1_per_replacement=total_moves <= max(restarts, 0),
-                rss_growth_le_10pct=all(g is not None and g <= 0.10 for g in growth.values()) if growth else None,
+                rss_growth_le_10pct=all(g <= 0.10 for g in growth.values()) if growth else None,
                 tokens_monotonic=drops == 0,
                 healthy_ge_99pct=healthy >= 0.99,
                 loss_fell=loss_start is not None and loss_end is not None and loss_end < loss_start,

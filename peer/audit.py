@@ -17,6 +17,10 @@ peer appears and audits disagree, and then the longer verified history wins: a l
 keeps the stage until it is out-audited by a peer verified before it elsewhere, which is a limit of
 verification by redundancy without a ground truth (documented in docs/DESIGN.md §4).
 
+A peer's standing lasts as long as its record: when the record expires the router drops the standing
+(`Router.update`), so a stage whose verified peers all died falls back to trust on first use instead of
+refusing every replacement for want of a verified peer to compare with.
+
 Tolerances, measured (tiny preset, 2 stages, compressed wire; the tail stage as a snapshot at optimizer
 step t and at step t+lag, the same boundary message to both, t in 5/20/40, 4 microbatches each; two honest
 peers of one stage differ by their averaging lag, an epoch or two):

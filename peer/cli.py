@@ -12,7 +12,8 @@ import os
 import sys
 import traceback
 
-from peer.daemon import PeerDaemon, PeerOptions
+from peer.daemon import PeerDaemon
+from peer.options import PeerOptions
 from swarm.flags import EnvDefaultsParser, add_log_level, refuse_start
 from swarm.manifest import Manifest, ManifestError, load_manifest, parse_manifest
 from swarm.presets import verify_hashes

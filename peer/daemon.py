@@ -17,9 +17,10 @@ import asyncio
 import logging
 import os
 import random
+import shutil
 import signal
+import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from hivemind.dht import DHT
@@ -29,8 +30,9 @@ from hivemind.utils.timed_storage import get_dht_time
 from dhtio.records import fetch_stages
 from peer.announcer import Announcer, stage_record
 from peer.driver import Driver
-from peer.placement import Hysteresis, choose_stage, online_loads, placement_wait, should_move
-from peer.processes import arm_hard_exit, kill_descendants, stop_dht_and_children, stop_signals_ignored_by_children
+from peer.options import PeerOptions
+from peer.placement import choose_stage, online_loads, placement_wait, should_move
+from peer.processes import StopSignals, stop_dht_and_children, stop_signals_ignored_by_children
 from peer.refusals import RefusalLog
 from peer.routing import Router
 from peer.runtime import StageRuntime, pick_device
@@ -48,29 +50,6 @@ logger = logging.getLogger("peer")
 LEAVE_DHT_TIMEOUT = 5.0  # a DHT call while leaving gives up after this (p2pd may already be gone)
 SIGNAL_DRAIN_TIMEOUT = 15.0  # stopped by a signal: trips in flight get at most this long (exit within 30 s)
 HARD_EXIT_AFTER = 25.0  # stopped by a signal: whatever still hangs after this, the process exits (within 30 s)
-
-
-@dataclass
-class PeerOptions:
-    stage: str = "auto"
-    initial_peers: list[str] = field(default_factory=list)
-    host_maddrs: list[str] = field(default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"])
-    announce_maddrs: list[str] = field(default_factory=list)
-    identity: str | None = None
-    device: str = "auto"
-    public_name: str = ""
-    checkpoint_dir: str | None = None
-    max_inflight: int = 4
-    data: str | None = None
-    trip_timeout: float = 60.0
-    placement_delay: float = 3.0
-    rebalance_interval: float = 60.0
-    hysteresis: Hysteresis = field(default_factory=Hysteresis)
-    drain_timeout: float = 30.0
-    log_interval: float = 5.0
-    fault_t_fixed_seed: int | None = None
-    checkpoint_every: int = 50
-    heartbeat_file: str | None = None
 
 
 class StageMove(Exception):
@@ -98,7 +77,7 @@ class PeerDaemon:
             self.stats, self._fetch, lambda: self.state, self.overload_cap, self.refusal_log, lambda: self.label
         )
         self._temp_identity: Path | None = None
-        self._stop_signals: list[float] = []
+        self.stop_signals = StopSignals(self.stopping, lambda: self.label, HARD_EXIT_AFTER)
         self.started = time.monotonic()
         self.online_since = time.monotonic()  # when this peer last went online on its stage
 
@@ -126,14 +105,8 @@ class PeerDaemon:
         ignored: a signal to the whole process group reaches only this process, which then leaves
         in order and stops them itself."""
         identity = self.options.identity
-        kwargs: dict = dict(
-            start=True,
-            host_maddrs=self.options.host_maddrs,
-            initial_peers=self.options.initial_peers,
-        )
+        kwargs: dict = dict(start=True, host_maddrs=self.options.host_maddrs, initial_peers=self.options.initial_peers)
         if identity is None:
-            import tempfile
-
             self._temp_identity = Path(tempfile.mkdtemp(prefix="protocol-peer-id-"))
             identity = str(self._temp_identity / "identity")
         if not os.path.exists(identity):
@@ -343,7 +316,7 @@ class PeerDaemon:
             driver.stop()
         await self.announcer.announce_now(timeout=LEAVE_DHT_TIMEOUT)  # p2pd may be gone already (a group SIGTERM)
         drain = self.options.drain_timeout
-        if self._stop_signals:
+        if self.stop_signals.received:
             drain = min(drain, SIGNAL_DRAIN_TIMEOUT)
         deadline = time.monotonic() + drain
         while (self.stats.load > 0 or (driver is not None and driver.inflight > 0)) and time.monotonic() < deadline:
@@ -378,7 +351,7 @@ class PeerDaemon:
         loop = asyncio.get_running_loop()
         heartbeat = asyncio.create_task(self.heartbeat_loop()) if self.options.heartbeat_file else None
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self._on_stop_signal, sig)
+            loop.add_signal_handler(sig, self.stop_signals.handle, sig)
         try:
             # inside the try: if this fails, the DHT child and p2pd (which ignore stop signals) are still stopped
             self.p2p = await self.dht.replicate_p2p()
@@ -416,37 +389,9 @@ class PeerDaemon:
         await asyncio.gather(pick, stop, return_exceptions=True)  # a task left pending is reported at exit
         return None if stopped else pick.result()
 
-    def _on_stop_signal(self, sig: int) -> None:
-        """First SIGINT/SIGTERM: leave in order, and arm the hard-exit timer (exit within 30 s whatever hangs).
-        A second SIGINT or a third signal of any kind: exit now. Signals within half a second of the first
-        are echoes of a group signal through a child and do not count."""
-        now = time.monotonic()
-        if not self.stopping.is_set():
-            self._stop_signals = [now]
-            logger.info(
-                "%s %s: leaving the stage (checkpoint, then exit); Ctrl-C again to exit at once",
-                self.label,
-                signal.Signals(sig).name,
-            )
-            self.stopping.set()
-            arm_hard_exit(
-                HARD_EXIT_AFTER, f"{self.label} still not stopped {HARD_EXIT_AFTER:.0f}s after the signal: exiting now"
-            )
-            return
-        if now - self._stop_signals[0] <= 0.5:
-            return  # an echo: children forked with our handlers share our signal wake-up pipe (peer/processes.py)
-        self._stop_signals.append(now)
-        if sig == signal.SIGINT or len(self._stop_signals) >= 3:
-            logger.warning("%s %s again: exiting now, without leaving in order", self.label, signal.Signals(sig).name)
-            logging.shutdown()
-            kill_descendants()
-            os._exit(130)
-
     def stop_processes(self) -> None:
         """Stop the DHT (and with it p2pd) and anything else still running below us; the exit cannot hang
         on a child that ignores the stop signals."""
         stop_dht_and_children(self.dht)
         if self._temp_identity is not None:
-            import shutil
-
             shutil.rmtree(self._temp_identity, ignore_errors=True)

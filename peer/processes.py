@@ -7,6 +7,7 @@ what is left at exit is killed. A hard-exit timer armed at the first stop signal
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import multiprocessing
@@ -14,6 +15,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -149,3 +151,32 @@ def release_freed_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
+
+
+class StopSignals:
+    """A peer's SIGINT/SIGTERM handler. The first: set `stopping` (leave in order) and arm the hard-exit timer
+    (exit within `hard_exit_after` s whatever hangs). A second SIGINT or a third signal of any kind: exit now.
+    Signals within half a second of the first are echoes of a group signal through a child and do not count."""
+
+    def __init__(self, stopping: asyncio.Event, label: Callable[[], str], hard_exit_after: float):
+        self.stopping, self.label, self.hard_exit_after = stopping, label, hard_exit_after
+        self.received: list[float] = []  # monotonic times of the signals that counted
+
+    def handle(self, sig: int) -> None:
+        now, name = time.monotonic(), signal.Signals(sig).name
+        if not self.stopping.is_set():
+            self.received = [now]
+            message = "%s %s: leaving the stage (checkpoint, then exit); Ctrl-C again to exit at once"
+            logging.getLogger("peer").info(message, self.label(), name)
+            self.stopping.set()
+            after = self.hard_exit_after
+            arm_hard_exit(after, f"{self.label()} still not stopped {after:.0f}s after the signal: exiting now")
+            return
+        if now - self.received[0] <= 0.5:
+            return  # an echo: children forked with our handlers share our signal wake-up pipe
+        self.received.append(now)
+        if sig == signal.SIGINT or len(self.received) >= 3:
+            logging.getLogger("peer").warning("%s %s again: exiting now, without leaving in order", self.label(), name)
+            logging.shutdown()
+            kill_descendants()
+            os._exit(130)

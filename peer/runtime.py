@@ -24,12 +24,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
-from hivemind.optim.optimizer import Optimizer
-from hivemind.optim.state_averager import TrainingStateAverager
 
 from peer.finite_state import FiniteStateGuard
 from peer.processes import close_abandoned_loops, release_freed_memory
-from peer.progress import PROGRESS_INTERVAL, PacedProgressTracker
+from peer.progress import PROGRESS_INTERVAL
+from peer.stage_optimizer import StageOptimizer
 from swarm.codec import BoundaryCodec
 from swarm.manifest import Manifest
 from swarm.model import PipelineStage, next_token_loss
@@ -51,71 +50,6 @@ def pick_device(requested: str) -> torch.device:
 def parameters_sha256(stage: PipelineStage) -> str:
     flat = torch.cat([p.detach().float().flatten().cpu() for p in stage.parameters()])
     return tensor_sha256(flat)
-
-
-class SnapshotStateAverager(TrainingStateAverager):
-    """Serves a joining peer a consistent copy of the stage's state.
-
-    hivemind hands out views of the live tensors and serialises them later, while this peer goes
-    on stepping: a joiner could receive parameters half-way through an update, out of step with
-    the optimizer moments. Copying under the optimizer lock gives it one state that existed.
-    """
-
-    def get_current_state(self):
-        # hivemind's own locking first (it may wait out an averaging round), and only then the
-        # optimizer lock, held just for the copy: the stage thread never waits on a download
-        metadata, tensors, infos = super().get_current_state()
-        with self.lock_optimizer:
-            return metadata, [tensor.clone() for tensor in tensors], infos
-
-
-class StageOptimizer(Optimizer):
-    """hivemind's Optimizer, serving consistent state to joiners, and quiet while a stage has one peer.
-
-    hivemind books a gradient-averaging group ahead of every epoch's end even when no other peer trains
-    the stage, and cancels it at the end. Looking for a group polls the DHT many times a second, and
-    with short epochs a stage looks for one all the time: measured on a 3-stage local swarm, ~100
-    DHT lookups a second, the bulk of each peer's non-trip traffic. Alone in its stage a peer has
-    nobody to average with, so it books nothing (hivemind itself skips the rounds at the epoch).
-    """
-
-    def _maybe_schedule_gradient_averaging(self) -> None:
-        if self.tracker.global_progress.num_peers > 1:
-            super()._maybe_schedule_gradient_averaging()
-
-    def _make_gradient_averager(self, factory, **kwargs):
-        # joiners download state from the state averager only; hivemind would also declare the gradient
-        # averager as a state donor in the DHT, once more at every epoch, for nobody to read
-        return super()._make_gradient_averager(factory, allow_state_sharing=False, **kwargs)
-
-    def _make_progress_tracker(self, target_batch_size: int, **kwargs) -> PacedProgressTracker:
-        # one progress record per PROGRESS_INTERVAL instead of one per microbatch (peer/progress.py)
-        return PacedProgressTracker(
-            dht=self.dht,
-            prefix=self.run_id,
-            target_batch_size=target_batch_size,
-            client_mode=self.client_mode,
-            status_loglevel=self.status_loglevel,
-            start=True,
-            **kwargs,
-        )
-
-    def _make_state_averager(self, **kwargs) -> TrainingStateAverager:
-        return SnapshotStateAverager(
-            dht=self.dht,
-            prefix=f"{self.run_id}_state_averager",
-            min_matchmaking_time=self.matchmaking_time,
-            allreduce_timeout=self.allreduce_timeout,
-            shutdown_timeout=self.shutdown_timeout,
-            offload_optimizer=self.offload_optimizer,
-            custom_gradients=self.offload_optimizer,
-            status_loglevel=self.status_loglevel,
-            next_chunk_timeout=self.next_chunk_timeout,
-            client_mode=self.client_mode,
-            auxiliary=self.auxiliary,
-            start=True,
-            **kwargs,
-        )
 
 
 class StageRuntime:

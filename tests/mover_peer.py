@@ -18,7 +18,8 @@ import threading
 import time
 import weakref
 
-from peer.daemon import PeerDaemon, PeerOptions
+from peer.daemon import PeerDaemon
+from peer.options import PeerOptions
 from peer.placement import Hysteresis
 from swarm.manifest import load_manifest
 

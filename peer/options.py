@@ -1,0 +1,30 @@
+"""What a peer is told at start (`protocol-peer`'s flags, `peer/cli.py`), as one value the daemon reads."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from peer.placement import Hysteresis
+
+
+@dataclass
+class PeerOptions:
+    stage: str = "auto"
+    initial_peers: list[str] = field(default_factory=list)
+    host_maddrs: list[str] = field(default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"])
+    announce_maddrs: list[str] = field(default_factory=list)
+    identity: str | None = None
+    device: str = "auto"
+    public_name: str = ""
+    checkpoint_dir: str | None = None
+    max_inflight: int = 4
+    data: str | None = None
+    trip_timeout: float = 60.0
+    placement_delay: float = 3.0
+    rebalance_interval: float = 60.0
+    hysteresis: Hysteresis = field(default_factory=Hysteresis)
+    drain_timeout: float = 30.0
+    log_interval: float = 5.0
+    fault_t_fixed_seed: int | None = None
+    checkpoint_every: int = 50
+    heartbeat_file: str | None = None

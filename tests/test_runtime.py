@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 
 import pytest
 import torch
-from hivemind.dht import DHT
 
 from peer.runtime import StageRuntime, parameters_sha256
 from swarm.presets import preset
@@ -17,15 +15,9 @@ MANIFEST = preset("tiny", stages=2)
 
 
 @pytest.fixture
-def runtime() -> Iterator[StageRuntime]:
-    """The tail stage of a 2-stage run, alone on its own DHT node."""
-    dht = DHT(start=True)
-    stage = StageRuntime(MANIFEST, 1, dht, torch.device("cpu"), "[test stage 1]")
-    try:
-        yield stage
-    finally:
-        stage.shutdown()
-        dht.shutdown()
+def runtime(tail_runtime: StageRuntime) -> StageRuntime:
+    """The tail stage of a 2-stage run, alone on its own DHT node (`conftest.tail_runtime`)."""
+    return tail_runtime
 
 
 def test_state_served_to_joiners_is_a_copy_not_the_live_tensors(runtime: StageRuntime):

@@ -5,11 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import weakref
-from collections.abc import Iterator
 
-import pytest
 import torch
-from hivemind.dht import DHT
 
 from peer.routing import Router
 from peer.runtime import StageRuntime
@@ -19,18 +16,8 @@ from swarm.presets import preset
 MANIFEST = preset("tiny", stages=2)
 
 
-@pytest.fixture
-def runtime() -> Iterator[StageRuntime]:
-    dht = DHT(start=True)
-    stage = StageRuntime(MANIFEST, 1, dht, torch.device("cpu"), "[test stage 1]")
-    try:
-        yield stage
-    finally:
-        stage.shutdown()
-        dht.shutdown()
-
-
-def test_concurrent_trips_at_the_tail_never_hold_two_graphs(runtime: StageRuntime):
+def test_concurrent_trips_at_the_tail_never_hold_two_graphs(tail_runtime: StageRuntime):
+    runtime = tail_runtime
     outputs: list[weakref.ref] = []
     most_alive = 0
     forward = runtime.forward

@@ -122,10 +122,11 @@ def close_abandoned_loops() -> int:
     asyncio reports "Task was destroyed but it is pending!" (once per stage the peer served). A loop that is
     neither running nor closed, with pending tasks, is one of those: `run_until_complete` lets the cancelled
     tasks unwind (their `finally` blocks run) before the loop is closed and its resources freed."""
-    import asyncio
-
     abandoned: dict[asyncio.AbstractEventLoop, list[asyncio.Task]] = {}
-    for task in list(asyncio.tasks._all_tasks):  # every task of every loop (a WeakSet), as all_tasks() reads it
+    # every task of every loop, where all_tasks() reads them (a WeakSet named so up to Python 3.11, then
+    # split into scheduled and eager tasks)
+    every = getattr(asyncio.tasks, "_all_tasks", None) or getattr(asyncio.tasks, "_scheduled_tasks", ())
+    for task in list(every):
         loop = task.get_loop()
         if not task.done() and not loop.is_running() and not loop.is_closed():
             abandoned.setdefault(loop, []).append(task)

@@ -54,9 +54,13 @@ class Internet:
         self.tag = "pnat" + secrets.token_hex(2)
         self.names: list[str] = []
         self.next_public = 2
-        self.ns("net")
-        sh("ip", "-n", self.name("net"), "link", "add", "br0", "type", "bridge")
-        sh("ip", "-n", self.name("net"), "link", "set", "br0", "up")
+        try:
+            self.ns("net")
+            sh("ip", "-n", self.name("net"), "link", "add", "br0", "type", "bridge")
+            sh("ip", "-n", self.name("net"), "link", "set", "br0", "up")
+        except Exception:
+            self.close()  # the caller gets no object to close
+            raise
 
     def name(self, short: str) -> str:
         return f"{self.tag}-{short}"
@@ -186,9 +190,9 @@ def run_case(case: str, force_private: bool, timeout: float, via_relay: bool) ->
     def spawn(namespace: str, role: str, options: dict) -> subprocess.Popen:
         command = ["ip", "netns", "exec", namespace, sys.executable, "-m", "benchmarks.nat", "--node", role,
                    str(workdir), json.dumps(options)]
-        log = open(workdir / f"{role}.log", "w")  # noqa: SIM115 - closed with the process below
-        child = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ,
-                                 "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
+        env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+        with open(workdir / f"{role}.log", "w") as log:  # the child holds its own copy of the descriptor
+            child = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
         children.append(child)
         return child
 

@@ -6,6 +6,7 @@ only moves records in and out of the DHT.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from functools import partial
 
 from hivemind.dht.crypto import RSASignatureValidator
@@ -28,16 +29,19 @@ from swarm.records import (
 READ_BEAM = 3
 
 
-def fetch_stages(dht, manifest: Manifest) -> dict[int, list[PeerEntry]]:
-    """Every stage's live peer records, the latest the DHT nodes nearest to each stage's key hold.
+def fetch_stages(dht, manifest: Manifest, stages: Iterable[int] | None = None) -> dict[int, list[PeerEntry]]:
+    """The live peer records of `stages` (default: every stage), the latest the DHT nodes nearest to each
+    stage's key hold; only the stages asked for are keys of the result.
 
-    One traversal for all the stages' keys (a DHT request names several keys), not one per stage, and it
-    asks the READ_BEAM nodes nearest to each key rather than every node it can find. The cost: a record
-    that reached none of those nodes (they joined the DHT since its last store) is missed until its peer
-    re-announces (`ANNOUNCE_INTERVAL`)."""
-    keys = [stage_key(manifest, i) for i in range(manifest.num_stages)]
-    found = dht.run_coroutine(partial(_get_latest, keys), return_future=False)
-    return {i: parse_stage_entries(found[key]) for i, key in enumerate(keys)}
+    One traversal for all the keys (a DHT request names several keys), not one per stage, and it asks the
+    READ_BEAM nodes nearest to each key rather than every node it can find. The cost: a record that reached
+    none of those nodes (they joined the DHT since its last store) is missed until its peer re-announces
+    (`ANNOUNCE_INTERVAL`). Every node answers with every signed record of a stage, so a reader that needs
+    only some stages (a peer routing to its neighbours) names them: the bytes grow with the stages read."""
+    indices = sorted(set(range(manifest.num_stages) if stages is None else stages))
+    keys = [stage_key(manifest, i) for i in indices]
+    found = dht.run_coroutine(partial(_get_latest, keys), return_future=False) if keys else {}
+    return {i: parse_stage_entries(found[key]) for i, key in zip(indices, keys, strict=True)}
 
 
 async def _get_latest(keys: list[str], _dht, node) -> dict:

@@ -33,8 +33,9 @@ from peer.driver import Driver
 from peer.options import PeerOptions
 from peer.placement import choose_stage, online_loads, placement_wait, should_move
 from peer.processes import StopSignals, stop_dht_and_children, stop_signals_ignored_by_children
+from peer.reachability import ReachabilityCheck, daemon_flags, relay_options, relay_service_flags, route_source
 from peer.refusals import RefusalLog
-from peer.routing import Router
+from peer.routing import REFRESH_INTERVAL, Router, routed_stages
 from peer.runtime import StageRuntime, pick_device
 from peer.status_log import log_progress, write_heartbeats
 from peer.subspace_sync import SubspaceSync
@@ -71,10 +72,11 @@ class PeerDaemon:
         self.p2p = None
         self.router: Router | None = None
         self.announcer: Announcer | None = None
+        self.reachability: ReachabilityCheck | None = None
         self.rng = random.Random()
         self.refusal_log = RefusalLog(interval=max(6 * options.log_interval, 10.0), started=time.monotonic())
         self.server = TripServer(
-            self.stats, self._fetch, lambda: self.state, self.overload_cap, self.refusal_log, lambda: self.label
+            self.stats, self._fetch_routed, lambda: self.state, self.overload_cap, self.refusal_log, lambda: self.label
         )
         self._temp_identity: Path | None = None
         self.stop_signals = StopSignals(self.stopping, lambda: self.label, HARD_EXIT_AFTER)
@@ -118,11 +120,18 @@ class PeerDaemon:
         kwargs["identity_path"] = identity
         if self.options.announce_maddrs:
             kwargs["announce_maddrs"] = self.options.announce_maddrs
-        with stop_signals_ignored_by_children():
+        o = self.options  # relays: peer/reachability.py
+        kwargs.update(relay_options(o.relay, o.announce_maddrs, o.host_maddrs, route_source()))
+        flags = relay_service_flags(o.relay_service, o.relay_max_circuits, o.relay_data_limit_mib, o.relay_time_limit)
+        with stop_signals_ignored_by_children(), daemon_flags(flags):
             self.dht = DHT(**kwargs)
 
-    async def _fetch(self) -> dict:
-        return await asyncio.to_thread(fetch_stages, self.dht, self.manifest)
+    async def _fetch(self, stages: list[int] | None = None) -> dict:
+        """The records of `stages` (None: every stage; placement and rebalancing compare them all)."""
+        return await asyncio.to_thread(fetch_stages, self.dht, self.manifest, stages)
+
+    async def _fetch_routed(self) -> dict:
+        return await self._fetch(routed_stages(self.manifest, self.index))
 
     async def pick_stage(self) -> int:
         """Wait until every record we would count was refreshed after we came up (`placement_wait`), plus a
@@ -154,6 +163,7 @@ class PeerDaemon:
             stats=self.stats,
             public_name=self.options.public_name,
             addrs=[str(a) for a in self.dht.get_visible_maddrs()],
+            reachability=self.reachability.result if self.reachability is not None else "",
         )
 
     async def _send(self, peer_id: str, message: bytes, timeout: float, max_reply: int) -> bytes:
@@ -164,12 +174,13 @@ class PeerDaemon:
     # --- routing and rebalancing --------------------------------------------------------------------
 
     async def refresh_loop(self) -> None:
+        """Keep the router's records of the stages it needs (`routed_stages`) fresh, every REFRESH_INTERVAL."""
         while True:
             try:
-                self.router.update(await self._fetch())
+                self.router.update(await self._fetch_routed())
             except Exception as exc:  # noqa: BLE001
                 logger.warning("%s could not read the DHT: %s", self.label, exc)
-            await asyncio.sleep(3.0)
+            await asyncio.sleep(REFRESH_INTERVAL)
 
     async def move_target(self) -> int | None:
         """Where a move would raise the bottleneck enough (`should_move`), counting only live peers we can
@@ -247,7 +258,7 @@ class PeerDaemon:
             runtime,
             router,
             self._send,
-            self._fetch,
+            self._fetch_routed,
             self.stats,
             self.label,
             self.options.trip_timeout,
@@ -256,7 +267,7 @@ class PeerDaemon:
         self.throughput = await runtime.run(runtime.measure_throughput)
         self.server.set_throughput(self.throughput, hop.tokens_per_trip)
         await self.announcer.announce_now()
-        stages = await self._fetch()
+        stages = await self._fetch([index, *routed_stages(self.manifest, index)])
         peers_here = [e for e in stages.get(index, []) if router.compatible(e)]
         sync = None
         if self.manifest.updates_u:
@@ -364,6 +375,10 @@ class PeerDaemon:
                 admit=self.server.admit_stream,  # only known upstream peers get a receive slot
             )
             await servicer.add_p2p_handlers(self.p2p, namespace=self.manifest.run_id)
+            self.reachability = ReachabilityCheck(
+                self.p2p, self._fetch, self.peer_id, self.options.relay, self.options.host_maddrs, lambda: self.label
+            )
+            await self.reachability.start()
             logger.info(
                 "peer %s joined run %s; visible at %s",
                 self.peer_id,
@@ -374,6 +389,8 @@ class PeerDaemon:
             while index is not None and not self.stopping.is_set():
                 index = await self.serve(index)
         finally:
+            if self.reachability is not None:
+                await self.reachability.stop()
             if heartbeat is not None:
                 heartbeat.cancel()
                 await asyncio.gather(heartbeat, return_exceptions=True)

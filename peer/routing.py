@@ -32,10 +32,25 @@ import time
 from dataclasses import dataclass, field
 
 from peer.audit import Ledger
+from swarm.manifest import Manifest
 from swarm.records import PeerEntry, usable_peer
 from swarm.wire import ErrorCode
 
 ONLY_PEER_RETRIES = 3  # tries of the stage's only peer before it is banned like any other
+# A peer re-reads the records of `routed_stages` this often. A live record read then is at least
+# RECORD_TTL - ANNOUNCE_INTERVAL (25 s) from expiring, so admission keeps knowing a live upstream peer across a
+# missed read. A peer of the next stage that came online gets trips within this time; one that died is banned by
+# its first failed trip, not by a read; the failure paths read at once (no candidate left, an unknown sender).
+REFRESH_INTERVAL = 10.0
+
+
+def routed_stages(manifest: Manifest, index: int) -> list[int]:
+    """The stages whose records a peer of stage `index` keeps: the one before (whose peers may send it trips,
+    `TripServer` admission) and the one after (where its trips go). Every stage when the run updates U:
+    `SubspaceSync` counts the online peers of all of them in the router's records."""
+    if manifest.updates_u:
+        return list(range(manifest.num_stages))
+    return [s for s in (index - 1, index + 1) if 0 <= s < manifest.num_stages]
 
 
 class Failover(enum.Enum):

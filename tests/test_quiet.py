@@ -1,4 +1,5 @@
-"""The quiet swarm's cuts (issue 13): paced progress records, and one DHT traversal for all stage records."""
+"""The quiet swarm's cuts (issue 13): paced progress records, one DHT traversal for the stage records a reader
+needs, and a peer that needs only its neighbouring stages reads only those."""
 
 from __future__ import annotations
 
@@ -67,9 +68,21 @@ def test_fetch_stages_reads_every_stage_in_one_traversal_from_any_node(tmp_path)
             assert [e.record.public_name for e in stages[0]] == ["a"]
             assert stages[1] == []
             assert {e.record.public_name for e in stages[2]} == {"b", "c"}
+        only = fetch_stages(others[-1], manifest, [2, 0])  # a peer of stage 1 reads its neighbours only
+        assert sorted(only) == [0, 2] and {e.record.public_name for e in only[2]} == {"b", "c"}
+        assert fetch_stages(first, manifest, []) == {}
     finally:
         for dht in [first, *others]:
             dht.shutdown()
+
+
+def test_a_peer_reads_only_the_stages_next_to_its_own_unless_u_moves():
+    from peer.routing import routed_stages
+
+    manifest = tiny_manifest("boundary", n_layers=4, stages=4)
+    assert [routed_stages(manifest, i) for i in range(4)] == [[1], [0, 2], [1, 3], [2]]
+    moving = tiny_manifest("boundary", n_layers=4, stages=4, subspace_update_interval=5)
+    assert routed_stages(moving, 0) == [0, 1, 2, 3]  # the subspace agreement counts every stage's peers
 
 
 def test_paced_tracker_reports_through_a_paced_event_and_shuts_down_at_once():

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 from swarm.flags import EnvDefaultsParser, add_log_level, refuse_start
 from swarm.manifest import ManifestError, load_manifest
-from tracker.summary import DEFAULT_STALE_AFTER
+from tracker.summary import DEFAULT_STALE_AFTER, POLL_INTERVAL
 
 logger = logging.getLogger("tracker")
 PROG = "protocol-tracker"
@@ -59,7 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="*",
         help="public multiaddrs to hand out (behind NAT or a port forward)",
     )
-    p.add_argument("--poll-interval", type=float, default=5.0, help="seconds between DHT reads (default 5)")
+    p.add_argument("--poll-interval", type=float, default=POLL_INTERVAL,
+                   help=f"seconds between DHT reads (default {POLL_INTERVAL:g})")
     p.add_argument(
         "--stale-after",
         type=float,

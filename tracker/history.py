@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-DEFAULT_MAX_ROWS = 200_000  # ~11 days at one poll every 5 s
+DEFAULT_MAX_ROWS = 200_000  # ~23 days at one poll every 10 s (`POLL_INTERVAL`)
 MAX_REMEMBERED_PEERS = 256
 RATE_WINDOW = 30.0  # seconds; six peer announce periods (ANNOUNCE_INTERVAL, 5 s)
 _COLUMNS = ("time", "loss", "capacity", "tokens", "peers", "bytes_sent")

@@ -22,6 +22,7 @@ from tracker.counters import advance, forget_oldest
 from tracker.history import History
 from tracker.summary import (
     DEFAULT_STALE_AFTER,
+    POLL_INTERVAL,
     PeerView,
     dialable_addrs,
     history_sample,
@@ -50,7 +51,7 @@ class SwarmMonitor:
         fetch: Fetch,
         *,
         bootstrap: Callable[[], list[str]] = list,
-        poll_interval: float = 5.0,
+        poll_interval: float = POLL_INTERVAL,
         stale_after: float = DEFAULT_STALE_AFTER,
         own_peer_id: str = "",
     ) -> None:

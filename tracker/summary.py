@@ -28,6 +28,9 @@ from tracker.loss import capped_weights, plausible_loss, weighted_median
 # A peer re-announces every ANNOUNCE_INTERVAL (5 s) and its record lives RECORD_TTL (30 s): a record not
 # refreshed for five announce periods (25 s) is still alive, but its peer is in trouble and may be about to vanish.
 DEFAULT_STALE_AFTER = 5 * ANNOUNCE_INTERVAL
+# Seconds between the tracker's reads of every stage's records (each returns every signed record, issue 13): a
+# live peer is seen refreshed at least twice before DEFAULT_STALE_AFTER; the page lags the swarm by up to this.
+POLL_INTERVAL = 2 * ANNOUNCE_INTERVAL
 # Bounds on what one response may hold, whatever peers publish into the DHT.
 MAX_PEERS_PER_STAGE = 256
 MAX_PEERS_LISTED = 2048  # over all stages: a 32-stage run lists up to 64 peers per stage
@@ -149,6 +152,7 @@ def peer_summary(view: PeerView, now: float, manifest: Manifest | None = None) -
         errors=r.errors,
         loss=r.loss,
         optimizer_epoch=r.optimizer_epoch,
+        reachability=r.reachability,  # "direct", "via relay", "unreachable", "" (not reported)
         last_seen=view.last_seen,
         seconds_since_seen=max(0.0, now - view.last_seen),
         expires_in=max(0.0, view.expiration - now),

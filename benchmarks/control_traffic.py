@@ -34,8 +34,10 @@ KINDS = ("trip payload", "trip headers", "DHT stage records", "DHT progress", "D
          "DHT subspace", "DHT other (pings, routing)", "averaging matchmaking", "averaging payload",
          "state download")
 # the local launcher reads every stage's records once a second to follow the run: a real swarm has no such
-# reader, so its share of the stage-record lookups is reported apart and left out of the non-trip total
+# reader, so its reads are reported apart and left out of the non-trip total
 LAUNCHER = "DHT stage records read by the launcher (local runs only)"
+# what the swarm's stage-record bytes are made of (counted on the asking side; the launcher's reads excluded)
+STAGE_SPLIT = ("read by peers", "read by the tracker", "found while announcing", "stores")
 
 
 def family(event: str) -> str:
@@ -87,6 +89,16 @@ def byte_kinds(counts: collections.Counter, names: dict[str, str]) -> dict[str, 
     return kinds
 
 
+def stage_finds(counts: collections.Counter, names: dict[str, str]) -> dict[tuple[str, str], int]:
+    """Bytes of the finds sent about stage records, by (why, who asked): `asked find read tracker <id>`."""
+    out: collections.Counter = collections.Counter()
+    for event, n in counts.items():
+        parts = event.split(" ")
+        if parts[:2] == ["asked", "find"] and len(parts) == 5 and dht_kind(names.get(parts[4])) == "DHT stage records":
+            out[parts[2], parts[3]] += n
+    return dict(out)
+
+
 def run_cell(mode: str, peers: int, args: argparse.Namespace) -> dict:
     checkout = Path(args.checkout).resolve()
     with tempfile.TemporaryDirectory(prefix="control-traffic-") as out_dir:
@@ -110,14 +122,13 @@ def run_cell(mode: str, peers: int, args: argparse.Namespace) -> dict:
                     counts[event] += n
     tokens, seconds = max(summary["tokens"], 1), max(summary["seconds"], 1e-9)
     kinds = byte_kinds(counts, names)
-    stage_lookups = {role: sum(n for e, n in counts.items() if e.startswith(f"{role} lookup ")
-                               and dht_kind(e.split(" ", 2)[2]) == "DHT stage records")
-                     for role in ("launcher", "other")}
-    share = stage_lookups["launcher"] / max(sum(stage_lookups.values()), 1)
-    launcher_bytes = round(share * sum(n for e, n in counts.items() if served_dht(e, names) == (
-        "find", "DHT stage records")))
-    kinds["DHT stage records"] -= launcher_bytes
-    kinds[LAUNCHER] = launcher_bytes
+    asked = stage_finds(counts, names)
+    kinds["DHT stage records"] -= asked.get(("read", "launcher"), 0)
+    kinds[LAUNCHER] = asked.get(("read", "launcher"), 0)
+    split = dict(zip(STAGE_SPLIT, (asked.get(("read", "peer"), 0), asked.get(("read", "tracker"), 0),
+                                   sum(n for (why, _), n in asked.items() if why == "store"),
+                                   sum(n for e, n in counts.items() if served_dht(e, names) == (
+                                       "store", "DHT stage records"))), strict=True))
     dht_by_operation: collections.Counter = collections.Counter()  # e.g. "find DHT stage records" -> bytes
     for event, n in counts.items():
         if dht := served_dht(event, names):
@@ -131,6 +142,8 @@ def run_cell(mode: str, peers: int, args: argparse.Namespace) -> dict:
             "bytes": kinds,
             "bytes_per_token": {k: n / tokens for k, n in kinds.items()},
             "bytes_per_second": {k: n / seconds for k, n in kinds.items()},
+            "stage_records_per_token": {k: n / tokens for k, n in split.items()},
+            "stage_records_per_second": {k: n / seconds for k, n in split.items()},
             "dht_bytes_per_token_by_operation": {k: n / tokens for k, n in sorted(dht_by_operation.items())},
             "per_1000_tokens": {e: n * 1000.0 / tokens for e, n in sorted(operations.items())
                                 if e.startswith(("lookup", "store", "served requests"))}}
@@ -144,6 +157,10 @@ def report(cells: list[dict], commit: str) -> str:
     for kind in (*KINDS, LAUNCHER):
         lines.append(f"| {kind} | " + " | ".join(
             f"{c['bytes_per_token'][kind]:.1f} ({c['bytes_per_second'][kind]:.0f})" for c in cells) + " |")
+        if kind == "DHT stage records":
+            lines.extend(f"| … {part} | " + " | ".join(
+                f"{c['stage_records_per_token'][part]:.1f} ({c['stage_records_per_second'][part]:.0f})"
+                for c in cells) + " |" for part in STAGE_SPLIT)
     non_trip = [sum(v for k, v in c["bytes_per_token"].items() if not k.startswith("trip") and k != LAUNCHER)
                 for c in cells]
     lines.append("| **non-trip total** (without the launcher's reads) | "

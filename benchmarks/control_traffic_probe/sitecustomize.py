@@ -5,7 +5,9 @@ PYTHONPATH of a local swarm, and sets CONTROL_TRAFFIC_DIR. Without that variable
 It wraps, on the serving side so that every exchange is counted once (request + response sizes):
 - hivemind's DHT node (lookups and stores it starts, by key; it also remembers which DHT id each
   key hashes to, so the benchmark can name the keys of the requests served) and DHT protocol
-  (requests it serves, with their protobuf sizes, per DHT id);
+  (requests it serves, with their protobuf sizes, per DHT id; and, on the asking side, the finds it
+  sends, by who asks (launcher, tracker, peer) and why: a read, or the search for the nodes a store
+  goes to, where every node asked answers with the key's whole value too);
 - hivemind's averagers: matchmaking (`rpc_join_group`), the all-reduce payload
   (`rpc_aggregate_part`) and state downloads (`rpc_download_state`), by protobuf size;
 - our codec's decoders: every trip message received, split into header and payload bytes.
@@ -13,6 +15,7 @@ Every few seconds each process writes its counts.
 """
 
 import collections
+import contextvars
 import functools
 import importlib.abc
 import inspect
@@ -55,20 +58,31 @@ def _install_hivemind(_module) -> None:
     get_many, store_many = node.DHTNode.get_many, node.DHTNode.store_many
 
     # who asks: the local launcher's monitoring polls the stage records too, which no real swarm has
-    role = "launcher" if sys.argv and sys.argv[0].endswith(os.path.join("launcher", "cli.py")) else "other"
+    program = sys.argv[0] if sys.argv else ""
+    role = "launcher" if program.endswith(os.path.join("launcher", "cli.py")) else "other"
+    asker = "tracker" if os.path.basename(program) == "protocol-tracker" else "peer" if role == "other" else role
+    purpose = contextvars.ContextVar("purpose", default="other")  # inherited by the tasks a lookup or store starts
 
     async def counted_get_many(self, keys, *args, **kwargs):
         name_keys(keys)
         for key in keys:
             note(f"lookup {key}")
             note(f"{role} lookup {key}")
-        return await get_many(self, keys, *args, **kwargs)
+        token = purpose.set("read")
+        try:
+            return await get_many(self, keys, *args, **kwargs)
+        finally:
+            purpose.reset(token)
 
     async def counted_store_many(self, keys, *args, **kwargs):
         name_keys(keys)
         for key in keys:
             note(f"store {key}")
-        return await store_many(self, keys, *args, **kwargs)
+        token = purpose.set("store")
+        try:
+            return await store_many(self, keys, *args, **kwargs)
+        finally:
+            purpose.reset(token)
 
     node.DHTNode.get_many, node.DHTNode.store_many = counted_get_many, counted_store_many
 
@@ -91,6 +105,24 @@ def _install_hivemind(_module) -> None:
 
         return counted
 
+    class AskingStub:
+        """The client stub of one DHT request, counting the finds it sends (request + response)."""
+
+        def __init__(self, stub):
+            self._stub = stub
+
+        def __getattr__(self, name):
+            return getattr(self._stub, name)
+
+        async def rpc_find(self, request, *args, **kwargs):
+            response = await self._stub.rpc_find(request, *args, **kwargs)
+            size, keys = request.ByteSize() + response.ByteSize(), list(request.keys)
+            for key in keys:
+                note(f"asked find {purpose.get()} {asker} {key.hex()}", size // len(keys))
+            return response
+
+    get_stub = protocol.DHTProtocol.get_stub
+    protocol.DHTProtocol.get_stub = lambda self, peer: AskingStub(get_stub(self, peer))
     protocol.DHTProtocol.rpc_find = serving("find", protocol.DHTProtocol.rpc_find)
     protocol.DHTProtocol.rpc_store = serving("store", protocol.DHTProtocol.rpc_store)
     protocol.DHTProtocol.rpc_ping = serving("ping", protocol.DHTProtocol.rpc_ping)

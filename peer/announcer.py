@@ -31,6 +31,7 @@ def stage_record(
     stats: Stats,
     public_name: str,
     addrs: list[str],
+    reachability: str = "",
 ) -> StagePeerRecord:
     """This peer's record now. The losses of the trips completed since the last record are averaged into
     one (and the list started over); with none, the last reported loss is repeated."""
@@ -62,6 +63,7 @@ def stage_record(
         loaded_state=runtime.loaded_state,
         trip_versions=[f"{v}:{n}" for v, n in sorted(stats.trip_versions.items())][-16:],
         mixed_trips=stats.mixed_trips,
+        reachability=reachability,
     )
 
 

@@ -64,6 +64,25 @@ def build_parser() -> argparse.ArgumentParser:
         help="addresses other peers should dial, e.g. your public IP and forwarded port behind NAT",
     )
     parser.add_argument(
+        "--relay",
+        default="auto",
+        choices=("auto", "on", "off"),
+        help="behind a home router without a port forward, be reached through a relay: 'on' reserves a relay "
+        "slot at once, 'auto' does so when this machine's route leaves from a private address and nothing is "
+        "announced (else when AutoNAT finds it unreachable), 'off' never",
+    )
+    parser.add_argument(
+        "--relay-service",
+        default="on",
+        choices=("on", "off"),
+        help="carry relayed connections for peers behind NAT (worth it on a public address)",
+    )
+    parser.add_argument("--relay-max-circuits", type=int, default=16, help="relayed connections per peer at once")
+    parser.add_argument(
+        "--relay-data-limit-mib", type=int, default=4096, help="MiB relayed each way before a connection is reset"
+    )
+    parser.add_argument("--relay-time-limit", type=int, default=1800, help="seconds a relayed connection lasts at most")
+    parser.add_argument(
         "--identity",
         help="file with this peer's private key; created if missing, keeps the "
         "peer id (and record ownership) across restarts",
@@ -138,6 +157,8 @@ def resolve(args: argparse.Namespace) -> tuple[Manifest, list[str]]:
             raise StartupError(f"--stage {stage} is out of range: the run has stages 0..{manifest.num_stages - 1}")
     if args.max_inflight < 1:
         raise StartupError("--max-inflight must be at least 1")
+    if min(args.relay_max_circuits, args.relay_data_limit_mib, args.relay_time_limit) < 1:
+        raise StartupError("--relay-max-circuits, --relay-data-limit-mib and --relay-time-limit must be positive")
     return manifest, initial_peers
 
 
@@ -166,6 +187,11 @@ def main(argv: list[str] | None = None) -> int:
             rebalance_interval=float(args.rebalance_interval),
             log_interval=float(args.log_interval),
             fault_t_fixed_seed=args.fault_t_fixed_seed,
+            relay=args.relay,
+            relay_service=args.relay_service == "on",
+            relay_max_circuits=int(args.relay_max_circuits),
+            relay_data_limit_mib=int(args.relay_data_limit_mib),
+            relay_time_limit=int(args.relay_time_limit),
         )
         daemon = PeerDaemon(manifest, options)
         try:

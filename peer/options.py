@@ -28,3 +28,8 @@ class PeerOptions:
     fault_t_fixed_seed: int | None = None
     checkpoint_every: int = 50
     heartbeat_file: str | None = None
+    relay: str = "auto"  # peer/reachability.py `relay_options`
+    relay_service: bool = True  # carry circuits for NATed peers, within the limits below (p2pd's per-circuit budget)
+    relay_max_circuits: int = 16
+    relay_data_limit_mib: int = 4096
+    relay_time_limit: int = 1800

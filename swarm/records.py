@@ -90,6 +90,10 @@ class StagePeerRecord(pydantic.BaseModel):
     # drivers: completed trips per U version ("version:count"), and trips whose hops disagreed on U
     trip_versions: pydantic.conlist(pydantic.constr(strict=True, max_length=48), max_items=16) = []
     mixed_trips: _Count = 0
+    # how the swarm reaches this peer (peer/reachability.py): "direct", "via relay", "unreachable", or "" when
+    # not yet known. Compatibility: a record without it (an older peer) reads as ""; peers older than this
+    # field refuse records that carry it (extra fields are forbidden), as with every field added since 0.2.0.
+    reachability: pydantic.constr(strict=True, regex=r"^(|direct|via relay|unreachable)$") = ""
 
     class Config:
         extra = pydantic.Extra.forbid

@@ -79,7 +79,7 @@
         const id = el("code", { title: p.peer_id }, p.peer_id.slice(0, 14));
         const idCell = el("td"); idCell.append(id);
         tr.append(el("td", {}, row.stage), el("td", { class: "peer-name" }, p.public_name), idCell,
-          el("td", {}, p.state), el("td", {}, num(p.throughput, 0)), el("td", {}, p.load),
+          el("td", {}, p.state), el("td", { class: "reach" }, p.reachability || "?"), el("td", {}, num(p.throughput, 0)), el("td", {}, p.load),
           el("td", {}, "v" + p.u_version), el("td", {}, p.tokens), el("td", {}, num(p.seconds_since_seen, 0) + "s ago"));
         rows.push(tr);
       }

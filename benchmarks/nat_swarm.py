@@ -1,0 +1,228 @@
+"""A real swarm on the emulated internet with its middle stage behind a home router (issue 15).
+
+The tracker (whose DHT node is the bootstrap and, by p2pd's default, the relay), a stage-0 driver and a
+stage-2 peer sit on public addresses of `benchmarks/nat.py`'s `Internet`; each stage-1 peer sits behind its
+own router, in one of three ways (`HOME_MODES`):
+
+- `relay`: MASQUERADE, no port forward, `--relay auto` (the default): the swarm should report "via relay".
+- `forward`: the router forwards TCP `B_PORT` (DNAT) and the peer announces the router's address: "direct".
+- `off`: MASQUERADE, no port forward, `--relay off`: "unreachable".
+
+This machine's own namespace joins the emulated bridge (10.89.0.254) to read the tracker's JSON.
+`tests/test_nat.py` runs it; `python -m benchmarks.nat_swarm` (root) measures tokens/s per mode for RESULTS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+
+from benchmarks.nat import B_PORT, Internet, sh
+from launcher.supervisor import stop_process_groups
+from swarm.manifest import Manifest, save_manifest
+from swarm.presets import preset
+
+HOME_MODES = ("relay", "forward", "off")
+TRACKER_PORT = 8800
+REPO = Path(__file__).resolve().parent.parent
+
+
+class NatSwarm:
+    """Tracker, stage 0 and stage 2 public; stage-1 peers behind routers (`add_home_peer`). `close()` stops
+    every process and deletes every namespace (and with them every iptables rule and veth)."""
+
+    def __init__(self, manifest: Manifest, workdir: Path):
+        self.manifest, self.workdir = manifest, workdir
+        self.processes: dict[str, subprocess.Popen] = {}
+        self.net = Internet()
+        self.lan = 10
+        try:
+            self._attach_this_host()
+            self.tracker_address = self.net.public_host("t")
+            self.tracker_url = f"http://{self.tracker_address}:{TRACKER_PORT}"
+        except Exception:
+            self.net.close()
+            raise
+
+    def _attach_this_host(self) -> None:
+        outside, inside = f"{self.net.tag}hb", f"{self.net.tag}he"
+        sh("ip", "link", "add", inside, "type", "veth", "peer", "name", outside, "netns", self.net.name("net"))
+        sh("ip", "-n", self.net.name("net"), "link", "set", outside, "master", "br0")
+        sh("ip", "-n", self.net.name("net"), "link", "set", outside, "up")
+        sh("ip", "addr", "add", "10.89.0.254/24", "dev", inside)
+        sh("ip", "link", "set", inside, "up")
+
+    def _spawn(self, name: str, namespace: str, argv: list[str]) -> None:
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)}
+        with open(self.workdir / f"{name}.log", "wb") as log:  # the child holds its own copy
+            self.processes[name] = subprocess.Popen(
+                ["ip", "netns", "exec", namespace, *argv],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                env=env,
+            )
+
+    def start(self, timeout: float = 120.0) -> None:
+        """The tracker, then the public peers of stages 0 and 2; returns when the tracker answers."""
+        save_manifest(self.manifest, self.workdir / "manifest.json")
+        self._spawn(
+            "tracker",
+            self.net.name("t"),
+            [
+                sys.executable,
+                "-m",
+                "tracker",
+                "--manifest",
+                str(self.workdir / "manifest.json"),
+                "--host",
+                self.tracker_address,
+                "--port",
+                str(TRACKER_PORT),
+                "--db",
+                str(self.workdir / "t.sqlite"),
+                "--host-maddrs",
+                f"/ip4/{self.tracker_address}/tcp/31337",
+                "--poll-interval",
+                "2",
+            ],
+        )
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                httpx.get(f"{self.tracker_url}/api/v1/bootstrap", timeout=5).raise_for_status()
+                break
+            except httpx.HTTPError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError("the tracker did not answer") from None
+                time.sleep(1)
+        for stage in (0, 2):
+            self.net.public_host(f"s{stage}")
+            self._spawn(f"stage{stage}", self.net.name(f"s{stage}"), self._peer_argv(f"stage{stage}", stage))
+
+    def _peer_argv(self, name: str, stage: int, *extra: str) -> list[str]:
+        return [
+            sys.executable,
+            "-m",
+            "peer.cli",
+            "--tracker",
+            self.tracker_url,
+            "--stage",
+            str(stage),
+            "--device",
+            "cpu",
+            "--public-name",
+            name,
+            "--max-inflight",
+            "2",
+            "--log-interval",
+            "2",
+            *extra,
+        ]
+
+    def add_home_peer(self, name: str, mode: str) -> None:
+        """A stage-1 peer behind a fresh router of its own (`mode` in `HOME_MODES`)."""
+        self.lan += 1
+        short = f"h{self.lan}"
+        if mode == "forward":
+            _, public = self.net.home(short, self.lan, "cone", forward_port=B_PORT)
+            extra = ["--host-maddrs", f"/ip4/0.0.0.0/tcp/{B_PORT}", "--announce-maddrs", f"/ip4/{public}/tcp/{B_PORT}"]
+        else:
+            self.net.home(short, self.lan, "cone")
+            extra = ["--relay", "off"] if mode == "off" else []
+        self._spawn(name, self.net.name(short), self._peer_argv(name, 1, *extra))
+
+    def stop_peer(self, name: str, timeout: float = 120.0) -> None:
+        """Stop it and wait until the tracker no longer lists it (its record expired)."""
+        stop_process_groups([self.processes.pop(name)], grace=20.0)
+        deadline = time.monotonic() + timeout
+        while self.peer(name) is not None:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{name}'s record still listed after {timeout:.0f}s")
+            time.sleep(2)
+
+    def wait_peer(self, name: str, ready: Callable[[dict], object], timeout: float, what: str) -> dict:
+        """`name`'s row on the tracker once `ready(row)` holds; AssertionError after `timeout` seconds."""
+        deadline, row = time.monotonic() + timeout, None
+        while time.monotonic() < deadline:
+            row = self.peer(name)
+            if row is not None and ready(row):
+                return row
+            time.sleep(2)
+        raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}; last row of {name}: {row!r}")
+
+    def swarm(self) -> dict:
+        return httpx.get(f"{self.tracker_url}/api/v1/swarm", params={"history": 0}, timeout=10).json()
+
+    def peer(self, name: str) -> dict | None:
+        try:
+            rows = self.swarm()["stages"]
+        except (httpx.HTTPError, ValueError, KeyError):
+            return None
+        return next((p for row in rows for p in row["peers"] if p["public_name"] == name), None)
+
+    def log(self, name: str) -> str:
+        return (self.workdir / f"{name}.log").read_text(errors="replace")
+
+    def close(self) -> None:
+        stop_process_groups(list(self.processes.values()), grace=20.0)
+        self.processes.clear()
+        self.net.close()
+
+
+def tokens_per_second(swarm: NatSwarm, seconds: float) -> float:
+    """The driver's tokens over `seconds`, from its records as the tracker reads them."""
+    first = swarm.peer("stage0")["tokens"], time.monotonic()
+    time.sleep(seconds)
+    last = swarm.peer("stage0")["tokens"], time.monotonic()
+    return (last[0] - first[0]) / (last[1] - first[1])
+
+
+def measure(modes: list[str], window: float) -> list[dict]:
+    """Per mode: a fresh stage-1 peer behind its router, its reachability, then tokens/s over `window`."""
+    workdir = Path(tempfile.mkdtemp(prefix="nat-swarm-"))
+    swarm = NatSwarm(preset("tiny", stages=3), workdir)
+    rows = []
+    try:
+        swarm.start()
+        for public in ("stage0", "stage2"):
+            swarm.wait_peer(public, lambda p: p["state"] == "online", 300, f"{public} online")
+        for mode in modes:
+            name = f"home-{mode}"
+            swarm.add_home_peer(name, mode)
+            found = swarm.wait_peer(name, lambda p: p["reachability"], 300, f"{name}'s reachability")
+            row = {"mode": mode, "reachability": found["reachability"]}
+            if mode != "off":
+                swarm.wait_peer(name, lambda p: p["tokens"] > 2000, 300, f"training through {name}")
+                row["tokens_per_s"] = round(tokens_per_second(swarm, window), 1)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            swarm.stop_peer(name)  # until its record expired: the next peer is stage 1's only one
+    finally:
+        swarm.close()
+        shutil.rmtree(workdir, ignore_errors=True)
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--modes", nargs="+", choices=HOME_MODES, default=["forward", "relay"])
+    parser.add_argument("--window", type=float, default=90.0, help="seconds of training measured per mode")
+    args = parser.parse_args()
+    measure(args.modes, args.window)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,206 @@
+"""Reachability behind a home router (issue 15): the pure policy and classification, the dial-back helper's
+bounds against a hostile requester, and (slow, root + iptables) a 3-stage swarm whose middle stage's only
+peer sits behind an emulated NAT: "via relay" with no port forward, "direct" with one, "unreachable" with
+relays off."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import struct
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pydantic.v1 as pydantic
+import pytest
+from builders import stage_record
+
+from peer.reachability import (
+    DIRECT,
+    UNKNOWN,
+    UNREACHABLE,
+    VIA_RELAY,
+    DialBackService,
+    RateLimit,
+    classify,
+    greets,
+    relay_options,
+    relay_service_flags,
+    tcp_targets,
+)
+from swarm.records import StagePeerRecord
+
+ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
+
+
+def test_relay_policy():
+    home = relay_options("auto", [], ["/ip4/0.0.0.0/tcp/0"], "192.168.1.20")
+    assert home == {"use_auto_relay": True, "force_reachability": "private", "client_mode": True}
+    assert relay_options("auto", [], ["/ip4/0.0.0.0/tcp/0"], "8.8.4.4") == {"use_auto_relay": True}
+    forwarded = relay_options("auto", ["/ip4/8.8.4.4/tcp/31337"], ["/ip4/0.0.0.0/tcp/31337"], "192.168.1.20")
+    assert forwarded == {"use_auto_relay": True}
+    assert relay_options("auto", [], ["/ip4/127.0.0.1/tcp/0"], "192.168.1.20") == {"use_auto_relay": True}
+    assert relay_options("auto", [], ["/ip4/0.0.0.0/tcp/0"], None) == {"use_auto_relay": True}  # offline
+    assert relay_options("on", [], [], "8.8.4.4")["force_reachability"] == "private"
+    assert relay_options("off", [], ["/ip4/0.0.0.0/tcp/0"], "192.168.1.20") == {"use_auto_relay": False}
+    with pytest.raises(ValueError):
+        relay_options("sometimes", [], [], None)
+    assert relay_service_flags(False, 16, 4096, 1800) == {"relayService": 0}
+    assert relay_service_flags(True, 4, 100, 60)["relayDataLimit"] == 100 << 20
+
+
+def test_classify_and_targets():
+    assert classify(True, True) == DIRECT
+    assert classify(False, True) == VIA_RELAY
+    assert classify(False, False) == UNREACHABLE
+    assert classify(None, True) == VIA_RELAY
+    assert classify(None, False) == UNKNOWN
+    addrs = [
+        "/ip4/10.0.0.1/tcp/1/p2p/Qm",
+        "/ip4/10.0.0.1/tcp/1",  # duplicate
+        "/ip4/0.0.0.0/tcp/5",
+        "/ip4/10.0.0.9/tcp/5/p2p/Qm/p2p-circuit",
+        "/ip4/10.0.0.2/udp/5/quic",
+        "/ip6/::1/tcp/7",
+        "/ip4/nonsense/tcp/8",
+        "/ip4/10.0.0.3/tcp/70000",
+        "/dns4/example.org/tcp/9",
+    ] + [f"/ip4/10.0.1.{i}/tcp/9" for i in range(10)]
+    assert tcp_targets(addrs) == [("10.0.0.1", 1), ("::1", 7), ("10.0.1.0", 9), ("10.0.1.1", 9)]
+
+
+def test_reachability_field_is_validated_and_optional():
+    older = stage_record(0).dict()
+    del older["reachability"]  # a record of a peer from before the field
+    assert StagePeerRecord.parse_obj(older).reachability == ""
+    assert StagePeerRecord.parse_obj({**older, "reachability": "via relay"}).reachability == VIA_RELAY
+    with pytest.raises(pydantic.ValidationError):
+        StagePeerRecord.parse_obj({**older, "reachability": "<script>"})
+
+
+def test_rate_limit_is_global_and_per_peer_and_bounded():
+    limit = RateLimit(burst=2, refill_s=10.0, per_peer=30.0, max_peers=3)
+    assert limit.allow("a", now=0.0) and not limit.allow("a", now=1.0)  # one per peer per 30 s
+    assert limit.allow("b", now=1.0) and not limit.allow("c", now=1.0)  # the bucket is empty
+    assert limit.allow("c", now=11.0)  # refilled by one
+    assert limit.allow("d", now=100.0) and list(limit.last) == ["d"]  # a full table forgets expired peers
+    full = RateLimit(burst=5, refill_s=1.0, per_peer=30.0, max_peers=1)
+    assert full.allow("a", now=0.0) and not full.allow("b", now=1.0)  # no room: refused, memory stays bounded
+
+
+class _Info:
+    class peer_id:  # noqa: N801 - mimics hivemind's StreamInfo.peer_id
+        @staticmethod
+        def to_base58() -> str:
+            return "requester"
+
+
+class _Writer:
+    def __init__(self):
+        self.data, self.closed = b"", False
+
+    def write(self, data: bytes) -> None:
+        self.data += data
+
+    async def drain(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def _serve(service: DialBackService, request: bytes) -> bytes:
+    async def run() -> bytes:
+        reader = asyncio.StreamReader()
+        reader.feed_data(request)
+        reader.feed_eof()
+        writer = _Writer()
+        await service.handle(_Info, reader, writer)
+        assert writer.closed
+        return writer.data
+
+    return asyncio.run(run())
+
+
+def test_dial_back_service_survives_bad_requests():
+    for bad in (b"", b"\xff\xff\xff\xff" + b"x" * 10, struct.pack(">I", 5) + b"{nope", struct.pack(">I", 2) + b"[]"):
+        service = DialBackService(RateLimit(burst=10, per_peer=0.0))
+        answer = _serve(service, bad)
+        assert answer in (b"", struct.pack(">I", 15) + b'{"reached": []}'), answer
+    limited = DialBackService(RateLimit(burst=1, per_peer=60.0))
+    _serve(limited, struct.pack(">I", 2) + b"{}")
+    assert b"busy" in _serve(limited, struct.pack(">I", 2) + b"{}")  # the second request within a minute
+
+
+def test_greets_only_a_libp2p_listener():
+    async def run() -> bool:
+        async def silent(reader, writer):
+            writer.write(b"HTTP/1.1 400 Bad Request\r\n\r\n")
+            await writer.drain()
+            writer.close()
+
+        server = await asyncio.start_server(silent, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        async with server:
+            return await greets("127.0.0.1", port, timeout=2.0)
+
+    assert asyncio.run(run()) is False
+
+
+# --- the swarm behind an emulated NAT (slow, root) -----------------------------------------------------
+
+
+def _can_nat() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root (network namespaces, iptables)"
+    if not shutil.which("iptables") or not shutil.which("ip"):
+        return "needs iptables and iproute2"
+    return None
+
+
+def _remove_leftovers() -> None:
+    """Namespaces a killed earlier run left (benchmarks/nat.py names every one `pnat<hex>-...`)."""
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+    for name in listed:
+        if name.startswith("pnat"):
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_can_nat() is not None, reason=str(_can_nat()))
+def test_swarm_with_its_middle_stage_behind_nat():
+    from benchmarks.nat_swarm import NatSwarm
+    from swarm.presets import preset
+
+    _remove_leftovers()
+    workdir = Path(tempfile.mkdtemp(prefix="nat-swarm-"))
+    swarm = NatSwarm(preset("tiny", stages=3), workdir)
+    failed = True
+    try:
+        swarm.start()
+        for public in ("stage0", "stage2"):
+            swarm.wait_peer(public, lambda p: p["state"] == "online", 300, f"{public} online")
+        expected = {"relay": VIA_RELAY, "forward": DIRECT, "off": UNREACHABLE}
+        for mode, reachability in expected.items():
+            name = f"home-{mode}"
+            swarm.add_home_peer(name, mode)
+            found = swarm.wait_peer(name, lambda p: p["reachability"], 300, f"{name}'s reachability")
+            assert found["reachability"] == reachability, (mode, found)
+            assert f"reachability: {reachability}".lower() in swarm.log(name).lower()
+            if mode != "off":  # it serves stage 1: every trip goes through it
+                swarm.wait_peer(name, lambda p: p["tokens"] > 2000, 300, f"training through {name}")
+            swarm.stop_peer(name)
+        failed = False
+    finally:
+        swarm.close()
+        if failed:
+            shutil.rmtree(ARTIFACTS / "nat", ignore_errors=True)
+            shutil.copytree(workdir, ARTIFACTS / "nat", dirs_exist_ok=True)
+        shutil.rmtree(workdir, ignore_errors=True)
+    assert not [
+        n
+        for n in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+        if n.startswith(swarm.net.tag)
+    ]

@@ -134,7 +134,7 @@ def update_subspace(stages: list[PipelineStage], optimizers: list) -> np.ndarray
         for i, stage in enumerate(stages)
         if stage.u_accumulator is not None and stage.u_accumulator.terms
     }
-    current = stages[0].subspace.basis.double().numpy()
+    current = stages[0].subspace.basis.double().cpu().numpy()
     basis = basis_from_contributions(current, contributions, manifest.subspace_driver, manifest.subspace_step)
     new_basis = torch.from_numpy(basis.astype(np.float32))
     version = stages[0].subspace.version + 1
@@ -195,6 +195,7 @@ class SimulationResult:
     cp_reconstruction_error: float | None = None  # max, K/V rebuilt from the decoded bytes vs the sender's
     cp_kv_residual: float | None = None  # mean ‖rebuilt − full-rank K/V‖ / ‖full‖: what the K/V subspace leaves out
     cp_warm_start: dict | None = None  # the PCA basis switch (step, version, hash, energy kept), if one happened
+    val_curve: list[tuple[int, float]] = field(default_factory=list)  # (steps done, val loss) every `val_every` steps
 
 
 def evaluate(stages: list[PipelineStage], batches: list[torch.Tensor]) -> float:
@@ -213,14 +214,19 @@ def simulate(
     seed: int = 0,
     val_batches: int = 8,
     on_step: Callable[[int, float], None] | None = None,
+    device: str | torch.device = "cpu",
+    val_every: int = 0,
 ) -> SimulationResult:
+    """Train `steps` optimizer steps on `device` (the batches move there; the data and the seeded init stay
+    CPU-side, so a seed gives the same run on every device up to float rounding), validating every
+    `val_every` steps too when it is set (`result.val_curve`)."""
     torch.manual_seed(seed)
-    stages = build_stages(manifest)
+    stages = [stage.to(device) for stage in build_stages(manifest)]
     optimizers = [make_optimizer(stage) for stage in stages]
     train, held_out = load_splits(manifest, data, seed=seed)
     batch = manifest.batch
     micro_per_step = max(1, batch.target_batch_size // batch.microbatch_size)
-    validation = held_out.fixed_batches(batch.microbatch_size, val_batches)
+    validation = [tokens.to(device) for tokens in held_out.fixed_batches(batch.microbatch_size, val_batches)]
     result = SimulationResult(run_id=manifest.run_id, compression=manifest.compression, steps=steps, tokens=0)
     warm_up = _CPWarmUp(stages)
     result.val_loss_first = evaluate(stages, validation)
@@ -232,7 +238,7 @@ def simulate(
     for step in range(steps):
         losses = []
         for _ in range(micro_per_step):
-            tokens = train.batch(batch.microbatch_size)
+            tokens = train.batch(batch.microbatch_size).to(device)
             stats = run_trip(stages, tokens, loss_scale=1.0 / micro_per_step)
             losses.append(stats.loss)
             result.tokens += tokens.numel()
@@ -269,6 +275,8 @@ def simulate(
         if warm_up.due(step):
             result.cp_warm_start = warm_up.switch()
         result.train_loss.append(sum(losses) / len(losses))
+        if val_every and (step + 1) % val_every == 0:
+            result.val_curve.append((step + 1, evaluate(stages, validation)))
         if on_step:
             on_step(step, result.train_loss[-1])
     elapsed = time.perf_counter() - started

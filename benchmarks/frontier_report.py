@@ -1,0 +1,156 @@
+"""Tables and plots of `benchmarks/frontier.py`'s JSON rows: kept apart from the training so a report
+can be redrawn from any finished (or half finished) file without importing torch's training code.
+
+A point is (corpus, mode, wire dtype, k). Its learning rate is the one with the lowest mean
+validation loss over the seeds it was run with; `edge` says that lr was the lowest or the highest
+tried, so the optimum may lie outside the sweep. The ratio is paired by seed against dense bf16 at
+its own best learning rate. A point is on the frontier when no point with at most its bytes has a
+lower loss.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from pathlib import Path
+
+Point = tuple[str, str, str, int]  # corpus, mode, dtype, k (0 for a dense wire)
+DENSE_WIRE = ("none", "dense-ts")
+
+
+def _by_point(rows: list[dict], kind: str) -> dict[Point, dict[float, list[dict]]]:
+    grouped: dict[Point, dict[float, list[dict]]] = defaultdict(lambda: defaultdict(list))
+    for row in rows:
+        if row["kind"] == kind:
+            k = 0 if row["mode"] in DENSE_WIRE else row["k"]
+            grouped[(row["corpus"], row["mode"], row["dtype"], k)][row["lr"]].append(row)
+    return grouped
+
+
+def best(rows: list[dict], kind: str = "frontier") -> list[dict]:
+    """One summary per point at its best learning rate, sorted by corpus and bytes."""
+    out = []
+    for (corpus, mode, dtype, k), per_lr in _by_point(rows, kind).items():
+        lr = min(per_lr, key=lambda value: statistics.fmean(r["val_loss"] for r in per_lr[value]))
+        mine = sorted(per_lr[lr], key=lambda r: r["seed"])
+        tried = sorted(per_lr)
+        edge = len(tried) > 1 and lr in (tried[0], tried[-1])
+        out.append(dict(
+            corpus=corpus, mode=mode, dtype=dtype, k=k, lr=lr, lrs_tried=tried,
+            edge="low" if edge and lr == tried[0] else "high" if edge else "",
+            seeds={r["seed"]: r["val_loss"] for r in mine},
+            val_loss=statistics.fmean(r["val_loss"] for r in mine),
+            val_std=statistics.stdev([r["val_loss"] for r in mine]) if len(mine) > 1 else 0.0,
+            bytes=statistics.fmean(r["bytes_per_token"] for r in mine), formula=mine[0]["formula_bytes"],
+            tokens=mine[0]["tokens"], steps=mine[0]["steps"],
+            max_reconstruction_error=max(r["max_reconstruction_error"] for r in mine),
+        ))
+    for corpus in {p["corpus"] for p in out}:
+        dense = next((p for p in out if (p["corpus"], p["mode"], p["dtype"]) == (corpus, "none", "bf16")), None)
+        mine = sorted((p for p in out if p["corpus"] == corpus), key=lambda p: (p["bytes"], p["val_loss"]))
+        lowest = float("inf")
+        for p in mine:
+            p["frontier"] = p["val_loss"] < lowest
+            lowest = min(lowest, p["val_loss"])
+            ratios = [loss / dense["seeds"][s] for s, loss in p["seeds"].items() if dense and s in dense["seeds"]]
+            p["ratio"] = statistics.fmean(ratios) if ratios else float("nan")
+            p["ratio_range"] = (min(ratios), max(ratios)) if ratios else (float("nan"), float("nan"))
+            p["dense_share"] = p["bytes"] / dense["bytes"] if dense else float("nan")
+    return sorted(out, key=lambda p: (p["corpus"], p["bytes"], p["val_loss"]))
+
+
+def markdown(rows: list[dict], settings: dict) -> str:
+    points = best(rows)
+    lines = [
+        f"settings: {settings}; bytes = measured per token per boundary, forward + backward, headers included "
+        "(formula: payload only); ratio = paired per-seed val loss / dense bf16 at its best lr, mean [min, max]; "
+        "* = on the frontier; lr edge = the best lr was the lowest/highest tried.",
+        "",
+        "| corpus | mode | dtype | k | B/token (formula) | % of dense bf16 | best lr (edge) | val loss ± std (seeds) "
+        "| ratio to dense bf16 | frontier |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for p in points:
+        low, high = p["ratio_range"]
+        lines.append(
+            f"| {p['corpus']} | {p['mode']} | {p['dtype']} | {p['k'] or '—'} | {p['bytes']:.2f} ({p['formula']:g}) "
+            f"| {100 * p['dense_share']:.2f}% | {p['lr']:g}{' (' + p['edge'] + ')' if p['edge'] else ''} "
+            f"| {p['val_loss']:.4f} ± {p['val_std']:.4f} ({len(p['seeds'])}) "
+            f"| ×{p['ratio']:.3f} [{low:.3f}, {high:.3f}] | {'*' if p['frontier'] else ''} |"
+        )
+    curves = trajectories(rows)
+    if curves:
+        lines += ["", "Trajectory (val loss at tokens; per seed):", ""]
+        for (corpus, mode, dtype, k, lr, seed), curve in sorted(curves.items()):
+            tail = ", ".join(f"{tokens:,}: {loss:.4f}" for tokens, loss in curve[-3:])
+            lines.append(f"- {corpus} {mode} {dtype} k={k} lr={lr:g} seed={seed}: … {tail}")
+    return "\n".join(lines)
+
+
+def trajectories(rows: list[dict]) -> dict[tuple, list[tuple[int, float]]]:
+    """(corpus, mode, dtype, k, lr, seed) → [(tokens, val loss)], from the trajectory rows."""
+    out = {}
+    for row in rows:
+        if row["kind"] == "trajectory" and row["val_curve"]:
+            per_step = row["tokens"] // row["steps"]
+            curve = [(0, row["val_loss_first"])] + [(step * per_step, loss) for step, loss in row["val_curve"]]
+            out[(row["corpus"], row["mode"], row["dtype"], row["k"], row["lr"], row["seed"])] = curve
+    return out
+
+
+def plot(rows: list[dict], folder: Path) -> list[Path]:
+    """frontier.png (log bytes against the ratio to dense bf16, one panel per corpus) and
+    frontier_trajectory.png (val loss against tokens), for what the rows hold."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise SystemExit("--plot needs matplotlib: pip install matplotlib (the JSON and table are written)") from None
+    folder.mkdir(parents=True, exist_ok=True)
+    written = []
+    points = best(rows)
+    corpora = sorted({p["corpus"] for p in points})
+    if corpora:
+        fig, axes = plt.subplots(1, len(corpora), figsize=(7 * len(corpora), 5), squeeze=False)
+        for ax, corpus in zip(axes[0], corpora, strict=True):
+            mine = [p for p in points if p["corpus"] == corpus]
+            for mode, dtype in sorted({(p["mode"], p["dtype"]) for p in mine}):
+                series = sorted((p for p in mine if (p["mode"], p["dtype"]) == (mode, dtype)), key=lambda p: p["bytes"])
+                xs, ys = [p["bytes"] for p in series], [p["ratio"] for p in series]
+                ax.plot(xs, ys, "s" if mode == "none" else "o-", label=f"{mode} {dtype}")
+                for p in series:
+                    if p["k"]:
+                        ax.annotate(f"k={p['k']}", (p["bytes"], p["ratio"]), fontsize=7)
+            ax.set_xscale("log")
+            ax.axhline(1.0, color="grey", lw=0.5)
+            ax.set_xlabel("wire bytes per token per boundary (fwd + bwd, measured)")
+            ax.set_ylabel("val loss / dense bf16 (best lr each)")
+            ax.set_title(f"{corpus}: {mine[0]['steps']} steps, {mine[0]['tokens']:,} tokens")
+            ax.legend(fontsize=8)
+        fig.tight_layout()
+        written.append(folder / "frontier.png")
+        fig.savefig(written[-1], dpi=120)
+        plt.close(fig)
+    curves = trajectories(rows)
+    if curves:
+        fig, (loss_ax, ratio_ax) = plt.subplots(1, 2, figsize=(13, 5))
+        for (corpus, mode, dtype, k, lr, seed), curve in sorted(curves.items()):
+            label = f"{corpus} {mode} {dtype} k={k} lr={lr:g} s{seed}"
+            loss_ax.plot([t for t, _ in curve[1:]], [v for _, v in curve[1:]], label=label)
+            dense = next((c for key, c in curves.items() if key[0] == corpus and key[1:3] == ("none", "bf16")
+                          and key[4:] == (lr, seed)), None)
+            if mode != "none" and dense is not None:
+                pairs = [(t, v / dict(dense)[t]) for t, v in curve[1:] if t in dict(dense)]
+                ratio_ax.plot([t for t, _ in pairs], [r for _, r in pairs], label=label)
+        loss_ax.set(xlabel="tokens", ylabel="validation loss")
+        ratio_ax.set(xlabel="tokens", ylabel="val loss / dense bf16 (same seed, lr)")
+        ratio_ax.axhline(1.0, color="grey", lw=0.5)
+        loss_ax.legend(fontsize=7)
+        ratio_ax.legend(fontsize=7)
+        fig.tight_layout()
+        written.append(folder / "frontier_trajectory.png")
+        fig.savefig(written[-1], dpi=120)
+        plt.close(fig)
+    return written

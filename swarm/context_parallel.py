@@ -35,7 +35,6 @@ to later chunks is compressed).
 from __future__ import annotations
 
 import hashlib
-import math
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -209,6 +208,7 @@ class CPBasis:
         return cls(seed, shape.n_layers, kv_width(shape), spec.r_k, spec.r_v, spec.n_generators)
 
     def _derive(self) -> None:
+        self._copies: dict[tuple, torch.Tensor] = {}
         with_gens = (self.n_generators + 1) * max(self.ranks.values()) <= self.d_kv
         for (layer, which), ubar in self.ubar.items():
             if with_gens:
@@ -247,9 +247,17 @@ class CPBasis:
 
     def tensors(self, layer: int, which: str, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return (
-            self.ubar[layer, which].to(device=like.device, dtype=like.dtype),
-            self.gens[layer, which].to(device=like.device, dtype=like.dtype),
+            self._on(self.ubar, layer, which, like),
+            self._on(self.gens, layer, which, like),
         )
+
+    def _on(self, store: dict, layer: int, which: str, like: torch.Tensor) -> torch.Tensor:
+        """store[layer, which] on `like`'s device and dtype, copied once per basis version (a copy from
+        host memory per use would stall a GPU on every chunk of every layer)."""
+        key = (id(store), layer, which, like.device, like.dtype)
+        if key not in self._copies:
+            self._copies[key] = store[layer, which].to(device=like.device, dtype=like.dtype)
+        return self._copies[key]
 
 
 def pca_basis(second_moment: torch.Tensor, rank: int) -> torch.Tensor:
@@ -301,11 +309,13 @@ def _expand_heads(x: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 def block_attention(q: torch.Tensor, blocks: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-    """Exact causal attention of one chunk's queries over K/V blocks merged by log-sum-exp.
+    """Exact causal attention of one chunk's queries over its own and every earlier chunk's K/V.
 
     q: (B, H, n, hd), RoPE applied. blocks: [(k, v)] of (B, H_kv, m, hd), RoPE applied, in order;
     every block is fully visible except the last, the chunk's own (diagonal), which is causal.
-    Differentiable: each block's partial output and LSE are merged with softmax weights.
+    One SDPA over the concatenated blocks with that mask: the same function as merging per-block
+    partial outputs by log-sum-exp (what ring attention does; the tests check one against the
+    other), and on a GPU one fused kernel instead of a score matrix per block.
     """
     n_heads, seq = q.shape[1], q.shape[2]
     if len(blocks) == 1:  # the first chunk (or P = 1): exactly swarm.model.Attention's causal SDPA
@@ -313,26 +323,7 @@ def block_attention(q: torch.Tensor, blocks: list[tuple[torch.Tensor, torch.Tens
         return torch.nn.functional.scaled_dot_product_attention(
             q, _expand_heads(k, n_heads), _expand_heads(v, n_heads), is_causal=True
         )
-    scale = 1.0 / math.sqrt(q.shape[-1])
-    outs, lses = [], []
-    for i, (k, v) in enumerate(blocks):
-        k, v = _expand_heads(k, n_heads), _expand_heads(v, n_heads)
-        scores = (q @ k.transpose(-1, -2)) * scale
-        if i == len(blocks) - 1:
-            future = torch.ones(seq, k.shape[2], dtype=torch.bool, device=q.device).triu(1)
-            scores = scores.masked_fill(future, float("-inf"))
-        lse = torch.logsumexp(scores, dim=-1, keepdim=True)
-        outs.append(torch.exp(scores - lse) @ v)
-        lses.append(lse)
-    total = torch.logsumexp(torch.stack(lses), dim=0)
-    return sum(torch.exp(lse - total) * out for lse, out in zip(lses, outs, strict=True))
-
-
-def prefix_attention(q: torch.Tensor, blocks: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-    """The same as block_attention, as one SDPA over the concatenated prefix with an explicit mask."""
-    n_heads, seq = q.shape[1], q.shape[2]
-    k = _expand_heads(torch.cat([b[0] for b in blocks], dim=2), n_heads)
-    v = _expand_heads(torch.cat([b[1] for b in blocks], dim=2), n_heads)
-    offset = k.shape[2] - seq
-    allowed = torch.ones(seq, k.shape[2], dtype=torch.bool, device=q.device).tril(offset)
-    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
+    k = _expand_heads(torch.cat([k for k, _ in blocks], dim=2), n_heads)
+    v = _expand_heads(torch.cat([v for _, v in blocks], dim=2), n_heads)
+    visible = torch.ones(seq, k.shape[2], dtype=torch.bool, device=q.device).tril(k.shape[2] - seq)
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=visible)

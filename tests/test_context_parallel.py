@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import struct
 
 import pytest
@@ -14,7 +15,6 @@ from swarm.context_parallel import (
     CPBasis,
     block_attention,
     orthonormality_error,
-    prefix_attention,
     rotated_basis,
 )
 from swarm.cp_model import CPDecoder, next_token_loss
@@ -82,7 +82,22 @@ def test_dense_cp_equals_one_full_causal_attention(dtype, tol, size):
     assert _max_rel(ours, theirs) <= tol
 
 
-def test_lse_merge_equals_one_sdpa_over_the_prefix():
+def _lse_merged_attention(q, blocks):
+    """Ring attention's way: each block's softmax output and log-sum-exp, merged by their weights."""
+    outs, lses = [], []
+    for i, (k, v) in enumerate(blocks):
+        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+        scores = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+        if i == len(blocks) - 1:
+            scores = scores.masked_fill(torch.ones(q.shape[2], k.shape[2], dtype=torch.bool).triu(1), float("-inf"))
+        lse = torch.logsumexp(scores, dim=-1, keepdim=True)
+        outs.append(torch.exp(scores - lse) @ v)
+        lses.append(lse)
+    total = torch.logsumexp(torch.stack(lses), dim=0)
+    return sum(torch.exp(lse - total) * out for lse, out in zip(lses, outs, strict=True))
+
+
+def test_one_sdpa_over_the_prefix_equals_the_lse_merge():
     generator = torch.Generator().manual_seed(0)
     q = torch.randn(2, 4, 8, 16, dtype=torch.float64, generator=generator, requires_grad=True)
     blocks = [
@@ -92,7 +107,7 @@ def test_lse_merge_equals_one_sdpa_over_the_prefix():
         )
         for _ in range(3)
     ]
-    merged, prefix = block_attention(q, blocks), prefix_attention(q, blocks)
+    merged, prefix = _lse_merged_attention(q, blocks), block_attention(q, blocks)
     assert torch.allclose(merged, prefix, atol=1e-13, rtol=0)
     inputs = [q, *[t for b in blocks for t in b]]
     g1 = torch.autograd.grad(merged.square().sum(), inputs)

@@ -147,8 +147,6 @@ class Manifest(_Strict):
             raise ValueError(
                 f"batch.seq_len ({self.batch.seq_len}) must not exceed model.max_seq_len ({shape.max_seq_len})"
             )
-        if (error := self.mode.wire_dtype_error(self.wire_dtype)) is not None:
-            raise ValueError(error)
         if not self.stages:
             raise ValueError("stages must list at least one stage")
         expected = 0
@@ -211,10 +209,11 @@ class Manifest(_Strict):
         return wire_payload_bytes(self.wire_dtype, 1, self.model.d_model)
 
     def compressed_bytes_per_token(self) -> int:
-        """Payload per token and direction in compressed modes: k coefficients plus the token id."""
+        """Payload per token, forward, in compressed modes: k coefficients (int8: plus their scale) and the
+        token id; the backward message is the same without the id."""
         if not self.mode.compressed:
             return self.dense_bytes_per_token()
-        return self.k * wire_itemsize(self.wire_dtype) + token_id_itemsize(self.model.vocab_size)
+        return wire_payload_bytes(self.wire_dtype, 1, self.k) + token_id_itemsize(self.model.vocab_size)
 
 
 def wire_itemsize(wire_dtype: WireDType) -> int:

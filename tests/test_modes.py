@@ -45,12 +45,6 @@ def test_which_stages_contribute_to_a_move_of_u():
     assert contributing("subspace", "energy") == contributing("boundary", "energy") == [1, 2]
 
 
-def test_int8_only_where_the_full_residual_crosses():
-    assert MODES["none"].wire_dtype_error("int8") is None
-    assert "sends k coefficients" in MODES["boundary"].wire_dtype_error("int8")
-    assert MODES["subspace"].wire_dtype_error("bf16") is None
-
-
 def test_no_module_compares_the_mode_name():
     """A mode is one object: the rest of the code asks it, never `compression == "..."`."""
     pattern = re.compile(r"compression\s*[!=]=|[!=]=\s*compression\b")

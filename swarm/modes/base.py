@@ -1,9 +1,9 @@
 """What a compression mode answers: the questions the model, the codec, the wire and the U agreement ask.
 
 A mode says which tensors must stay in span(U), whether a stage ends by projecting its output,
-what crosses a boundary (k coefficients per token, or the full residual), which wire dtypes go
-with it, whether U can move, and which gradients drive its moves. Nothing else in the code looks
-at the mode's name.
+what crosses a boundary (k coefficients per token, or the full residual), whether U can move,
+and which gradients drive its moves. Every wire dtype carries either (int8 with a per-token absmax
+scale, `swarm/wire.py`). Nothing else in the code looks at the mode's name.
 """
 
 from __future__ import annotations
@@ -15,9 +15,6 @@ from torch import nn
 
 if TYPE_CHECKING:  # a mode is asked about a stage; it never builds one
     from swarm.model import PipelineStage
-
-FLOAT_WIRE_DTYPES = ("fp32", "bf16", "fp16")
-
 
 @dataclass(frozen=True)
 class ConstrainedParameter:
@@ -54,11 +51,6 @@ class CompressionMode:
         return False
 
     @property
-    def wire_dtypes(self) -> tuple[str, ...]:
-        """int8 (per-token absmax, SWARM's 8-bit dense wire) is for a full residual; k coefficients go as floats."""
-        return FLOAT_WIRE_DTYPES if self.compressed else (*FLOAT_WIRE_DTYPES, "int8")
-
-    @property
     def moves_u(self) -> bool:
         """Whether U can move during the run (a mode that sends the full residual has nothing to move)."""
         return self.compressed
@@ -72,14 +64,3 @@ class CompressionMode:
 
     def stage_has_gradient_terms(self, stage: int, num_stages: int) -> bool:
         return True
-
-    def wire_dtype_error(self, wire_dtype: str) -> str | None:
-        """Why `wire_dtype` cannot carry this mode's boundary messages, or None if it can."""
-        if wire_dtype in self.wire_dtypes:
-            return None
-        if wire_dtype == "int8":
-            return (
-                f"wire_dtype 'int8' (8-bit activations, the SWARM baseline) is only valid with a mode that sends the "
-                f"full residual (such as 'none'), and compression {self.name!r} sends k coefficients"
-            )
-        return f"wire_dtype {wire_dtype!r} is not valid with compression {self.name!r}"

@@ -61,28 +61,32 @@ def best(rows: list[dict], kind: str = "frontier") -> list[dict]:
 
 def markdown(rows: list[dict], settings: dict) -> str:
     points = best(rows)
-    lines = [
-        f"settings: {settings}; bytes = measured per token per boundary, forward + backward, headers included "
-        "(formula: payload only); ratio = paired per-seed val loss / dense bf16 at its best lr, mean [min, max]; "
-        "* = on the frontier; lr edge = the best lr was the lowest/highest tried.",
-        "",
-        "| corpus | mode | dtype | k | B/token (formula) | % of dense bf16 | best lr (edge) | val loss ± std (seeds) "
-        "| ratio to dense bf16 | frontier |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for p in points:
-        low, high = p["ratio_range"]
-        lines.append(
-            f"| {p['corpus']} | {p['mode']} | {p['dtype']} | {p['k'] or '—'} | {p['bytes']:.2f} ({p['formula']:g}) "
-            f"| {100 * p['dense_share']:.2f}% | {p['lr']:g}{' (' + p['edge'] + ')' if p['edge'] else ''} "
-            f"| {p['val_loss']:.4f} ± {p['val_std']:.4f} ({len(p['seeds'])}) "
-            f"| ×{p['ratio']:.3f} [{low:.3f}, {high:.3f}] | {'*' if p['frontier'] else ''} |"
-        )
+    lines: list[str] = []
+    if points:
+        lines += [
+            f"settings: {settings}; bytes = measured per token per boundary, forward + backward, headers included "
+            "(formula: payload only); ratio = paired per-seed val loss / dense bf16 at its best lr, mean [min, max]; "
+            "* = on the frontier; lr edge = the best lr was the lowest/highest tried.",
+            "",
+            "| corpus | mode | dtype | k | B/token (formula) | % of dense bf16 | best lr (edge) "
+            "| val loss ± std (seeds) | ratio to dense bf16 | frontier |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for p in points:
+            low, high = p["ratio_range"]
+            lines.append(
+                f"| {p['corpus']} | {p['mode']} | {p['dtype']} | {p['k'] or '—'} | {p['bytes']:.2f} ({p['formula']:g}) "
+                f"| {100 * p['dense_share']:.2f}% | {p['lr']:g}{' (' + p['edge'] + ')' if p['edge'] else ''} "
+                f"| {p['val_loss']:.4f} ± {p['val_std']:.4f} ({len(p['seeds'])}) "
+                f"| ×{p['ratio']:.3f} [{low:.3f}, {high:.3f}] | {'*' if p['frontier'] else ''} |"
+            )
     curves = trajectories(rows)
     if curves:
-        lines += ["", "Trajectory (val loss at tokens; per seed):", ""]
+        lines += ["", "Trajectory (val loss at tokens; last three validations per run):", ""]
         for (corpus, mode, dtype, k, lr, seed), curve in sorted(curves.items()):
-            tail = ", ".join(f"{tokens:,}: {loss:.4f}" for tokens, loss in curve[-3:])
+            dense = dict(curves.get((corpus, "none", "bf16", k, lr, seed), []))
+            ratio = {t: f" (×{loss / dense[t]:.3f})" for t, loss in curve if mode != "none" and t in dense}
+            tail = ", ".join(f"{t:,}: {loss:.4f}{ratio.get(t, '')}" for t, loss in curve[-3:])
             lines.append(f"- {corpus} {mode} {dtype} k={k} lr={lr:g} seed={seed}: … {tail}")
     return "\n".join(lines)
 

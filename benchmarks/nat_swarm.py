@@ -15,6 +15,7 @@ This machine's own namespace joins the emulated bridge (10.89.0.254) to read the
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import shutil
@@ -172,6 +173,26 @@ class NatSwarm:
             return None
         return next((p for row in rows for p in row["peers"] if p["public_name"] == name), None)
 
+    async def connection(self, name: str, peer_id: str) -> list[str]:
+        """The addresses of `name`'s libp2p connection to `peer_id`, from its p2pd (found by process tree):
+        a `/p2p-circuit` address is a relayed connection, anything else a direct one."""
+        from hivemind.p2p import P2P
+        from multiaddr import Multiaddr
+
+        table = [line.split(None, 2) for line in sh("ps", "-eo", "pid=,ppid=,args=").splitlines()]
+        family, listen = {self.processes[name].pid}, None
+        for _ in range(4):  # peer -> DHT process -> p2pd
+            family |= {int(pid) for pid, ppid, _ in table if int(ppid) in family}
+        for pid, _, args in table:
+            if int(pid) in family and "p2pd" in args:
+                listen = next(a.split("=", 1)[1] for a in args.split() if a.startswith("-listen="))
+        if listen is None:
+            return []
+        p2p = await P2P.replicate(Multiaddr(listen))
+        found = [str(a) for info in await p2p.list_peers() if info.peer_id.to_base58() == peer_id for a in info.addrs]
+        await p2p.shutdown()
+        return found
+
     def log(self, name: str) -> str:
         return (self.workdir / f"{name}.log").read_text(errors="replace")
 
@@ -202,12 +223,15 @@ def measure(modes: list[str], window: float) -> list[dict]:
             name = f"home-{mode}"
             swarm.add_home_peer(name, mode)
             found = swarm.wait_peer(name, lambda p: p["reachability"], 300, f"{name}'s reachability")
-            row = {"mode": mode, "reachability": found["reachability"]}
-            if mode != "off":
-                swarm.wait_peer(name, lambda p: p["tokens"] > 2000, 300, f"training through {name}")
+            row = {"mode": mode, "reachability": found["reachability"], "trained": True}
+            try:
+                swarm.wait_peer(name, lambda p: p["tokens"] > 2000, 240, f"training through {name}")
                 row["tokens_per_s"] = round(tokens_per_second(swarm, window), 1)
-            rows.append(row)
+                row["driver_connection"] = asyncio.run(swarm.connection("stage0", found["peer_id"]))
+            except AssertionError:
+                row["trained"] = False
             print(json.dumps(row), flush=True)
+            rows.append(row)
             swarm.stop_peer(name)  # until its record expired: the next peer is stage 1's only one
     finally:
         swarm.close()

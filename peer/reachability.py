@@ -1,10 +1,10 @@
 """Can the swarm reach this peer, and how (issue 15): "direct", "via relay" or "unreachable".
 
 A peer behind a home router without a port forward cannot be dialled on the addresses it announces.
-hivemind 1.1.12's p2pd then still serves it when it holds a reservation on a circuit relay (a public
-peer or the tracker's node, `--relay`): a dialler reaches it through the relay, which in the measured
-cases (benchmarks/RESULTS.md, "Reaching a peer behind a home router") upgraded to a direct connection
-by connection reversal. Nothing told the volunteer which case they were in; this module finds out.
+What still reaches it in hivemind 1.1.12's p2pd (measured, benchmarks/RESULTS.md "Reaching a peer behind a
+home router"): the connections it opens itself (its DHT traffic connects it to the peers that then send it
+trips) and, with `--relay` on, a circuit relay (a public peer or the tracker's node) on which p2pd reserves
+a slot about 3 minutes after start. Nothing told the volunteer which case they were in; this module finds out.
 
 The check (`ask_dial_back`): a joining peer asks a peer already in the swarm to open a fresh TCP
 connection to each TCP address it announces and to complete libp2p's multistream-select greeting
@@ -75,11 +75,11 @@ def relay_options(
 
     `on` (or `auto` on a machine whose route to the internet leaves from a private address and that
     announces nothing): hold a relay reservation from the start (`force_reachability="private"`; left to
-    AutoNAT, a NATed peer was unreachable for a minute in one of two measured runs) and be a DHT client
-    (others would time out dialling us for DHT requests). `auto` on a public machine, on one that announces
-    its (forwarded) address, or on one listening on loopback only (a local swarm): auto-relay, which
-    reserves a slot only if AutoNAT finds us private. `off`: no reservation; behind NAT that means
-    unreachable."""
+    AutoNAT, a NATed peer was unreachable for a minute in one of two measured runs). It stays a DHT server:
+    hivemind's optimizer refuses to step on a DHT client (its averager cannot share state). `auto` on a
+    public machine, on one that announces its (forwarded) address, or on one listening on loopback only (a
+    local swarm): auto-relay, which reserves a slot only if AutoNAT finds us private. `off`: no
+    reservation; behind NAT that means unreachable."""
     if relay not in RELAY_MODES:
         raise ValueError(f"relay must be one of {RELAY_MODES}, got {relay!r}")
     options: dict = {"use_auto_relay": relay != "off"}
@@ -88,7 +88,7 @@ def relay_options(
     behind_nat = not announce_maddrs and not loopback_only and route_source is not None
     behind_nat = behind_nat and not is_public_ip(route_source)
     if relay == "on" or (relay == "auto" and behind_nat):
-        options.update(force_reachability="private", client_mode=True)
+        options["force_reachability"] = "private"
     return options
 
 
@@ -148,17 +148,16 @@ def tcp_targets(maddrs: Sequence[str], limit: int = MAX_ADDRS) -> list[tuple[str
     return found
 
 
-def has_relay_address(maddrs: Sequence[str]) -> bool:
-    return any("/p2p-circuit" in str(a) for a in maddrs)
-
-
-def classify(dialled_back: bool | None, relay_address: bool) -> str:
-    """`dialled_back`: a helper reached one of our announced addresses (None: no helper answered)."""
+def classify(dialled_back: bool | None, relay: bool) -> str:
+    """`dialled_back`: a helper reached one of our announced addresses (None: no helper answered); `relay`:
+    this peer asked p2pd for relay reservations (`--relay` not off). p2pd 1.1.12 reports neither whether it
+    got one nor its circuit address (its identify lists listen addresses only), so "via relay" is "not
+    dialable, relaying on" and not a proof that a relay holds a slot for us."""
     if dialled_back:
         return DIRECT
-    if relay_address:
-        return VIA_RELAY
-    return UNKNOWN if dialled_back is None else UNREACHABLE
+    if dialled_back is None:
+        return UNKNOWN
+    return VIA_RELAY if relay else UNREACHABLE
 
 
 def advice(result: str, port_hint: str) -> str:
@@ -167,15 +166,17 @@ def advice(result: str, port_hint: str) -> str:
         return "reachability: direct (other peers dial this peer on its announced address)"
     if result == VIA_RELAY:
         return (
-            "reachability: via relay (no announced address answers from outside; peers reach this one "
-            "through a relay's signalling. Optional, for a direct path: forward TCP "
-            f"{port_hint} on your router and pass --announce-maddrs /ip4/<public-ip>/tcp/{port_hint})"
+            "reachability: via relay (no announced address answers from outside; peers reach this one over the "
+            "connections it opens and through a relay slot, which p2pd reserves about 3 minutes after start). "
+            f"Optional, for a direct path: forward TCP {port_hint} on your router and pass "
+            f"--announce-maddrs /ip4/<public-ip>/tcp/{port_hint}"
         )
     if result == UNREACHABLE:
         return (
-            "reachability: UNREACHABLE: no peer can dial this one, so it cannot serve a stage. Run with "
-            f"--relay auto (the default) or --relay on, or forward TCP {port_hint} on your router and pass "
-            f"--host-maddrs /ip4/0.0.0.0/tcp/{port_hint} --announce-maddrs /ip4/<public-ip>/tcp/{port_hint}"
+            "reachability: UNREACHABLE: no announced address answers from outside and relaying is off, so peers "
+            "this one has not connected to cannot send it trips. Run with --relay auto (the default), or forward "
+            f"TCP {port_hint} on your router and pass --host-maddrs /ip4/0.0.0.0/tcp/{port_hint} "
+            f"--announce-maddrs /ip4/<public-ip>/tcp/{port_hint}"
         )
     return "reachability: unknown (no other peer answered a dial-back request yet)"
 
@@ -341,9 +342,9 @@ class ReachabilityCheck:
         return random.sample(sorted(found), min(3, len(found)))
 
     async def own_addrs(self) -> list[str]:
-        return [str(a) for a in await self.p2p.get_visible_maddrs()]
+        return [str(a) for a in await self.p2p.get_visible_maddrs(latest=True)]  # as the daemon lists them now
 
-    async def run(self, attempts: int = 12, interval: float = 10.0, relay_wait: float = 30.0) -> None:
+    async def run(self, attempts: int = 12, interval: float = 10.0) -> None:
         for _ in range(attempts):
             addrs = await self.own_addrs()
             dialled = None
@@ -354,11 +355,7 @@ class ReachabilityCheck:
             if dialled is None:
                 await asyncio.sleep(interval)
                 continue
-            deadline = time.monotonic() + (0.0 if dialled or not self.relay else relay_wait)
-            while not has_relay_address(addrs) and time.monotonic() < deadline:  # the reservation may be on its way
-                await asyncio.sleep(1.0)
-                addrs = await self.own_addrs()
-            self.result = classify(dialled, has_relay_address(addrs))
+            self.result = classify(dialled, self.relay)
             (logger.warning if self.result == UNREACHABLE else logger.info)(
                 "%s %s", self.label(), advice(self.result, self.port_hint)
             )

@@ -37,7 +37,7 @@ ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
 
 def test_relay_policy():
     home = relay_options("auto", [], ["/ip4/0.0.0.0/tcp/0"], "192.168.1.20")
-    assert home == {"use_auto_relay": True, "force_reachability": "private", "client_mode": True}
+    assert home == {"use_auto_relay": True, "force_reachability": "private"}
     assert relay_options("auto", [], ["/ip4/0.0.0.0/tcp/0"], "8.8.4.4") == {"use_auto_relay": True}
     forwarded = relay_options("auto", ["/ip4/8.8.4.4/tcp/31337"], ["/ip4/0.0.0.0/tcp/31337"], "192.168.1.20")
     assert forwarded == {"use_auto_relay": True}
@@ -52,11 +52,10 @@ def test_relay_policy():
 
 
 def test_classify_and_targets():
-    assert classify(True, True) == DIRECT
+    assert classify(True, True) == classify(True, False) == DIRECT
     assert classify(False, True) == VIA_RELAY
     assert classify(False, False) == UNREACHABLE
-    assert classify(None, True) == VIA_RELAY
-    assert classify(None, False) == UNKNOWN
+    assert classify(None, True) == classify(None, False) == UNKNOWN
     addrs = [
         "/ip4/10.0.0.1/tcp/1/p2p/Qm",
         "/ip4/10.0.0.1/tcp/1",  # duplicate

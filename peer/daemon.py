@@ -33,6 +33,7 @@ from peer.driver import Driver
 from peer.options import PeerOptions
 from peer.placement import choose_stage, online_loads, placement_wait, should_move
 from peer.processes import StopSignals, stop_dht_and_children, stop_signals_ignored_by_children
+from peer.reachability import ReachabilityCheck, daemon_flags, relay_options, relay_service_flags, route_source
 from peer.refusals import RefusalLog
 from peer.routing import REFRESH_INTERVAL, Router, routed_stages
 from peer.runtime import StageRuntime, pick_device
@@ -71,6 +72,7 @@ class PeerDaemon:
         self.p2p = None
         self.router: Router | None = None
         self.announcer: Announcer | None = None
+        self.reachability: ReachabilityCheck | None = None
         self.rng = random.Random()
         self.refusal_log = RefusalLog(interval=max(6 * options.log_interval, 10.0), started=time.monotonic())
         self.server = TripServer(
@@ -118,7 +120,10 @@ class PeerDaemon:
         kwargs["identity_path"] = identity
         if self.options.announce_maddrs:
             kwargs["announce_maddrs"] = self.options.announce_maddrs
-        with stop_signals_ignored_by_children():
+        o = self.options  # relays: peer/reachability.py
+        kwargs.update(relay_options(o.relay, o.announce_maddrs, o.host_maddrs, route_source()))
+        flags = relay_service_flags(o.relay_service, o.relay_max_circuits, o.relay_data_limit_mib, o.relay_time_limit)
+        with stop_signals_ignored_by_children(), daemon_flags(flags):
             self.dht = DHT(**kwargs)
 
     async def _fetch(self, stages: list[int] | None = None) -> dict:
@@ -158,6 +163,7 @@ class PeerDaemon:
             stats=self.stats,
             public_name=self.options.public_name,
             addrs=[str(a) for a in self.dht.get_visible_maddrs()],
+            reachability=self.reachability.result if self.reachability is not None else "",
         )
 
     async def _send(self, peer_id: str, message: bytes, timeout: float, max_reply: int) -> bytes:
@@ -369,6 +375,10 @@ class PeerDaemon:
                 admit=self.server.admit_stream,  # only known upstream peers get a receive slot
             )
             await servicer.add_p2p_handlers(self.p2p, namespace=self.manifest.run_id)
+            self.reachability = ReachabilityCheck(
+                self.p2p, self._fetch, self.peer_id, self.options.relay, self.options.host_maddrs, lambda: self.label
+            )
+            await self.reachability.start()
             logger.info(
                 "peer %s joined run %s; visible at %s",
                 self.peer_id,
@@ -379,6 +389,8 @@ class PeerDaemon:
             while index is not None and not self.stopping.is_set():
                 index = await self.serve(index)
         finally:
+            if self.reachability is not None:
+                await self.reachability.stop()
             if heartbeat is not None:
                 heartbeat.cancel()
                 await asyncio.gather(heartbeat, return_exceptions=True)

@@ -27,6 +27,10 @@ from swarm.records import (
 # value from the READ_BEAM nearest of them, merged, finds every record that reached a majority of them; hivemind's
 # default beam (its bucket size, 20) asks every node of a small swarm, each answering with the whole stage.
 READ_BEAM = 3
+# A store first searches for the `num_replicas` nodes nearest to its key, and every node it asks answers with the
+# key's whole value (all the stage's signed records) as well: hivemind's default beam (20) asks every node of a
+# swarm of up to 20, this asks about as many as it stores to.
+STORE_BEAM = 5
 
 
 def fetch_stages(dht, manifest: Manifest, stages: Iterable[int] | None = None) -> dict[int, list[PeerEntry]]:
@@ -60,6 +64,7 @@ def announce(
             value=record.dict(),
             expiration_time=get_dht_time() + ttl,
             return_future=False,
+            beam_size=STORE_BEAM,
         )
     )
 

@@ -51,24 +51,25 @@ def test_paced_event_set_now_is_immediate():
 
 
 def test_fetch_stages_reads_every_stage_in_one_traversal_from_any_node(tmp_path):
-    """Six nodes, more than the READ_BEAM nearest asked: every node still reads every record."""
-    from dhtio.records import READ_BEAM, fetch_stages
+    """Seven nodes, more than the READ_BEAM nearest asked and the STORE_BEAM asked by a store (b and c store
+    last): every node still reads every record."""
+    from dhtio.records import READ_BEAM, STORE_BEAM, fetch_stages
 
     manifest = tiny_manifest(n_layers=3, stages=3)
     first = dht_with_record([], manifest, 0, tmp_path, name="a")
     others = []
     try:
         peers = [str(a) for a in first.get_visible_maddrs()]
-        others = [dht_with_record(peers, manifest, 2, tmp_path, name=name) for name in ("b", "c")]
-        others += [dht_with_record(peers, manifest, None, tmp_path, name=name) for name in ("x", "y", "z")]
-        assert 1 + len(others) > READ_BEAM
+        others = [dht_with_record(peers, manifest, None, tmp_path, name=name) for name in ("w", "x", "y", "z")]
+        others += [dht_with_record(peers, manifest, 2, tmp_path, name=name) for name in ("b", "c")]
+        assert 1 + len(others) > max(READ_BEAM, STORE_BEAM)
         for reader in [first, *others]:
             stages = fetch_stages(reader, manifest)
             assert sorted(stages) == [0, 1, 2]
             assert [e.record.public_name for e in stages[0]] == ["a"]
             assert stages[1] == []
             assert {e.record.public_name for e in stages[2]} == {"b", "c"}
-        only = fetch_stages(others[-1], manifest, [2, 0])  # a peer of stage 1 reads its neighbours only
+        only = fetch_stages(others[0], manifest, [2, 0])  # a peer of stage 1 reads its neighbours only
         assert sorted(only) == [0, 2] and {e.record.public_name for e in only[2]} == {"b", "c"}
         assert fetch_stages(first, manifest, []) == {}
     finally:

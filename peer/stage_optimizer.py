@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 from hivemind.optim.optimizer import Optimizer
 from hivemind.optim.state_averager import TrainingStateAverager
 
 from peer.progress import PacedProgressTracker
+
+DECLARE_INTERVAL = 10.0  # seconds between two state-donor declarations of one peer, at most one in between
 
 
 class SnapshotStateAverager(TrainingStateAverager):
@@ -14,7 +19,28 @@ class SnapshotStateAverager(TrainingStateAverager):
     hivemind hands out views of the live tensors and serialises them later, while this peer goes
     on stepping: a joiner could receive parameters half-way through an update, out of step with
     the optimizer moments. Copying under the optimizer lock gives it one state that existed.
+
+    hivemind also re-declares the peer as a state donor in the DHT whenever its priority (the epoch) changes,
+    which with short epochs is a signed DHT store a second or more. Here at most one starts per
+    `DECLARE_INTERVAL`; one asked for sooner is made at the interval's end, with the epoch then. The cost: a
+    joiner ranks the donors by epochs up to that much older (each still sends its current state).
     """
+
+    def __init__(self, *args, **kwargs):
+        # before hivemind starts the averager's process, which runs the declarations
+        self._declared_at, self._declare_pending = -float("inf"), False
+        super().__init__(*args, **kwargs)
+
+    async def _trigger_declare_load_state(self):
+        if self._declare_pending:
+            return
+        wait = self._declared_at + DECLARE_INTERVAL - time.monotonic()
+        if wait > 0:
+            self._declare_pending = True
+            await asyncio.sleep(wait)
+            self._declare_pending = False
+        self._declared_at = time.monotonic()
+        await super()._trigger_declare_load_state()
 
     def get_current_state(self):
         # hivemind's own locking first (it may wait out an averaging round), and only then the

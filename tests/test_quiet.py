@@ -103,3 +103,41 @@ def test_paced_tracker_reports_through_a_paced_event_and_shuts_down_at_once():
         assert tracker.shutdown_complete.is_set() and time.monotonic() - started < 5.0
     finally:
         dht.shutdown()
+
+
+def test_state_donor_declarations_are_paced(monkeypatch):
+    """Epochs every 10 ms ask hivemind to re-declare the donor 30 times: one declaration at once, then at most one
+    per interval, the last after the last epoch (so its epoch is declared)."""
+    import asyncio
+
+    from peer import stage_optimizer
+    from peer.stage_optimizer import SnapshotStateAverager
+
+    monkeypatch.setattr(stage_optimizer, "DECLARE_INTERVAL", 0.2)
+    averager = SnapshotStateAverager.__new__(SnapshotStateAverager)  # only the pacing, no averager process
+    averager._declared_at, averager._declare_pending = -float("inf"), False
+    averager._parent_pid = None  # hivemind's __del__ asks whether this process started it
+
+    async def epochs() -> list[float]:
+        averager._state_updated, declared, start = asyncio.Event(), [], time.monotonic()
+
+        async def watch() -> None:
+            while True:
+                await averager._state_updated.wait()
+                averager._state_updated.clear()
+                declared.append(time.monotonic() - start)
+
+        watcher = asyncio.create_task(watch())
+        triggers = []
+        for _ in range(30):
+            triggers.append(asyncio.create_task(averager._trigger_declare_load_state()))
+            await asyncio.sleep(0.01)
+        last_epoch = time.monotonic() - start
+        await asyncio.gather(*triggers)
+        await asyncio.sleep(0.05)
+        watcher.cancel()
+        return declared, last_epoch
+
+    declared, last_epoch = asyncio.run(epochs())
+    assert declared[0] < 0.05 and declared[-1] >= last_epoch, declared
+    assert all(b - a >= 0.19 for a, b in zip(declared, declared[1:], strict=False)), declared

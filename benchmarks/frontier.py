@@ -57,7 +57,10 @@ from swarm.simulate import simulate  # noqa: E402
 
 CORPORA = ("code", "prose")
 PROSE_MIN_BYTES = 1 << 20
-SETTINGS = ("d_model", "n_layers", "stages", "seq_len", "microbatch", "microbatches", "warmup", "val_batches")
+SETTINGS = (
+    "d_model", "n_layers", "stages", "seq_len", "microbatch", "microbatches", "warmup", "val_batches", "steps",
+    "val_every",
+)
 DEFAULT_LRS = (2.5e-4, 5e-4, 1e-3, 2e-3)
 DENSE_K = 4  # the manifest needs a k; a dense wire never uses it
 
@@ -141,7 +144,16 @@ def _init_worker() -> None:
 
 
 def run_point(point: dict, settings: dict, data: str, device: str, val_every: int) -> dict:
-    """Train one point; its result as the JSON row."""
+    """Train one point; its result as the JSON row, or the point with `error` if it failed (a diverging
+    learning rate makes the sender refuse its own message): recorded, so a resumed sweep does not
+    retry it, and reported, so the sweep goes on."""
+    try:
+        return _train_point(point, settings, data, device, val_every)
+    except Exception as error:
+        return {**point, "device": device, "error": f"{type(error).__name__}: {error}"}
+
+
+def _train_point(point: dict, settings: dict, data: str, device: str, val_every: int) -> dict:
     manifest = make_manifest(point, settings)
     result = simulate(manifest, point["steps"], data=data, seed=point["seed"], val_batches=settings["val_batches"],
                       device=device, val_every=val_every)
@@ -206,6 +218,10 @@ def train_all(todo: list[dict], rows: list[dict], args: argparse.Namespace, sett
         save(args.json_path, settings, rows)
         elapsed = time.perf_counter() - started
         eta = elapsed / done * (len(todo) - done)
+        if "error" in row:
+            print(f"[{done}/{len(todo)}] {row['corpus']} {row['mode']} {row['dtype']} k={row['k']} lr={row['lr']:g} "
+                  f"seed={row['seed']}: FAILED {row['error']}", flush=True)
+            return
         print(f"[{done}/{len(todo)}] {row['corpus']} {row['mode']:<8} {row['dtype']:<4} k={row['k']:<2} "
               f"lr={row['lr']:g} seed={row['seed']}: val {row['val_loss_first']:.3f} -> {row['val_loss']:.4f}, "
               f"{row['bytes_per_token']:.2f} B/token/boundary, {row['step_seconds']:.3f} s/step | "
@@ -263,6 +279,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     settings = {key: getattr(args, key) for key in SETTINGS}
+    if args.report_only and args.json_path and Path(args.json_path).exists():
+        settings = json.loads(Path(args.json_path).read_text())["settings"]  # report what the file holds
     rows = load(args.json_path, settings)
     if not args.report_only:
         have = {point_key(row) for row in rows}

@@ -2,14 +2,17 @@
 can be redrawn from any finished (or half finished) file without importing torch's training code.
 
 A point is (corpus, mode, wire dtype, k). Its learning rate is the one with the lowest mean
-validation loss over the seeds it was run with; `edge` says that lr was the lowest or the highest
-tried, so the optimum may lie outside the sweep. The ratio is paired by seed against dense bf16 at
-its own best learning rate. A point is on the frontier when no point with at most its bytes has a
-lower loss.
+validation loss among the lrs run with as many seeds as the point's most complete lr (a failed run
+is left out, so its lr has fewer seeds; a non-finite loss counts as +inf); `edge` says that lr was
+the lowest or the highest tried (or the only one), so the optimum may lie outside the sweep. The
+lr is picked on the same validation batches whose loss is reported, which flatters every point a
+little, compressed and dense alike. The ratio is paired by seed against dense bf16 at its own best
+learning rate. A point is on the frontier when no point with at most its bytes has a lower loss.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import defaultdict
 from pathlib import Path
@@ -21,7 +24,7 @@ DENSE_WIRE = ("none", "dense-ts")
 def _by_point(rows: list[dict], kind: str) -> dict[Point, dict[float, list[dict]]]:
     grouped: dict[Point, dict[float, list[dict]]] = defaultdict(lambda: defaultdict(list))
     for row in rows:
-        if row["kind"] == kind:
+        if row["kind"] == kind and "error" not in row:
             k = 0 if row["mode"] in DENSE_WIRE else row["k"]
             grouped[(row["corpus"], row["mode"], row["dtype"], k)][row["lr"]].append(row)
     return grouped
@@ -31,13 +34,14 @@ def best(rows: list[dict], kind: str = "frontier") -> list[dict]:
     """One summary per point at its best learning rate, sorted by corpus and bytes."""
     out = []
     for (corpus, mode, dtype, k), per_lr in _by_point(rows, kind).items():
-        lr = min(per_lr, key=lambda value: statistics.fmean(r["val_loss"] for r in per_lr[value]))
+        most = max(len(runs) for runs in per_lr.values())
+        complete = [value for value, runs in per_lr.items() if len(runs) == most]
+        lr = min(complete, key=lambda value: _mean_loss(per_lr[value]))
         mine = sorted(per_lr[lr], key=lambda r: r["seed"])
         tried = sorted(per_lr)
-        edge = len(tried) > 1 and lr in (tried[0], tried[-1])
+        edge = "single" if len(tried) == 1 else "low" if lr == tried[0] else "high" if lr == tried[-1] else ""
         out.append(dict(
-            corpus=corpus, mode=mode, dtype=dtype, k=k, lr=lr, lrs_tried=tried,
-            edge="low" if edge and lr == tried[0] else "high" if edge else "",
+            corpus=corpus, mode=mode, dtype=dtype, k=k, lr=lr, lrs_tried=tried, edge=edge,
             seeds={r["seed"]: r["val_loss"] for r in mine},
             val_loss=statistics.fmean(r["val_loss"] for r in mine),
             val_std=statistics.stdev([r["val_loss"] for r in mine]) if len(mine) > 1 else 0.0,
@@ -57,6 +61,11 @@ def best(rows: list[dict], kind: str = "frontier") -> list[dict]:
             p["ratio_range"] = (min(ratios), max(ratios)) if ratios else (float("nan"), float("nan"))
             p["dense_share"] = p["bytes"] / dense["bytes"] if dense else float("nan")
     return sorted(out, key=lambda p: (p["corpus"], p["bytes"], p["val_loss"]))
+
+
+def _mean_loss(runs: list[dict]) -> float:
+    losses = [r["val_loss"] for r in runs]
+    return statistics.fmean(losses) if all(math.isfinite(x) for x in losses) else math.inf
 
 
 def markdown(rows: list[dict], settings: dict) -> str:
@@ -84,10 +93,17 @@ def markdown(rows: list[dict], settings: dict) -> str:
     if curves:
         lines += ["", "Trajectory (val loss at tokens; last three validations per run):", ""]
         for (corpus, mode, dtype, k, lr, seed), curve in sorted(curves.items()):
-            dense = dict(curves.get((corpus, "none", "bf16", k, lr, seed), []))
+            dense = next(  # dense's k is a placeholder: match on corpus, dtype, lr and seed
+                (dict(c) for key, c in curves.items() if key[:3] == (corpus, "none", "bf16") and key[4:] == (lr, seed)),
+                {},
+            )
             ratio = {t: f" (×{loss / dense[t]:.3f})" for t, loss in curve if mode != "none" and t in dense}
             tail = ", ".join(f"{t:,}: {loss:.4f}{ratio.get(t, '')}" for t, loss in curve[-3:])
             lines.append(f"- {corpus} {mode} {dtype} k={k} lr={lr:g} seed={seed}: … {tail}")
+    lines += [
+        f"failed: {r['corpus']} {r['mode']} {r['dtype']} k={r['k']} lr={r['lr']:g} seed={r['seed']}: {r['error']}"
+        for r in rows if "error" in r
+    ]
     return "\n".join(lines)
 
 
@@ -95,7 +111,7 @@ def trajectories(rows: list[dict]) -> dict[tuple, list[tuple[int, float]]]:
     """(corpus, mode, dtype, k, lr, seed) → [(tokens, val loss)], from the trajectory rows."""
     out = {}
     for row in rows:
-        if row["kind"] == "trajectory" and row["val_curve"]:
+        if row["kind"] == "trajectory" and "error" not in row and row["val_curve"]:
             per_step = row["tokens"] // row["steps"]
             curve = [(0, row["val_loss_first"])] + [(step * per_step, loss) for step, loss in row["val_curve"]]
             out[(row["corpus"], row["mode"], row["dtype"], row["k"], row["lr"], row["seed"])] = curve

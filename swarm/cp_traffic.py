@@ -78,7 +78,7 @@ class CPTraffic:
             forward = encode_kv(codec.header("forward", attn.layer, owner, owner, dst, batch, mode), *crossing.payload)
             _, z_k, z_v, theta = decode_kv(forward, codec.expectation("forward", dst, mode))
             with torch.no_grad():
-                like = crossing.payload[0].dtype
+                like = crossing.payload[0]  # the sender's device and dtype
                 got = attn.rebuild(z_k.to(like), z_v.to(like), None if theta is None else theta.to(like), mode)
                 sent = attn.rebuild(*crossing.payload, mode)
             error = max(relative_error(g, s) for g, s in zip(got, sent, strict=True))

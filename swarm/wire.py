@@ -178,7 +178,9 @@ def quantize_int8(payload: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token absmax 8-bit quantisation (SWARM's dense baseline): int8 values and float32 scales > 0."""
     data = payload.detach().float()
     absmax = data.abs().amax(dim=-1, keepdim=True)
-    scale = torch.where(absmax > 0, absmax / 127.0, torch.ones_like(absmax))
+    # a row whose largest value is below ~1.8e-43 would get scale 0 (refused by the receiver): clamp it
+    smallest = torch.finfo(torch.float32).tiny
+    scale = torch.where(absmax > 0, (absmax / 127.0).clamp(min=smallest), torch.ones_like(absmax))
     scale = torch.where(torch.isfinite(absmax), scale, absmax)  # NaN/inf stay visible: the receiver refuses them
     values = torch.round(data / scale).clamp_(-127, 127).to(torch.int8)
     return values, scale.squeeze(-1)

@@ -58,3 +58,23 @@ def test_prose_corpus_is_prose_and_large_enough():
     text = frontier.prose_text()
     assert len(text.encode()) >= frontier.PROSE_MIN_BYTES
     assert not any(line.lstrip().startswith(">>>") for line in text.splitlines())  # doctests dropped
+
+
+def _row(lr: float, seed: int, loss: float, **extra) -> dict:
+    return dict(kind="frontier", corpus="code", mode="boundary", dtype="bf16", k=4, lr=lr, seed=seed, steps=600,
+                val_loss=loss, bytes_per_token=9.0, formula_bytes=9.0, tokens=1, max_reconstruction_error=0.0,
+                **extra)
+
+
+def test_best_lr_compares_equal_seeds_and_skips_failures_and_nan():
+    rows = [
+        _row(1e-3, 0, 2.0), _row(1e-3, 1, 2.3),  # mean 2.15 over both seeds
+        _row(2e-3, 0, 2.1),  # one seed only: lower mean, but not comparable
+        _row(4e-3, 0, float("nan")), _row(4e-3, 1, 1.0),  # non-finite: +inf
+        {**_row(8e-3, 0, 0.0), "error": "WireError: out_of_range"},  # failed: left out
+    ]
+    (point,) = frontier_report.best(rows)
+    assert point["lr"] == 1e-3 and point["edge"] == "low"
+    assert "failed: code boundary bf16 k=4 lr=0.008 seed=0" in frontier_report.markdown(rows, {})
+    (single,) = frontier_report.best([_row(1e-3, 0, 2.0)])
+    assert single["edge"] == "single"

@@ -3,8 +3,9 @@ absmax scale per token, forward (c = (x − T_fixed[tok]) U) and backward (g U) 
 
 The model is defined through the wire: the receiver's input is T_fixed[tok] + ĉ Uᵀ with ĉ the
 dequantised coefficients, in the simulator as between peers, and the sender backpropagates exactly
-the dequantised gradient (ĝU) Uᵀ. So every parameter gradient upstream is the exact gradient for
-what was sent, which these tests check against a trip assembled by hand."""
+the dequantised gradient (ĝU) Uᵀ. So every parameter gradient upstream is the exact backpropagation
+of the gradient message that was sent (straight through the rounding, which has no useful
+derivative), which these tests check against a trip assembled by hand."""
 
 from __future__ import annotations
 

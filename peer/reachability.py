@@ -16,8 +16,8 @@ The helper's side (`DialBackService`) is input from a remote peer: a request is 
 `MAX_REQUEST_BYTES`, names at most `MAX_ADDRS` TCP addresses, each dial ends after `DIAL_TIMEOUT`,
 at most `MAX_CONCURRENT` requests are served at once, one per peer per `PER_PEER_INTERVAL`, and a
 global token bucket bounds how often anyone can make the helper dial at all. Excess requests get a
-"busy" answer and cost nothing. So a peer cannot turn helpers into a scanner for more than
-`MAX_ADDRS` connection attempts per `GLOBAL_REFILL_S` seconds.
+"busy" answer and cost nothing. So all requesters together get a helper to make at most `MAX_ADDRS`
+connection attempts per `GLOBAL_REFILL_S` seconds, after a first burst of `GLOBAL_BURST` requests.
 
 The classification (`classify`) and the relay policy (`relay_options`) are pure functions.
 """

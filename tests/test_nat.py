@@ -203,3 +203,22 @@ def test_swarm_with_its_middle_stage_behind_nat():
         for n in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
         if n.startswith(swarm.net.tag)
     ]
+
+
+def test_p2pd_accepts_the_relay_service_flags():
+    """hivemind 1.1.12 does not forward these; `daemon_flags` appends them, and p2pd must start with them."""
+    from hivemind.p2p import P2P
+
+    from peer.reachability import daemon_flags
+
+    async def run() -> list[str]:
+        with daemon_flags(relay_service_flags(True, 4, 100, 60)):
+            p2p = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        try:
+            return Path(f"/proc/{p2p._child.pid}/cmdline").read_bytes().decode().split("\0")
+        finally:
+            await p2p.shutdown()
+
+    args = asyncio.run(run())
+    assert "-relayService=1" in args and f"-relayDataLimit={100 << 20}" in args and "-relayTimeLimit=60s" in args
+    assert P2P._make_process_args("x", a=1) == ["x", "-a=1"]  # the patch is gone outside the block

@@ -29,6 +29,7 @@ import asyncio
 import json
 import os
 import secrets
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -230,6 +231,7 @@ def run_case(case: str, force_private: bool, timeout: float, via_relay: bool) ->
             child.kill()
             child.wait()
         net.close()
+        shutil.rmtree(workdir, ignore_errors=True)  # the row holds what the run found
     connection = result.get("connection", [])
     result["kind"] = ("relay" if any("p2p-circuit" in a for a in connection) else "direct") if connection else "-"
     return {"case": case + (" (dialled via the relay)" if via_relay else ""), **result}

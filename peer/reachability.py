@@ -15,7 +15,12 @@ address (not which peer: the address is ours by our own claim, and only reachabi
 The helper's side (`DialBackService`) is input from a remote peer: a request is at most
 `MAX_REQUEST_BYTES`, names at most `MAX_ADDRS` TCP addresses, each dial ends after `DIAL_TIMEOUT`,
 at most `MAX_CONCURRENT` requests are served at once, one per peer per `PER_PEER_INTERVAL`, and a
-global token bucket bounds how often anyone can make the helper dial at all. Excess requests get a
+global token bucket bounds how often anyone can make the helper dial at all. The helper dials only
+addresses on the IP the request came from (the remote address of the requester's connection, as
+libp2p's AutoNAT does), so nobody can point a helper at a third party or at the helper's own
+network: a NATed peer's private addresses are then not dialled at all, which is the right answer for
+them (nobody outside reaches a private address), and a forwarded port is announced on the router's
+public IP, the IP the request comes from. Excess requests get a
 "busy" answer and cost nothing. So all requesters together get a helper to make at most `MAX_ADDRS`
 connection attempts per `GLOBAL_REFILL_S` seconds, after a first burst of `GLOBAL_BURST` requests.
 
@@ -130,8 +135,9 @@ def _is_ip(host: str) -> bool:
         return False
 
 
-def tcp_targets(maddrs: Sequence[str], limit: int = MAX_ADDRS) -> list[tuple[str, int]]:
-    """(host, port) of each plain TCP address (no relay circuit, no wildcard), deduplicated, at most `limit`."""
+def tcp_targets(maddrs: Sequence[str], observed: str | None, limit: int = MAX_ADDRS) -> list[tuple[str, int]]:
+    """(host, port) of each plain TCP address (no relay circuit, no wildcard) on the IP `observed` (the
+    requester's, as the helper sees its connection; None: nothing), deduplicated, at most `limit`."""
     found: list[tuple[str, int]] = []
     for maddr in maddrs:
         parts = str(maddr).split("/")
@@ -139,6 +145,8 @@ def tcp_targets(maddrs: Sequence[str], limit: int = MAX_ADDRS) -> list[tuple[str
             continue
         host, port = parts[2], parts[4]
         if not _is_ip(host) or ipaddress.ip_address(host).is_unspecified or not port.isdigit():
+            continue
+        if observed is None or not _is_ip(observed) or ipaddress.ip_address(host) != ipaddress.ip_address(observed):
             continue
         if not 0 < int(port) < 65536 or (host, int(port)) in found:
             continue
@@ -260,7 +268,10 @@ class DialBackService:
             async with self.busy:
                 request = await asyncio.wait_for(_receive(reader), REQUEST_TIMEOUT)
                 addrs = request.get("addrs") if isinstance(request, dict) else None
-                targets = tcp_targets([a for a in addrs if isinstance(a, str)] if isinstance(addrs, list) else [])
+                came_from = str(getattr(info, "addr", ""))  # a relayed request has no IP of the requester's
+                observed = None if "p2p-circuit" in came_from else _host_of(came_from)
+                wanted = [a for a in addrs if isinstance(a, str)] if isinstance(addrs, list) else []
+                targets = tcp_targets(wanted, observed)
                 answers = await asyncio.gather(*(greets(h, p) for h, p in targets))
                 await _send(
                     writer, {"reached": [f"{h}:{p}" for (h, p), ok in zip(targets, answers, strict=True) if ok]}

@@ -6,6 +6,7 @@ relays off."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import struct
@@ -19,6 +20,7 @@ from builders import stage_record
 
 from peer.reachability import (
     DIRECT,
+    GREETING,
     UNKNOWN,
     UNREACHABLE,
     VIA_RELAY,
@@ -66,8 +68,16 @@ def test_classify_and_targets():
         "/ip4/nonsense/tcp/8",
         "/ip4/10.0.0.3/tcp/70000",
         "/dns4/example.org/tcp/9",
+        "/ip4/10.0.0.1/tcp/2",
+        "/ip4/10.0.0.1/tcp/3",
+        "/ip4/10.0.0.1/tcp/4",
+        "/ip4/10.0.0.1/tcp/5",
     ] + [f"/ip4/10.0.1.{i}/tcp/9" for i in range(10)]
-    assert tcp_targets(addrs) == [("10.0.0.1", 1), ("::1", 7), ("10.0.1.0", 9), ("10.0.1.1", 9)]
+    assert tcp_targets(addrs, "10.0.0.1") == [("10.0.0.1", 1), ("10.0.0.1", 2), ("10.0.0.1", 3), ("10.0.0.1", 4)]
+    assert tcp_targets(addrs, "::1") == [("::1", 7)]
+    # only the requester's own IP is ever dialled: not a third party's, and nothing without an IP
+    assert tcp_targets(addrs, "10.0.1.3") == [("10.0.1.3", 9)]
+    assert tcp_targets(addrs, "192.0.2.7") == tcp_targets(addrs, None) == tcp_targets(addrs, "nonsense") == []
 
 
 def test_reachability_field_is_validated_and_optional():
@@ -121,6 +131,35 @@ def _serve(service: DialBackService, request: bytes) -> bytes:
         return writer.data
 
     return asyncio.run(run())
+
+
+def test_dial_back_service_dials_only_the_requesters_ip():
+    """A request naming a listener on another IP than the one it came from gets nothing dialled there."""
+
+    async def run() -> tuple[bytes, bytes]:
+        async def libp2p_like(reader, writer):
+            writer.write(bytes([len(GREETING)]) + GREETING)
+            await writer.drain()
+            writer.close()
+
+        server = await asyncio.start_server(libp2p_like, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        request = json.dumps({"addrs": [f"/ip4/127.0.0.1/tcp/{port}"]}).encode()
+        answers = []
+        async with server:
+            for came_from in ("/ip4/127.0.0.1/tcp/4001", "/ip4/10.9.9.9/tcp/4001"):
+                reader = asyncio.StreamReader()
+                reader.feed_data(struct.pack(">I", len(request)) + request)
+                reader.feed_eof()
+                writer = _Writer()
+                info = type("Info", (), {"peer_id": _Info.peer_id, "addr": came_from})
+                await DialBackService(RateLimit(burst=10, per_peer=0.0)).handle(info, reader, writer)
+                answers.append(writer.data)
+        return answers[0], answers[1]
+
+    same, other = asyncio.run(run())
+    assert b"127.0.0.1" in same  # its own address, dialled and greeted
+    assert other.endswith(b'{"reached": []}')  # a third party's: not dialled
 
 
 def test_dial_back_service_survives_bad_requests():

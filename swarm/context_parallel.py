@@ -208,7 +208,7 @@ class CPBasis:
         return cls(seed, shape.n_layers, kv_width(shape), spec.r_k, spec.r_v, spec.n_generators)
 
     def _derive(self) -> None:
-        self._copies: dict[tuple, torch.Tensor] = {}
+        self._copies: dict[tuple, tuple[torch.Tensor, ...]] = {}
         with_gens = (self.n_generators + 1) * max(self.ranks.values()) <= self.d_kv
         for (layer, which), ubar in self.ubar.items():
             if with_gens:
@@ -246,17 +246,13 @@ class CPBasis:
         self._derive()
 
     def tensors(self, layer: int, which: str, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return (
-            self._on(self.ubar, layer, which, like),
-            self._on(self.gens, layer, which, like),
-        )
-
-    def _on(self, store: dict, layer: int, which: str, like: torch.Tensor) -> torch.Tensor:
-        """store[layer, which] on `like`'s device and dtype, copied once per basis version (a copy from
-        host memory per use would stall a GPU on every chunk of every layer)."""
-        key = (id(store), layer, which, like.device, like.dtype)
+        """Ū and the generators of (layer, which) on `like`'s device and dtype, copied once per basis version
+        (a copy from host memory per use would stall a GPU on every chunk of every layer)."""
+        key = (layer, which, like.device, like.dtype)
         if key not in self._copies:
-            self._copies[key] = store[layer, which].to(device=like.device, dtype=like.dtype)
+            self._copies[key] = tuple(
+                store[layer, which].to(device=like.device, dtype=like.dtype) for store in (self.ubar, self.gens)
+            )
         return self._copies[key]
 
 

@@ -44,7 +44,11 @@ def test_five_moves_release_every_stage(tmp_path: Path):
     assert "Task was destroyed but it is pending" not in text
     assert all(r["runtimes_alive"] == 0 for r in moves)  # every stage left was collected
     first, last = moves[0], moves[-1]
-    # measured: 422 -> 430 MiB over 6 moves of the tiny preset (before the fix: 493 -> 673 MiB)
-    assert last["rss_mib"] <= 1.10 * first["rss_mib"], moves
+    # The first sample follows one stage only; the allocator's high-water mark settles once the peer has held
+    # both stages (one CI run: 404 MiB after move 1, 462 after move 2, flat after), so memory is compared from
+    # move 2 on. Measured: 422 -> 430 MiB over 6 moves; the leak this guards against grew ~45 MiB per move
+    # (493 -> 673 MiB): over moves 2..5 that is more than three times the allowance below.
+    settled = moves[1]
+    assert last["rss_mib"] <= 1.08 * settled["rss_mib"], moves
     assert last["children"] == first["children"] and last["threads"] <= first["threads"] + 1, moves
     assert last["tasks"] <= first["tasks"], moves

@@ -94,6 +94,10 @@ class StagePeerRecord(pydantic.BaseModel):
     # not yet known. Compatibility: a record without it (an older peer) reads as ""; peers older than this
     # field refuse records that carry it (extra fields are forbidden), as with every field added since 0.2.0.
     reachability: pydantic.constr(strict=True, regex=r"^(|direct|via relay|unreachable)$") = ""
+    # the chunk of every sequence this peer holds when the run splits sequences over a stage's peers (the
+    # manifest's context_parallel.size P > 1): a lane in [0, P); 0 when context parallelism is off. A claim like
+    # any other: readers drop a record whose lane is not below the run's P (peer/lanes.py).
+    lane: _Count = 0
 
     class Config:
         extra = pydantic.Extra.forbid

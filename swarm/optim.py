@@ -133,7 +133,12 @@ def lr_at(step: int, base_lr: float, warmup_steps: int) -> float:
 
 
 def _norm(grads: list[torch.Tensor]) -> float:
-    return math.sqrt(sum(float(g.float().pow(2).sum()) for g in grads))
+    """Each tensor's sum of squares in float32 (inf when a square overflows), summed in float64 on the
+    gradients' device: one device-to-host copy per call, not one per parameter (each is a GPU sync)."""
+    if not grads:
+        return 0.0
+    squares = torch.stack([g.float().pow(2).sum() for g in grads])
+    return math.sqrt(float(squares.double().sum()))
 
 
 def grad_norm(parameters: Iterable[torch.nn.Parameter]) -> float:

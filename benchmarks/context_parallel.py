@@ -38,6 +38,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from lr_sweep import best_lr  # noqa: E402
 
 from swarm.context_parallel import ContextParallelSpec  # noqa: E402
 from swarm.cp_model import CPDecoder, next_token_loss  # noqa: E402
@@ -202,21 +205,16 @@ def key(result: dict) -> tuple[str, int, float]:
     return result["mode"], result["seed"], result["lr"]
 
 
-def best_lrs(results: list[dict], modes: list[str], lrs: list[float]) -> dict[str, float]:
-    """Each mode's learning rate with the lowest mean validation loss over the seeds it completed
-    (only lrs run for the same seeds as the mode's most complete lr compete)."""
+def best_lrs(results: list[dict], modes: list[str]) -> dict[str, float]:
+    """Each mode's learning rate, by `lr_sweep.best_lr`."""
     best = {}
     for mode in modes:
-        by_lr: dict[float, dict[int, float]] = {}
+        by_lr: dict[float, list[float]] = {}
         for r in results:
-            if r["mode"] == mode and "error" not in r and math.isfinite(r["val_loss"]):
-                by_lr.setdefault(r["lr"], {})[r["seed"]] = r["val_loss"]
+            if r["mode"] == mode and "error" not in r:
+                by_lr.setdefault(r["lr"], []).append(r["val_loss"])
         if by_lr:
-            most = max(len(seeds) for seeds in by_lr.values())
-            best[mode] = min(
-                (lr for lr, seeds in by_lr.items() if len(seeds) == most),
-                key=lambda lr: statistics.fmean(by_lr[lr].values()),
-            )
+            best[mode] = best_lr(by_lr)
     return best
 
 
@@ -224,7 +222,7 @@ def summary(results: list[dict], modes: list[str], lrs: list[float]) -> str:
     """The markdown table: each mode at its best lr, its loss ratio to dense CP at dense's best lr
     (per seed, then the mean), step time, bytes."""
     ok = [r for r in results if "error" not in r]
-    best = best_lrs(ok, modes, lrs)
+    best = best_lrs(ok, modes)
     pick = {mode: [r for r in ok if r["mode"] == mode and r["lr"] == lr] for mode, lr in best.items()}
     dense = {r["seed"]: r for r in pick.get("dense", [])}
     dense_step = statistics.fmean(r["step_seconds"] for r in dense.values()) if dense else float("nan")

@@ -30,6 +30,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import lr_sweep  # noqa: E402
 
 import swarm.data  # noqa: E402
 from swarm.manifest import BatchSpec, Manifest, OptimizerSpec  # noqa: E402
@@ -402,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
                         sweep.setdefault((config.name, mode), {})[lr] = run.val_loss_last
             for mode in swept_modes:
                 losses = sweep.get((config.name, mode)) or {math.nan: math.nan}
-                best_lr[(config.width, mode)] = min(losses, key=losses.get)
+                best_lr[(config.width, mode)] = lr_sweep.best_lr({lr: [loss] for lr, loss in losses.items()})
         for seed in args.seeds:
             for mode in MODES:
                 lr = best_lr[(config.width, mode)]

@@ -1,21 +1,19 @@
 """Tables and plots of `benchmarks/frontier.py`'s JSON rows: kept apart from the training so a report
 can be redrawn from any finished (or half finished) file without importing torch's training code.
 
-A point is (corpus, mode, wire dtype, k). Its learning rate is the one with the lowest mean
-validation loss among the lrs run with as many seeds as the point's most complete lr (a failed run
-is left out, so its lr has fewer seeds; a non-finite loss counts as +inf); `edge` says that lr was
-the lowest or the highest tried (or the only one), so the optimum may lie outside the sweep. The
-lr is picked on the same validation batches whose loss is reported, which flatters every point a
-little, compressed and dense alike. The ratio is paired by seed against dense bf16 at its own best
+A point is (corpus, mode, wire dtype, k). Its learning rate is picked by `lr_sweep.best_lr`;
+`edge` says that lr was the lowest or the highest tried (or the only one), so the optimum may lie
+outside the sweep. The ratio is paired by seed against dense bf16 at its own best
 learning rate. A point is on the frontier when no point with at most its bytes has a lower loss.
 """
 
 from __future__ import annotations
 
-import math
 import statistics
 from collections import defaultdict
 from pathlib import Path
+
+from lr_sweep import best_lr
 
 Point = tuple[str, str, str, int]  # corpus, mode, dtype, k (0 for a dense wire)
 DENSE_WIRE = ("none", "dense-ts")
@@ -34,9 +32,7 @@ def best(rows: list[dict], kind: str = "frontier") -> list[dict]:
     """One summary per point at its best learning rate, sorted by corpus and bytes."""
     out = []
     for (corpus, mode, dtype, k), per_lr in _by_point(rows, kind).items():
-        most = max(len(runs) for runs in per_lr.values())
-        complete = [value for value, runs in per_lr.items() if len(runs) == most]
-        lr = min(complete, key=lambda value: _mean_loss(per_lr[value]))
+        lr = best_lr({value: [r["val_loss"] for r in runs] for value, runs in per_lr.items()})
         mine = sorted(per_lr[lr], key=lambda r: r["seed"])
         tried = sorted(per_lr)
         edge = "single" if len(tried) == 1 else "low" if lr == tried[0] else "high" if lr == tried[-1] else ""
@@ -62,10 +58,6 @@ def best(rows: list[dict], kind: str = "frontier") -> list[dict]:
             p["dense_share"] = p["bytes"] / dense["bytes"] if dense else float("nan")
     return sorted(out, key=lambda p: (p["corpus"], p["bytes"], p["val_loss"]))
 
-
-def _mean_loss(runs: list[dict]) -> float:
-    losses = [r["val_loss"] for r in runs]
-    return statistics.fmean(losses) if all(math.isfinite(x) for x in losses) else math.inf
 
 
 def markdown(rows: list[dict], settings: dict) -> str:

@@ -116,7 +116,9 @@ def encode_kv(header: KVHeader, z_k: torch.Tensor, z_v: torch.Tensor, theta: tor
     return b"".join(parts)
 
 
-def _parse_header(blob: bytes) -> tuple[KVHeader, int]:
+def parse_kv_header(blob: bytes) -> tuple[KVHeader, int]:
+    """The header and the payload's offset, checked for form only (no expectation, no tensor): what a
+    receiver needs to route a message (trip, sending lane) before `decode_kv` checks its claims."""
     if len(blob) < len(CP_MAGIC) + 4 or blob[: len(CP_MAGIC)] != CP_MAGIC:
         raise WireError(ErrorCode.MALFORMED, "message does not start with the CP magic")
     (length,) = struct.unpack_from("<I", blob, len(CP_MAGIC))
@@ -154,15 +156,17 @@ def decode_kv(blob: bytes, expect: KVExpectation):
     """Validate everything, then build float32 tensors (Z_k, Z_v, θ or None). Raises WireError only."""
     if len(blob) > expect.max_bytes:
         raise WireError(ErrorCode.TOO_LARGE, f"{len(blob)} bytes exceed the limit of {expect.max_bytes}")
-    header, start = _parse_header(blob)
+    header, start = parse_kv_header(blob)
     if header.run_id != expect.run_id:
         raise WireError(
             ErrorCode.WRONG_RUN, f"message is for run {header.run_id!r}, this peer serves {expect.run_id!r}"
         )
+    if header.cp_version != expect.cp_version:  # before the hash: another version has another hash as well
+        raise WireError(
+            ErrorCode.WRONG_CP_VERSION, f"CP basis version {header.cp_version}, ours is {expect.cp_version}"
+        )
     if header.cp_sha256 != expect.cp_sha256:
-        raise WireError(ErrorCode.WRONG_HASH, f"sender's CP basis hash {header.cp_sha256[:16]} differs from ours")
-    if header.cp_version != expect.cp_version:
-        raise WireError(ErrorCode.WRONG_VERSION, f"CP basis version {header.cp_version}, ours is {expect.cp_version}")
+        raise WireError(ErrorCode.WRONG_CP_HASH, f"sender's CP basis hash {header.cp_sha256[:16]} differs from ours")
     if header.stage != expect.stage or not expect.first_layer <= header.layer < expect.end_layer:
         raise WireError(ErrorCode.WRONG_STAGE, f"stage {header.stage} layer {header.layer} is not served here")
     if header.kind != expect.kind:

@@ -88,6 +88,8 @@ class ErrorCode(str, enum.Enum):
     TIMEOUT = "timeout"
     INTERNAL = "internal"
     UNKNOWN_SENDER = "unknown_sender"
+    WRONG_CP_VERSION = "wrong_cp_version"  # context parallelism's K/V basis (issue 17), apart from U's version
+    WRONG_CP_HASH = "wrong_cp_hash"
 
 
 class WireError(Exception):

@@ -310,8 +310,9 @@ def test_codec_round_trip(kind):
     "changes, code",
     [
         (dict(run_id="other"), ErrorCode.WRONG_RUN),
-        (dict(cp_sha256="f" * 64), ErrorCode.WRONG_HASH),
-        (dict(cp_version=1), ErrorCode.WRONG_VERSION),
+        (dict(cp_sha256="f" * 64), ErrorCode.WRONG_CP_HASH),
+        (dict(cp_version=1), ErrorCode.WRONG_CP_VERSION),
+        (dict(cp_version=1, cp_sha256="f" * 64), ErrorCode.WRONG_CP_VERSION),
         (dict(stage=1), ErrorCode.WRONG_STAGE),
         (dict(layer=2), ErrorCode.WRONG_STAGE),
         (dict(kind="backward"), ErrorCode.WRONG_KIND),

@@ -1,0 +1,183 @@
+"""Lanes (issue 17): which chunk of every sequence a peer holds when its stage is context-parallel, as pure
+functions of what the DHT shows.
+
+A run with `context_parallel.size` P > 1 splits every sequence into P chunks; lane c of a stage holds chunk c.
+A trip needs one peer of every lane of every stage, so a stage serves at most what its weakest lane serves, and
+the swarm at most what its weakest (stage, lane) *slot* serves: the swarm's bottleneck is the minimum over all
+slots of the summed throughput of the slot's peers. With P = 1 there is one slot per stage (lane 0) and every
+rule below is the stage rule of `peer/placement.py` unchanged.
+
+Placement reuses placement's policy rather than a second one: `choose_stage` picks the stage (a stage with an
+empty lane counts as empty: it cannot carry a trip), then, applied to the stage's lanes, the lane (an empty one
+first, else the one with the least throughput; ties at random). Moves reuse `should_move` on the flat list of
+slots the peer may take, so the simulated move measures the real bottleneck, never empties the lane it leaves,
+and keeps the hysteresis (dwell, gain, re-check) of stage moves.
+
+A lane is a claim like any other: a record whose lane is not below P (with context parallelism off: any lane
+but 0) is dropped wherever lanes are counted, so it gets no trips and fills no lane.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+from peer.placement import Hysteresis, choose_stage, should_move
+from peer.routing import Router
+from swarm.manifest import Manifest
+from swarm.records import PeerEntry, StagePeerRecord, claimed_throughput
+
+LaneLoads = Mapping[int, Mapping[int, Sequence[float]]]  # stage → lane → throughputs (tokens/s) of its live peers
+Slot = tuple[int, int]  # (stage, lane)
+
+
+def lane_count(manifest: Manifest) -> int:
+    """P: the lanes every stage has (1 when the run has no context parallelism)."""
+    return manifest.context_parallel.size if manifest.context_parallel is not None else 1
+
+
+def valid_lane(record: StagePeerRecord, lanes: int) -> bool:
+    """Whether the record's lane exists in a run with `lanes` lanes (the schema already refuses a negative one)."""
+    return record.lane < lanes
+
+
+def lane_loads(
+    stages: Mapping[int, Sequence[PeerEntry]], manifest: Manifest, counts: Callable[[PeerEntry], bool]
+) -> dict[int, dict[int, list[float]]]:
+    """Claimed throughputs (clamped, `claimed_throughput`) of the peers that count for placement (`counts`:
+    `counts_for_placement` with the reader's clock, hashes and bans) per stage and lane; every lane of a listed
+    stage is present, an empty one as []."""
+    lanes = lane_count(manifest)
+    out: dict[int, dict[int, list[float]]] = {}
+    for stage, entries in stages.items():
+        per_lane: dict[int, list[float]] = {lane: [] for lane in range(lanes)}
+        for e in entries:
+            if valid_lane(e.record, lanes) and counts(e):
+                per_lane[e.record.lane].append(claimed_throughput(e.record, manifest))
+        out[stage] = per_lane
+    return out
+
+
+def lane_totals(stage_lanes: Mapping[int, Sequence[float]], lanes: int) -> list[float]:
+    return [float(sum(stage_lanes.get(lane, ()))) for lane in range(lanes)]
+
+
+def stage_capacity(stage_lanes: Mapping[int, Sequence[float]], lanes: int) -> float:
+    """What a stage serves: a trip needs every lane, so its weakest lane's summed throughput (0 if one is empty)."""
+    return min(lane_totals(stage_lanes, lanes))
+
+
+def choose_slot(
+    loads: LaneLoads,
+    num_stages: int,
+    lanes: int,
+    rng: random.Random | None = None,
+    stage: int | None = None,
+    lane: int | None = None,
+) -> Slot:
+    """Where a newcomer goes. `stage` / `lane` pin what `--stage N` / `--lane N` fixed. The stage: `choose_stage`
+    on each stage's capacity, a stage with an empty lane counting as empty (with a pinned lane: on that lane's
+    peers of each stage). Then the lane: `choose_stage` on the chosen stage's lanes."""
+    rng = rng or random.Random()
+    if stage is None:
+        if lane is not None:
+            per_stage = {s: list(loads.get(s, {}).get(lane, ())) for s in range(num_stages)}
+        else:
+            per_stage = {s: _capacity_as_load(loads.get(s, {}), lanes) for s in range(num_stages)}
+        stage = choose_stage(per_stage, num_stages, rng)
+    if lane is None:
+        lane = choose_stage(loads.get(stage, {}), lanes, rng)
+    return stage, lane
+
+
+def _capacity_as_load(stage_lanes: Mapping[int, Sequence[float]], lanes: int) -> list[float]:
+    """A stage as `choose_stage` should see it: empty if a lane is, else one load equal to its capacity."""
+    if any(not stage_lanes.get(lane) for lane in range(lanes)):
+        return []
+    return [stage_capacity(stage_lanes, lanes)]
+
+
+def allowed_slots(num_stages: int, lanes: int, stage: int | None = None, lane: int | None = None) -> list[Slot]:
+    """The slots a peer may serve: every (stage, lane), less what `--stage` / `--lane` pinned."""
+    return [
+        (s, c)
+        for s in range(num_stages)
+        for c in range(lanes)
+        if (stage is None or s == stage) and (lane is None or c == lane)
+    ]
+
+
+def move_target(
+    loads: LaneLoads,
+    slots: Sequence[Slot],
+    current: Slot,
+    own_throughput: float,
+    policy: Hysteresis,
+    served_for: float | None = None,
+) -> Slot | None:
+    """The slot to move to, or None: `should_move` over `slots` (`allowed_slots`, which include `current`), each
+    slot a "stage" of its own. `loads` includes this peer in `current`. Over all slots the simulated bottleneck
+    is the swarm's; over a pinned subset, the subset's."""
+    flat = {i: list(loads.get(s, {}).get(c, ())) for i, (s, c) in enumerate(slots)}
+    target = should_move(
+        flat,
+        len(slots),
+        slots.index(current),
+        own_throughput,
+        policy.min_gain,
+        served_for=served_for,
+        min_dwell=policy.min_dwell,
+    )
+    return None if target is None else slots[target]
+
+
+@dataclass(frozen=True)
+class LaneGroup:
+    """The peers a trip uses in one stage: `peers[c]` holds lane c."""
+
+    stage: int
+    peers: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class EmptyLane:
+    """No usable peer holds `lane` of `stage`: no trip can start until one does."""
+
+    stage: int
+    lane: int
+
+    def __str__(self) -> str:
+        return f"lane {self.lane} of stage {self.stage} is empty"
+
+
+def pick_group(
+    router: Router,
+    stage: int,
+    lanes: int,
+    now: float | None = None,
+    taken: Mapping[int, str] | None = None,
+) -> LaneGroup | EmptyLane:
+    """One peer per lane of `stage` for a trip, or the first empty lane. Lanes in `taken` are already held
+    (the driver's own lane of stage 0); the others get the best of `router.candidates` (compatible, unbanned,
+    least expected wait on what this peer measured) among the peers claiming that lane."""
+    now = time.monotonic() if now is None else now
+    chosen: dict[int, str] = dict(taken or {})
+    for entry in router.candidates(stage, now):
+        lane = entry.record.lane
+        if valid_lane(entry.record, lanes) and lane not in chosen:
+            chosen[lane] = entry.record.peer_id
+    for lane in range(lanes):
+        if lane not in chosen:
+            return EmptyLane(stage, lane)
+    return LaneGroup(stage, tuple(chosen[lane] for lane in range(lanes)))
+
+
+def lane_refusal(lane: int, lanes: int) -> str | None:
+    """Why `--lane lane` cannot serve a run with `lanes` lanes, or None if it can."""
+    if lanes == 1 and lane != 0:
+        return f"--lane {lane}: this run has no context parallelism, its only lane is 0"
+    if not 0 <= lane < lanes:
+        return f"--lane {lane} is out of range: this run's stages have lanes 0..{lanes - 1} (context_parallel.size)"
+    return None

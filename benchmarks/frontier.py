@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import ast
-import functools
 import json
 import multiprocessing
 import os
@@ -92,13 +91,12 @@ def prose_text() -> str:
 
 
 def corpus_spec(name: str) -> str:
-    """What `swarm.data` reads for corpus `name`; the prose corpus is written to a file once."""
-    if name == "code":
-        return swarm.data.BUILTIN_STDLIB
-    path = Path(tempfile.gettempdir()) / f"protocol-swarm-prose-py{sys.version_info[0]}{sys.version_info[1]}.txt"
+    """What `swarm.data` reads for corpus `name`: a file in the temp folder, written once, so that every
+    point (and every worker) reads one file instead of walking the standard library again."""
+    path = Path(tempfile.gettempdir()) / f"protocol-swarm-{name}-py{sys.version_info[0]}{sys.version_info[1]}.txt"
     if not path.exists():
-        text = prose_text()
-        if len(text.encode()) < PROSE_MIN_BYTES:
+        text = swarm.data.read_corpus(swarm.data.BUILTIN_STDLIB) if name == "code" else prose_text()
+        if name == "prose" and len(text.encode()) < PROSE_MIN_BYTES:
             stdlib = sysconfig.get_paths()["stdlib"]
             raise SystemExit(
                 f"the prose corpus (pydoc_data topics + standard library docstrings under {stdlib})"
@@ -140,7 +138,6 @@ def formula_bytes(manifest: Manifest) -> float:
 
 def _init_worker() -> None:
     torch.set_num_threads(1)
-    swarm.data.read_corpus = functools.lru_cache(maxsize=2)(swarm.data.read_corpus)  # one read per worker
 
 
 def run_point(point: dict, settings: dict, data: str, device: str, val_every: int) -> dict:

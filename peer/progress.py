@@ -9,17 +9,31 @@ seconds; a report asked for sooner is made when the interval ends, with the late
 the record is never more than `interval` late. The tracker reads its own progress from its
 counters, not from its (possibly older) record. The cost: other peers of the stage notice this
 peer's progress (and a new epoch) up to `interval` later.
+
+Reads are bounded by time too. hivemind reads the stage's progress on a schedule of its estimate of
+the epoch's end (every 0.5 s with short epochs; `min_refresh_period`, which the peer sets to the
+report interval), even when the read finds no peer but this one, whose own progress it already
+knows. After a read that found nobody else the next one waits `ALONE_READ_INTERVAL`: a peer alone in
+its stage reads its stage's progress every 10 s, not every 2. The cost: a newcomer to the stage is
+seen up to 10 s later, so its first epochs' averaging may start without the old peer (the newcomer
+itself reads at once and follows the old peer's epoch). Each read and store asks as few DHT nodes as
+the stage records' do (`dhtio.records` `READ_BEAM`, `STORE_BEAM`): every node asked answers with
+every peer's signed progress record.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 
-from hivemind.optim.progress_tracker import ProgressTracker
+from hivemind.optim.progress_tracker import GlobalTrainingProgress, ProgressTracker
 from hivemind.utils import ValueWithExpiration, get_dht_time
 
+from dhtio.records import READ_BEAM, STORE_BEAM
+
 PROGRESS_INTERVAL = 2.0  # seconds between two progress records of one peer, at most one in between
+ALONE_READ_INTERVAL = 10.0  # seconds from a progress read that found no other peer to the next read
 
 
 class PacedEvent(threading.Event):
@@ -60,12 +74,43 @@ class PacedEvent(threading.Event):
         super().set()
 
 
-class PacedProgressTracker(ProgressTracker):
-    """`ProgressTracker` whose reports are paced by `PacedEvent` (see the module docstring)."""
+def paced_read(progress: GlobalTrainingProgress, now: float, alone_interval: float) -> GlobalTrainingProgress:
+    """`progress` as a read parsed it, its next read no sooner than `alone_interval` after `now` when the read
+    found no peer but this one (`num_peers` counts this one: its own record is always part of the read)."""
+    if progress.num_peers > 1:
+        return progress
+    return dataclasses.replace(progress, next_fetch_time=max(progress.next_fetch_time, now + alone_interval))
 
-    def __init__(self, *args, report_interval: float = PROGRESS_INTERVAL, **kwargs):
-        self._report_interval = report_interval
-        super().__init__(*args, **kwargs)
+
+class NarrowDHT:
+    """The DHT as the progress tracker uses it, its reads and stores asking as few nodes as stage records do."""
+
+    def __init__(self, dht):
+        self._dht = dht
+
+    def __getattr__(self, name: str):
+        return getattr(self._dht, name)
+
+    def get(self, key, latest: bool = False, return_future: bool = False, **kwargs):
+        return self._dht.get(key, latest=latest, return_future=return_future, **{"beam_size": READ_BEAM, **kwargs})
+
+    def store(self, *args, **kwargs):
+        return self._dht.store(*args, **{"beam_size": STORE_BEAM, **kwargs})
+
+
+class PacedProgressTracker(ProgressTracker):
+    """`ProgressTracker` whose reports are paced by `PacedEvent`, and reads by time (see the module docstring)."""
+
+    def __init__(
+        self,
+        dht,
+        *args,
+        report_interval: float = PROGRESS_INTERVAL,
+        alone_read_interval: float = ALONE_READ_INTERVAL,
+        **kwargs,
+    ):
+        self._report_interval, self._alone_read_interval = report_interval, alone_read_interval
+        super().__init__(NarrowDHT(dht), *args, **kwargs)
 
     def __setattr__(self, name, value):
         # hivemind creates the event in __init__ just before starting the reporter thread: swap it there
@@ -79,7 +124,7 @@ class PacedProgressTracker(ProgressTracker):
         if isinstance(metadata, dict):
             own = ValueWithExpiration(self.local_progress.dict(), get_dht_time() + self.metadata_expiration)
             metadata = {**metadata, self._local_public_key: own}
-        return super()._parse_swarm_progress_data(metadata)
+        return paced_read(super()._parse_swarm_progress_data(metadata), get_dht_time(), self._alone_read_interval)
 
     def shutdown(self, timeout: float | None = None):
         self.shutdown_triggered.set()

@@ -88,13 +88,16 @@ def test_a_peer_reads_only_the_stages_next_to_its_own_unless_u_moves():
 
 def test_paced_tracker_reports_through_a_paced_event_and_shuts_down_at_once():
     from hivemind.dht import DHT
+    from hivemind.utils import get_dht_time
 
-    from peer.progress import PacedProgressTracker
+    from peer.progress import ALONE_READ_INTERVAL, PacedProgressTracker
 
     dht = DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     try:
         tracker = PacedProgressTracker(dht, "quiet", target_batch_size=64, report_interval=30.0, start=True)
         assert isinstance(tracker.should_report_progress, PacedEvent)
+        # its first read (through the narrow DHT view, as every read and store) found nobody: the next waits
+        assert tracker.global_progress.next_fetch_time - get_dht_time() > ALONE_READ_INTERVAL - 2.0
         for samples in range(1, 6):
             tracker.report_local_progress(0, samples)
         assert tracker.local_progress.samples_accumulated == 5  # local counters are never delayed
@@ -103,6 +106,20 @@ def test_paced_tracker_reports_through_a_paced_event_and_shuts_down_at_once():
         assert tracker.shutdown_complete.is_set() and time.monotonic() - started < 5.0
     finally:
         dht.shutdown()
+
+
+def test_a_progress_read_that_finds_no_other_peer_waits_the_alone_interval():
+    from hivemind.optim.progress_tracker import GlobalTrainingProgress
+
+    from peer.progress import paced_read
+
+    def read(num_peers: int, next_fetch_time: float) -> GlobalTrainingProgress:
+        return GlobalTrainingProgress(3, 40, 64, num_peers, 0, eta_next_epoch=105.0, next_fetch_time=next_fetch_time)
+
+    assert paced_read(read(2, 100.5), 100.0, 10.0).next_fetch_time == 100.5  # others: hivemind's schedule
+    assert paced_read(read(1, 100.5), 100.0, 10.0) == read(1, 110.0)  # only itself: not before the interval
+    assert paced_read(read(0, 100.5), 100.0, 10.0).next_fetch_time == 110.0  # nothing found
+    assert paced_read(read(1, 125.0), 100.0, 10.0).next_fetch_time == 125.0  # hivemind's later read stands
 
 
 def test_state_donor_declarations_are_paced(monkeypatch):

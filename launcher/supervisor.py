@@ -193,7 +193,8 @@ class LocalSwarm:
     def kill_random_peer(self, stages: dict[int, list[PeerEntry]], rng: random.Random) -> tuple[str, int] | None:
         """SIGKILL (the whole process group of) a random running peer whose stage has another online peer,
         as a volunteer's machine vanishes; returns its name and stage, or None when every stage has one peer."""
-        fresh = get_dht_time() - RECORD_TTL - 2 * ANNOUNCE_INTERVAL  # a killed peer's record stops being refreshed
+        # announced within two announce periods: a killed peer's record stops being refreshed, though it lives on
+        fresh = get_dht_time() + RECORD_TTL - 2 * ANNOUNCE_INTERVAL
         online = {
             e.record.public_name: stage
             for stage, entries in stages.items()

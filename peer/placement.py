@@ -29,9 +29,11 @@ from swarm.records import ANNOUNCE_INTERVAL, RECORD_TTL, PeerEntry, StagePeerRec
 
 StageLoads = Mapping[int, Sequence[float]]  # stage → throughputs (tokens/s) of its live peers
 
-# A live peer re-announces every ANNOUNCE_INTERVAL (5 s); the slack covers a store that took long on a busy
-# machine. A record older than this is from a peer that stopped announcing (dead, or stuck).
-LIVENESS_WINDOW = 2 * ANNOUNCE_INTERVAL
+# A live peer re-announces every ANNOUNCE_INTERVAL (10 s); the slack covers a store that took long on a busy
+# machine. A record older than this is from a peer that stopped announcing (dead, or stuck): a peer that died
+# stops counting 15 s after its last announce at most, and a newcomer waits this long before placing itself.
+LIVENESS_SLACK = 5.0
+LIVENESS_WINDOW = ANNOUNCE_INTERVAL + LIVENESS_SLACK
 
 
 @dataclass(frozen=True)

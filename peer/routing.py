@@ -38,7 +38,7 @@ from swarm.wire import ErrorCode
 
 ONLY_PEER_RETRIES = 3  # tries of the stage's only peer before it is banned like any other
 # A peer re-reads the records of `routed_stages` this often. A live record read then is at least
-# RECORD_TTL - ANNOUNCE_INTERVAL (25 s) from expiring, so admission keeps knowing a live upstream peer across a
+# RECORD_TTL - ANNOUNCE_INTERVAL (20 s) from expiring, so admission keeps knowing a live upstream peer across a
 # missed read. A peer of the next stage that came online gets trips within this time; one that died is banned by
 # its first failed trip, not by a read; the failure paths read at once (no candidate left, an unknown sender).
 REFRESH_INTERVAL = 10.0

@@ -47,8 +47,10 @@ from hivemind.utils.crypto import RSAPrivateKey
 from swarm.manifest import Manifest
 
 PEER_STATES = ("joining", "online", "leaving")
-RECORD_TTL = 30.0  # seconds a record lives unless re-announced
-ANNOUNCE_INTERVAL = 5.0
+RECORD_TTL = 30.0  # seconds a record lives unless re-announced: three announces, so it survives two missed ones
+# Seconds between a peer's announces. Each announce is a DHT search and a signed store of ~1.8 KB to several
+# nodes (issue 13); how soon a dead peer stops counting is each reader's own window (e.g. placement's liveness).
+ANNOUNCE_INTERVAL = 10.0
 # 0.2.0: records are bound to their signer (the `peer_id` of a stage, subspace or contribution record must be
 # the libp2p id of the key that signed it, `BoundPeerIdValidator`). Records signed the old way (a separate
 # record key, or naming another id) are refused by peers of this version: a swarm mixing 0.1.0 and 0.2.0 peers

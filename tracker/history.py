@@ -19,7 +19,7 @@ from typing import Any
 
 DEFAULT_MAX_ROWS = 200_000  # ~23 days at one poll every 10 s (`POLL_INTERVAL`)
 MAX_REMEMBERED_PEERS = 256
-RATE_WINDOW = 30.0  # seconds; six peer announce periods (ANNOUNCE_INTERVAL, 5 s)
+RATE_WINDOW = 30.0  # seconds; three peer announce periods (ANNOUNCE_INTERVAL, 10 s)
 _COLUMNS = ("time", "loss", "capacity", "tokens", "peers", "bytes_sent")
 
 

@@ -25,12 +25,14 @@ from swarm.records import (
 )
 from tracker.loss import capped_weights, plausible_loss, weighted_median
 
-# A peer re-announces every ANNOUNCE_INTERVAL (5 s) and its record lives RECORD_TTL (30 s): a record not
-# refreshed for five announce periods (25 s) is still alive, but its peer is in trouble and may be about to vanish.
-DEFAULT_STALE_AFTER = 5 * ANNOUNCE_INTERVAL
-# Seconds between the tracker's reads of every stage's records (each returns every signed record, issue 13): a
-# live peer is seen refreshed at least twice before DEFAULT_STALE_AFTER; the page lags the swarm by up to this.
-POLL_INTERVAL = 2 * ANNOUNCE_INTERVAL
+# A peer re-announces every ANNOUNCE_INTERVAL (10 s) and its record lives RECORD_TTL (30 s): a record not
+# refreshed for 25 s (two missed announces and half a period) is still alive, but its peer is in trouble and may be
+# about to vanish.
+DEFAULT_STALE_AFTER = 2.5 * ANNOUNCE_INTERVAL
+# Seconds between the tracker's reads of every stage's records (each returns every signed record, issue 13): one
+# read per announce, so a live peer is seen refreshed at least twice before DEFAULT_STALE_AFTER; the page lags the
+# swarm by up to this.
+POLL_INTERVAL = ANNOUNCE_INTERVAL
 # Bounds on what one response may hold, whatever peers publish into the DHT.
 MAX_PEERS_PER_STAGE = 256
 MAX_PEERS_LISTED = 2048  # over all stages: a 32-stage run lists up to 64 peers per stage

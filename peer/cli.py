@@ -13,6 +13,7 @@ import sys
 import traceback
 
 from peer.daemon import PeerDaemon
+from peer.lanes import lane_count, lane_refusal
 from peer.options import PeerOptions
 from swarm.flags import EnvDefaultsParser, add_log_level, refuse_start
 from swarm.manifest import Manifest, ManifestError, load_manifest, parse_manifest
@@ -38,6 +39,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="stage to serve: a number, or 'auto' to join the stage that needs help most "
         "(an empty one first, else the weakest by throughput) and move later if that "
         "clearly helps the swarm",
+    )
+    parser.add_argument(
+        "--lane",
+        default="auto",
+        help="with context parallelism (the manifest's context_parallel.size P > 1): the chunk of every sequence to "
+        "hold, 0..P-1, or 'auto' to take an empty lane of the stage first, else its weakest",
     )
     parser.add_argument("--tracker", help="tracker URL: the manifest and bootstrap addresses come from it")
     parser.add_argument(
@@ -143,6 +150,7 @@ def resolve(args: argparse.Namespace) -> tuple[Manifest, list[str]]:
         raise StartupError("no initial peers: pass --initial-peers, --tracker, or --new-swarm to start a run")
     if args.fault_t_fixed_seed is None:
         verify_hashes(manifest)
+    parse_lane(args.lane, manifest)  # a bad --lane is named even where the context-parallel refusal follows
     if manifest.context_parallel is not None:  # a peer would compute every chunk itself and ship no K/V
         raise StartupError(
             "this run's manifest sets context_parallel; a peer cannot serve it yet (context parallelism runs in "
@@ -162,6 +170,20 @@ def resolve(args: argparse.Namespace) -> tuple[Manifest, list[str]]:
     return manifest, initial_peers
 
 
+def parse_lane(value: str, manifest: Manifest) -> int | None:
+    """`--lane`: None for 'auto', else a lane the run's stages have."""
+    if value == "auto":
+        return None
+    try:
+        lane = int(value)
+    except ValueError:
+        raise StartupError(f"--lane must be 'auto' or a number, got {value!r}") from None
+    refusal = lane_refusal(lane, lane_count(manifest))
+    if refusal is not None:
+        raise StartupError(refusal)
+    return lane
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -171,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         manifest, initial_peers = resolve(args)
         options = PeerOptions(
             stage=str(args.stage),
+            lane=parse_lane(args.lane, manifest),
             initial_peers=initial_peers,
             host_maddrs=args.host_maddrs,
             announce_maddrs=args.announce_maddrs,

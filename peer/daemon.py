@@ -30,8 +30,9 @@ from hivemind.utils.timed_storage import get_dht_time
 from dhtio.records import fetch_stages
 from peer.announcer import Announcer, stage_record
 from peer.driver import Driver
+from peer.lanes import Slot, allowed_slots, choose_slot, lane_count, lane_loads, move_target
 from peer.options import PeerOptions
-from peer.placement import choose_stage, online_loads, placement_wait, should_move
+from peer.placement import counts_for_placement, placement_wait
 from peer.processes import StopSignals, stop_dht_and_children, stop_signals_ignored_by_children
 from peer.reachability import ReachabilityCheck, daemon_flags, relay_options, relay_service_flags, route_source
 from peer.refusals import RefusalLog
@@ -54,8 +55,8 @@ HARD_EXIT_AFTER = 25.0  # stopped by a signal: whatever still hangs after this, 
 
 
 class StageMove(Exception):
-    def __init__(self, target: int):
-        super().__init__(f"moving to stage {target}")
+    def __init__(self, target: Slot):
+        super().__init__(f"moving to stage {target[0]} lane {target[1]}")
         self.target = target
 
 
@@ -66,6 +67,8 @@ class PeerDaemon:
         self.runtime: StageRuntime | None = None
         self.index: int | None = None
         self.state = "joining"
+        self.lane = options.lane or 0  # the chunk of every sequence this peer holds (0 without context parallelism)
+        self.lanes = lane_count(manifest)
         self.throughput = 0.0
         self.stopping = asyncio.Event()
         self.dht: DHT | None = None
@@ -133,23 +136,33 @@ class PeerDaemon:
     async def _fetch_routed(self) -> dict:
         return await self._fetch(routed_stages(self.manifest, self.index))
 
-    async def pick_stage(self) -> int:
+    @property
+    def pinned_stage(self) -> int | None:
+        return None if self.options.stage == "auto" else int(self.options.stage)
+
+    @property
+    def pinned_lane(self) -> int | None:
+        return 0 if self.lanes == 1 else self.options.lane
+
+    async def pick_stage(self) -> Slot:
         """Wait until every record we would count was refreshed after we came up (`placement_wait`), plus a
-        random delay against a herd of newcomers, then join the stage that needs us most."""
-        if self.options.stage != "auto":
-            return int(self.options.stage)
+        random delay against a herd of newcomers, then join the stage (and lane) that needs us most."""
+        stage, lane = self.pinned_stage, self.pinned_lane
+        if stage is not None and lane is not None:
+            return stage, lane
         wait = placement_wait(time.monotonic() - self.started) + self.rng.uniform(0, self.options.placement_delay)
         await asyncio.sleep(wait)
-        stages = await self._fetch()
-        loads = online_loads(stages, self.manifest, self.manifest.t_fixed_sha256, self.peer_id, get_dht_time())
-        stage = choose_stage(loads, self.manifest.num_stages, self.rng)
-        logger.info(
-            "%s placement: live stage totals %s -> stage %d",
-            self.label,
-            {s: round(sum(v), 1) for s, v in loads.items()},
-            stage,
+        loads = await self._lane_loads(self.manifest.t_fixed_sha256, frozenset())
+        slot = choose_slot(loads, self.manifest.num_stages, self.lanes, self.rng, stage, lane)
+        logger.info("%s placement: live lane totals %s -> stage %d lane %d", self.label, _rounded(loads), *slot)
+        return slot
+
+    async def _lane_loads(self, t_fixed_sha256: str, unreachable: set[str] | frozenset) -> dict:
+        """Every stage's live peers' throughputs per lane (`peer/lanes.py`); raises if the DHT cannot be read."""
+        stages, now = await self._fetch(), get_dht_time()
+        return lane_loads(
+            stages, self.manifest, lambda e: counts_for_placement(e, now, t_fixed_sha256, self.peer_id, unreachable)
         )
-        return stage
 
     # --- what the peer announces -----------------------------------------------------------------
 
@@ -160,6 +173,7 @@ class PeerDaemon:
             stage=self.index,
             throughput=self.throughput,
             runtime=self.runtime,
+            lane=self.lane,
             stats=self.stats,
             public_name=self.options.public_name,
             addrs=[str(a) for a in self.dht.get_visible_maddrs()],
@@ -182,33 +196,19 @@ class PeerDaemon:
                 logger.warning("%s could not read the DHT: %s", self.label, exc)
             await asyncio.sleep(REFRESH_INTERVAL)
 
-    async def move_target(self) -> int | None:
-        """Where a move would raise the bottleneck enough (`should_move`), counting only live peers we can
-        reach; None to stay (also when the DHT cannot be read)."""
+    async def move_target(self) -> Slot | None:
+        """The (stage, lane) a move would raise the bottleneck enough for (`peer/lanes.py` `move_target`), among
+        those --stage / --lane leave open, counting only live peers we can reach; None to stay (also when the
+        DHT cannot be read)."""
         try:
-            stages = await self._fetch()
+            loads = await self._lane_loads(self.runtime.stage.subspace.t_fixed_sha256, self.router.unreachable())
         except Exception as exc:  # noqa: BLE001 - try again next round
             logger.warning("%s could not read the DHT for rebalancing: %s", self.label, exc)
             return None
-        loads = online_loads(
-            stages,
-            self.manifest,
-            self.runtime.stage.subspace.t_fixed_sha256,
-            self.peer_id,
-            get_dht_time(),
-            self.router.unreachable(),
-        )
-        loads.setdefault(self.index, []).append(self.throughput)
-        policy = self.options.hysteresis
-        return should_move(
-            loads,
-            self.manifest.num_stages,
-            self.index,
-            self.throughput,
-            policy.min_gain,
-            served_for=time.monotonic() - self.online_since,
-            min_dwell=policy.min_dwell,
-        )
+        loads.setdefault(self.index, {}).setdefault(self.lane, []).append(self.throughput)
+        slots = allowed_slots(self.manifest.num_stages, self.lanes, self.pinned_stage, self.pinned_lane)
+        served_for = time.monotonic() - self.online_since
+        return move_target(loads, slots, (self.index, self.lane), self.throughput, self.options.hysteresis, served_for)
 
     async def rebalance_loop(self) -> None:
         """Every ~`rebalance_interval`: if a move would pay, wait a random part of `recheck_delay` and look
@@ -219,12 +219,18 @@ class PeerDaemon:
             if target is None:
                 continue
             delay = self.options.hysteresis.recheck_delay * self.rng.uniform(0.2, 1.0)
-            logger.info("%s rebalancing: stage %d needs help, checking again in %.0fs", self.label, target, delay)
+            where = f"stage {target[0]} lane {target[1]}"
+            logger.info("%s rebalancing: %s needs help, checking again in %.0fs", self.label, where, delay)
             await asyncio.sleep(delay)
-            if await self.move_target() == target:
-                logger.info("%s rebalancing: moving to stage %d", self.label, target)
+            if await self.move_target() != target:
+                logger.info("%s rebalancing: %s no longer needs us, staying", self.label, where)
+                continue
+            logger.info("%s rebalancing: moving to %s", self.label, where)
+            if target[0] != self.index:
                 raise StageMove(target)
-            logger.info("%s rebalancing: stage %d no longer needs us, staying", self.label, target)
+            # lanes of a stage are replicas of its weights: changing lanes keeps them, only the record changes
+            self.lane, self.online_since = target[1], time.monotonic()
+            await self.announcer.announce_now()
 
     async def log_loop(self) -> None:
         await log_progress(
@@ -233,8 +239,10 @@ class PeerDaemon:
 
     # --- serving one stage -------------------------------------------------------------------------
 
-    async def serve(self, index: int) -> int | None:
-        """Serve `index` until stopped (returns None) or a rebalance says move (returns the target)."""
+    async def serve(self, slot: Slot) -> Slot | None:
+        """Serve lane `slot[1]` of stage `slot[0]` until stopped (returns None) or a rebalance says move (returns
+        the target)."""
+        index, self.lane = slot
         self.index, self.state = index, "joining"
         device = pick_device(self.options.device)
         with stop_signals_ignored_by_children():  # hivemind's averagers are child processes
@@ -297,7 +305,7 @@ class PeerDaemon:
             list(self.manifest.layers_of(index)),
         )
         tasks = [asyncio.create_task(coro) for coro in (self.announcer.run(), self.refresh_loop(), self.log_loop())]
-        if self.options.stage == "auto":
+        if self.pinned_stage is None or self.pinned_lane is None:
             tasks.append(asyncio.create_task(self.rebalance_loop()))
         if sync is not None:
             tasks.append(asyncio.create_task(sync.run()))
@@ -385,9 +393,9 @@ class PeerDaemon:
                 self.manifest.run_id,
                 " ".join(str(a) for a in self.dht.get_visible_maddrs()),
             )
-            index = await self.pick_stage_or_stop()
-            while index is not None and not self.stopping.is_set():
-                index = await self.serve(index)
+            slot = await self.pick_stage_or_stop()
+            while slot is not None and not self.stopping.is_set():
+                slot = await self.serve(slot)
         finally:
             if self.reachability is not None:
                 await self.reachability.stop()
@@ -396,7 +404,7 @@ class PeerDaemon:
                 await asyncio.gather(heartbeat, return_exceptions=True)
             await asyncio.to_thread(self.stop_processes)
 
-    async def pick_stage_or_stop(self) -> int | None:
+    async def pick_stage_or_stop(self) -> Slot | None:
         pick = asyncio.create_task(self.pick_stage())
         stop = asyncio.create_task(self.stopping.wait())
         await asyncio.wait([pick, stop], return_when=asyncio.FIRST_COMPLETED)
@@ -412,3 +420,8 @@ class PeerDaemon:
         stop_dht_and_children(self.dht)
         if self._temp_identity is not None:
             shutil.rmtree(self._temp_identity, ignore_errors=True)
+
+
+def _rounded(loads: dict) -> dict:
+    """Lane totals for a log line."""
+    return {stage: {lane: round(sum(v), 1) for lane, v in lanes.items()} for stage, lanes in loads.items()}

@@ -10,6 +10,7 @@ from peer.placement import Hysteresis
 @dataclass
 class PeerOptions:
     stage: str = "auto"
+    lane: int | None = None  # None: chosen with the stage (peer/lanes.py); a number: pinned by --lane
     initial_peers: list[str] = field(default_factory=list)
     host_maddrs: list[str] = field(default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"])
     announce_maddrs: list[str] = field(default_factory=list)

@@ -19,6 +19,7 @@ import time
 import weakref
 
 from peer.daemon import PeerDaemon
+from peer.lanes import Slot
 from peer.options import PeerOptions
 from peer.placement import Hysteresis
 from swarm.manifest import load_manifest
@@ -65,13 +66,13 @@ class Mover(PeerDaemon):
         self.released.append(weakref.ref(self.runtime))
         await super().leave(tasks, driver)
 
-    async def move_target(self) -> int | None:
+    async def move_target(self) -> Slot | None:
         if time.monotonic() - self.online_since < self.dwell:
             return None
-        return 1 - self.index
+        return 1 - self.index, 0
 
-    async def serve(self, index: int) -> int | None:
-        target = await super().serve(index)
+    async def serve(self, slot: Slot) -> Slot | None:
+        target = await super().serve(slot)
         if target is None:
             return None
         self.moved += 1

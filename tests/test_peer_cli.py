@@ -80,6 +80,19 @@ def test_a_context_parallel_run_is_refused_until_peers_can_serve_it(tmp_path: Pa
     assert_one_line_error(run_peer("--new-swarm", "--manifest", str(path), "--stage", "0"), "context_parallel")
 
 
+def test_lane_out_of_range_or_without_context_parallelism(tmp_path: Path, manifest_file: Path):
+    assert_one_line_error(
+        run_peer("--new-swarm", "--manifest", str(manifest_file), "--lane", "1"), "--lane 1", "no context parallelism"
+    )
+    long = tmp_path / "long.json"
+    save_manifest(preset("tiny-long"), long)  # context_parallel.size 4
+    assert_one_line_error(run_peer("--new-swarm", "--manifest", str(long), "--lane", "4"), "--lane 4", "0..3")
+    assert_one_line_error(
+        run_peer(env={"PROTOCOL_PEER_NEW_SWARM": "1", "PROTOCOL_PEER_MANIFEST": str(long), "PROTOCOL_PEER_LANE": "x"}),
+        "--lane must be 'auto' or a number",
+    )
+
+
 def test_needs_a_way_in(manifest_file: Path):
     assert_one_line_error(run_peer("--manifest", str(manifest_file)), "initial peers")
     assert_one_line_error(run_peer(), "--tracker")

@@ -1,0 +1,385 @@
+"""K/V messages between the lanes of one trip (issue 17): the libp2p handler and the per-trip exchange.
+
+A stage with context parallelism P is served by lanes 0..P-1; a trip names one peer per lane (its
+group, fixed by the driver when the trip starts). Per layer, lane c sends its K/V message
+(`swarm.cp_wire`) to the trip's peers of lanes > c and waits for those of lanes < c; backward it
+returns each received message's gradient to its sender and sums what lanes > c return to it.
+
+`KVService` (one per peer) receives these messages on its own stream handler, `<run>.kv`, through
+`peer.transport.TripServicer`, so a K/V stream has the same bounds as a trip stream (bytes, chunks,
+rate, receive slots per sender and in all, the frame size checked before its body is read). Each
+message is answered with `ACK` or a refusal code, and every check comes before a tensor is allocated:
+the header's form (`parse_kv_header`), then, for a trip this peer has registered, the sender: libp2p
+authenticates the remote peer id, and it must be the peer the trip's group names for the lane the
+message claims (`unknown_sender` otherwise); then `decode_kv`'s claims (run, CP basis version and
+hash, stage, layer, lanes, kind, dtype, shapes, byte count), then the values.
+
+A lane may hear from a trip before it registered the trip itself (its own boundary message can be
+slower than an earlier lane's K/V): such a message is checked against this peer's current codec and
+kept as bytes in `EarlyBuffer`, bounded per sender and in all (bytes and count) and for `ttl` seconds;
+beyond a bound it is refused `overloaded`. When the trip registers (`KVService.open`), what its group
+does not name as the sender, or what no longer decodes under the trip's codec, is dropped and counted.
+A message for a trip closed here a moment ago is refused `timeout` rather than buffered.
+
+`LaneExchange` is one trip at one lane. Sends go to every destination at once and fail, like receives
+that wait too long, as a `WireError` with a code: the caller retries the trip with another group, never
+finishing it with stale K/V. Bytes are message bytes (the K/V message, or the reply), counted per
+exchange and per service; libp2p's framing adds ~17 bytes per MiB chunk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from hivemind.p2p import P2P, PeerID
+
+from peer.transport import TripServicer, send_trip
+from swarm.cp_modes import KVCompression
+from swarm.cp_wire import CPCodec, Kind, KVExpectation, KVHeader, decode_kv, encode_kv, parse_kv_header
+from swarm.wire import ErrorCode, WireError, encode_error, raise_if_error
+
+logger = logging.getLogger(__name__)
+
+ACK = b"KVOK"
+MAX_REPLY = 4096  # an ACK or a refusal (at most ~1 KB of JSON)
+KINDS: tuple[Kind, ...] = ("forward", "backward")
+SEND_TIMEOUT = 10.0
+RECEIVE_TIMEOUT = 30.0
+MAX_CLOSED = 4096  # trip ids remembered as closed, for `BufferLimits.ttl`
+
+Payload = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]  # Z_k, Z_v, θ (or their gradients)
+
+
+@dataclass(frozen=True)
+class BufferLimits:
+    """Bounds of the messages held for trips not registered yet. An honest early lane sends at most one
+    message per layer of the stage per trip before the slow lane registers it; the defaults leave room
+    for several trips of a stage of dozens of layers with compressed K/V, and a few dense ones."""
+
+    total_bytes: int = 64 << 20
+    total_count: int = 1024
+    sender_bytes: int = 16 << 20
+    sender_count: int = 256
+    ttl: float = 20.0
+
+
+@dataclass
+class EarlyMessage:
+    sender: PeerID
+    header: KVHeader
+    blob: bytes
+    expires: float = 0.0
+
+
+class EarlyBuffer:
+    """Messages of trips not registered yet, within `BufferLimits`. Pure: the caller passes the clock.
+    The TTL is the same for all, so messages expire in arrival order."""
+
+    def __init__(self, limits: BufferLimits):
+        self.limits = limits
+        self.messages: dict[int, EarlyMessage] = {}  # arrival order
+        self.by_trip: dict[str, list[int]] = {}
+        self.sender_bytes: Counter[PeerID] = Counter()
+        self.sender_count: Counter[PeerID] = Counter()
+        self.bytes = 0
+        self._next = 0
+
+    def check_room(self, sender: PeerID, size: int, now: float) -> None:
+        """Refuse (`overloaded`) a message of `size` bytes from `sender` that would break a bound."""
+        self.expire(now)
+        limits = self.limits
+        if self.sender_count[sender] >= limits.sender_count or self.sender_bytes[sender] + size > limits.sender_bytes:
+            raise WireError(ErrorCode.OVERLOADED, "too many K/V messages of unregistered trips from this sender")
+        if len(self.messages) >= limits.total_count or self.bytes + size > limits.total_bytes:
+            raise WireError(ErrorCode.OVERLOADED, "too many K/V messages of unregistered trips held")
+
+    def add(self, message: EarlyMessage, now: float) -> None:
+        self.check_room(message.sender, len(message.blob), now)
+        head = message.header
+        for held in self.held(head.trip_id):
+            same = (held.header.kind, held.header.layer, held.header.src) == (head.kind, head.layer, head.src)
+            if same and held.sender == message.sender:
+                raise WireError(ErrorCode.MALFORMED, f"a second {head.kind} message of layer {head.layer}")
+        message.expires = now + self.limits.ttl
+        key, self._next = self._next, self._next + 1
+        self.messages[key] = message
+        self.by_trip.setdefault(head.trip_id, []).append(key)
+        self._account(message, 1)
+
+    def held(self, trip_id: str) -> list[EarlyMessage]:
+        return [self.messages[key] for key in self.by_trip.get(trip_id, [])]
+
+    def take(self, trip_id: str, now: float) -> list[EarlyMessage]:
+        """Remove and return the live messages of `trip_id`."""
+        self.expire(now)
+        taken = [self.messages.pop(key) for key in self.by_trip.pop(trip_id, [])]
+        for message in taken:
+            self._account(message, -1)
+        return taken
+
+    def expire(self, now: float) -> None:
+        while self.messages:
+            key = next(iter(self.messages))
+            message = self.messages[key]
+            if message.expires > now:
+                return
+            del self.messages[key]
+            keys = self.by_trip[message.header.trip_id]
+            keys.remove(key)
+            if not keys:
+                del self.by_trip[message.header.trip_id]
+            self._account(message, -1)
+
+    def _account(self, message: EarlyMessage, sign: int) -> None:
+        size = len(message.blob)
+        self.bytes += sign * size
+        self.sender_bytes[message.sender] += sign * size
+        self.sender_count[message.sender] += sign
+        if not self.sender_count[message.sender]:
+            del self.sender_bytes[message.sender], self.sender_count[message.sender]
+
+
+def message_limit(codec: CPCodec, lane: int, mode: KVCompression) -> int:
+    """The largest K/V message a peer of `lane` accepts under `codec` and `mode` (the transport's bound)."""
+    return max(codec.expectation(kind, lane, mode).max_bytes for kind in KINDS)
+
+
+def _sources(kind: str, lane: int, size: int) -> range:
+    """The lanes a lane hears from: the earlier ones forward (their K/V), the later ones backward."""
+    return range(lane) if kind == "forward" else range(lane + 1, size)
+
+
+class LaneExchange:
+    """One trip's K/V traffic at one lane; made by `KVService.open`, freed by `close`."""
+
+    def __init__(self, service: KVService, trip_id: str, group: Sequence[PeerID], lane: int):
+        codec, mode = service.codec, service.mode
+        if codec is None or mode is None:
+            raise WireError(ErrorCode.LEAVING, "this peer serves no lane")
+        if len(group) != codec.spec.size or not 0 <= lane < len(group):
+            raise ValueError(f"a group of {len(group)} peers for lane {lane} of P={codec.spec.size}")
+        self.service, self.trip_id, self.group, self.lane = service, trip_id, list(group), lane
+        self.codec, self.mode = codec, mode
+        self.expect: dict[str, KVExpectation] = {kind: codec.expectation(kind, lane, mode) for kind in KINDS}
+        self.inbox: dict[tuple[str, int], dict[int, Payload]] = {}
+        self.complete: dict[tuple[str, int], asyncio.Event] = {}
+        self.taken: set[tuple[str, int]] = set()
+        self.bytes_in = self.bytes_out = 0
+        self.closed = False
+
+    def check_sender(self, header: KVHeader, remote: PeerID) -> None:
+        if not 0 <= header.src < len(self.group) or self.group[header.src] != remote:
+            raise WireError(ErrorCode.UNKNOWN_SENDER, f"this trip's group names another peer for lane {header.src}")
+
+    async def accept(self, header: KVHeader, blob: bytes, remote: PeerID) -> None:
+        """Check the sender, decode (off the event loop) and file a message; raises WireError."""
+        self.check_sender(header, remote)
+        _, z_k, z_v, theta = await asyncio.to_thread(decode_kv, blob, self.expect[header.kind])
+        if self.closed:
+            raise WireError(ErrorCode.TIMEOUT, "trip closed here")
+        key = (header.kind, header.layer)
+        received = self.inbox.setdefault(key, {})
+        if key in self.taken or header.src in received:
+            raise WireError(ErrorCode.MALFORMED, f"a second {header.kind} message of layer {header.layer}")
+        received[header.src] = (z_k, z_v, theta)
+        self.bytes_in += len(blob)
+        if len(received) == len(_sources(header.kind, self.lane, len(self.group))):
+            self.complete.setdefault(key, asyncio.Event()).set()
+
+    async def send_forward(self, layer: int, z_k: torch.Tensor, z_v: torch.Tensor, theta: torch.Tensor | None) -> None:
+        """This lane's K/V message of `layer` to every later lane, at once."""
+        payloads = {dst: (z_k, z_v, theta) for dst in range(self.lane + 1, len(self.group))}
+        await self._send("forward", layer, payloads)
+
+    async def send_backward(self, layer: int, grads: dict[int, Payload]) -> None:
+        """The gradient of each received message of `layer` back to its sender (the earlier lanes)."""
+        if set(grads) != set(range(self.lane)):
+            raise ValueError(f"gradients for lanes {sorted(grads)}, lane {self.lane} received from {self.lane} lanes")
+        await self._send("backward", layer, grads)
+
+    async def receive_forward(self, layer: int, timeout: float | None = None) -> dict[int, Payload]:
+        """The K/V of `layer` of every earlier lane, by lane."""
+        return await self._receive("forward", layer, timeout)
+
+    async def receive_backward(self, layer: int, timeout: float | None = None) -> Payload | None:
+        """The sum of the gradients the later lanes returned for this lane's message of `layer` (None for
+        the last lane, which sends to nobody)."""
+        received = list((await self._receive("backward", layer, timeout)).values())
+        if not received:
+            return None
+        g_k, g_v, g_theta = (
+            None if parts[0] is None else sum(parts[1:], parts[0]) for parts in zip(*received, strict=True)
+        )
+        return g_k, g_v, g_theta
+
+    def close(self) -> None:
+        """Free everything of this trip here; waiting receives fail, later messages are refused."""
+        if self.closed:
+            return
+        self.closed = True
+        self.inbox.clear()
+        for event in self.complete.values():
+            event.set()
+        self.service.forget(self)
+
+    async def _send(self, kind: Kind, layer: int, payloads: dict[int, Payload]) -> None:
+        expect = self.expect[kind]
+        if (self.codec.basis.version, self.codec.basis.sha256) != (expect.cp_version, expect.cp_sha256):
+            raise WireError(ErrorCode.WRONG_CP_VERSION, f"CP basis switched to v{self.codec.basis.version} in the trip")
+        if not payloads:
+            return
+
+        def encode() -> dict[int, bytes]:
+            blobs = {}
+            for peer_lane, (z_k, z_v, theta) in payloads.items():  # from this lane to `peer_lane`
+                owner = self.lane if kind == "forward" else peer_lane  # the lane whose K/V it is
+                header = self.codec.header(
+                    kind, layer, owner, self.lane, peer_lane, z_k.shape[0], self.mode, self.trip_id
+                )
+                blobs[peer_lane] = encode_kv(header, z_k, z_v, theta)
+            return blobs
+
+        blobs = await asyncio.to_thread(encode)
+        sends = [self.service.send(self.group[peer_lane], blob) for peer_lane, blob in blobs.items()]
+        failures = [r for r in await asyncio.gather(*sends, return_exceptions=True) if isinstance(r, BaseException)]
+        self.bytes_out += sum(len(blob) for blob in blobs.values())
+        if failures:
+            raise failures[0]
+
+    async def _receive(self, kind: str, layer: int, timeout: float | None) -> dict[int, Payload]:
+        key, expected = (kind, layer), _sources(kind, self.lane, len(self.group))
+        if key in self.taken:
+            raise ValueError(f"{kind} K/V of layer {layer} was received already")
+        if expected:
+            timeout = self.service.receive_timeout if timeout is None else timeout
+            try:
+                await asyncio.wait_for(self.complete.setdefault(key, asyncio.Event()).wait(), timeout)
+            except asyncio.TimeoutError:
+                missing = [src for src in expected if src not in self.inbox.get(key, {})]
+                raise WireError(
+                    ErrorCode.TIMEOUT, f"no {kind} K/V of layer {layer} from lane(s) {missing} in {timeout:.3g}s"
+                ) from None
+        if self.closed:
+            raise WireError(ErrorCode.TIMEOUT, "trip closed while waiting for K/V")
+        self.taken.add(key)
+        self.complete.pop(key, None)
+        return self.inbox.pop(key, {})
+
+
+class KVService:
+    """This peer's K/V handler, its registered trips and its early messages (see the module docstring).
+
+    `serve(codec, lane, mode)` says what the peer serves (None: nothing; every message is then refused
+    `leaving`); `admit(peer)`, if given, is asked before a stream is read (e.g. only known lane peers of
+    the stage), as the trip handler's admission is."""
+
+    def __init__(
+        self,
+        p2p: P2P,
+        namespace: str,
+        max_bytes: int,
+        *,
+        limits: BufferLimits = BufferLimits(),
+        send_timeout: float = SEND_TIMEOUT,
+        receive_timeout: float = RECEIVE_TIMEOUT,
+        admit: Callable[[PeerID], ErrorCode | None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.p2p, self.namespace = p2p, f"{namespace}.kv"
+        self.send_timeout, self.receive_timeout, self.clock = send_timeout, receive_timeout, clock
+        self.early = EarlyBuffer(limits)
+        self.exchanges: dict[str, LaneExchange] = {}
+        self.closed: dict[str, float] = {}  # trip id → until when its messages are refused
+        self.codec: CPCodec | None = None
+        self.mode: KVCompression | None = None
+        self.lane = 0
+        self.bytes_in = self.bytes_out = 0
+        self.refused: Counter[str] = Counter()
+        self.dropped = 0  # early messages dropped at registration (sender not in the group, or stale)
+        self.servicer = TripServicer(self._on_message, max_bytes, on_refused=self._count, admit=admit)
+
+    async def start(self) -> None:
+        await self.servicer.add_p2p_handlers(self.p2p, namespace=self.namespace)
+
+    async def stop(self) -> None:
+        await self.servicer.remove_p2p_handlers(self.p2p, namespace=self.namespace)
+        for exchange in list(self.exchanges.values()):
+            exchange.close()
+        self.early = EarlyBuffer(self.early.limits)
+
+    def serve(self, codec: CPCodec | None, lane: int = 0, mode: KVCompression | None = None) -> None:
+        """What this peer serves from now on: `codec`'s stage at `lane`, messages in `mode` (the spec's by
+        default; the dense warm-up sends uncompressed ones). Open trips keep what they were opened with."""
+        self.codec, self.lane = codec, lane
+        self.mode = mode if mode is not None or codec is None else codec.spec.mode
+
+    async def open(self, trip_id: str, group: Sequence[PeerID]) -> LaneExchange:
+        """Register a trip (its group names one peer per lane, this peer at its own lane) and hand it the
+        early messages its group names as their senders and that decode under the current codec."""
+        if trip_id in self.exchanges or trip_id in self.closed:
+            raise ValueError(f"trip {trip_id!r} is open or was closed here: a retried trip needs a new id")
+        exchange = LaneExchange(self, trip_id, group, self.lane)
+        self.exchanges[trip_id] = exchange
+        for message in self.early.take(trip_id, self.clock()):
+            try:
+                await exchange.accept(message.header, message.blob, message.sender)
+            except WireError as exc:
+                self.dropped += 1
+                logger.debug("dropped an early K/V message of trip %s from %s: %s", trip_id, message.sender, exc)
+        return exchange
+
+    def forget(self, exchange: LaneExchange) -> None:
+        if self.exchanges.get(exchange.trip_id) is exchange:
+            del self.exchanges[exchange.trip_id]
+        now = self.clock()
+        self.closed = {trip: until for trip, until in self.closed.items() if until > now}
+        if len(self.closed) >= MAX_CLOSED:
+            del self.closed[next(iter(self.closed))]
+        self.closed[exchange.trip_id] = now + self.early.limits.ttl
+        self.early.take(exchange.trip_id, now)
+
+    async def send(self, peer: PeerID, blob: bytes) -> None:
+        """One message to `peer`, answered with ACK; anything else is a WireError."""
+        self.bytes_out += len(blob)
+        reply = await send_trip(self.p2p, peer, self.namespace, blob, self.send_timeout, MAX_REPLY)
+        raise_if_error(reply)
+        if reply != ACK:
+            raise WireError(ErrorCode.MALFORMED, f"{peer} answered a K/V message with {reply[:16]!r}")
+
+    def _count(self, code: ErrorCode) -> None:
+        self.refused[code.value] += 1
+
+    async def _on_message(self, blob: bytes, remote: PeerID) -> bytes:
+        self.bytes_in += len(blob)
+        try:
+            await self._accept(blob, remote)
+        except WireError as exc:
+            self._count(exc.code)
+            logger.debug("refused a K/V message from %s: %s", remote, exc)
+            return encode_error(exc.code, exc.message)
+        return ACK
+
+    async def _accept(self, blob: bytes, remote: PeerID) -> None:
+        codec, mode = self.codec, self.mode
+        if codec is None or mode is None:
+            raise WireError(ErrorCode.LEAVING, "this peer serves no lane")
+        header, _ = parse_kv_header(blob)
+        if header.kind not in KINDS:
+            raise WireError(ErrorCode.WRONG_KIND, f"unknown kind {header.kind!r}")
+        exchange = self.exchanges.get(header.trip_id)
+        if exchange is None:
+            if self.closed.get(header.trip_id, 0.0) > self.clock():
+                raise WireError(ErrorCode.TIMEOUT, "trip closed here")
+            self.early.check_room(remote, len(blob), self.clock())
+            await asyncio.to_thread(decode_kv, blob, codec.expectation(header.kind, self.lane, mode))
+            exchange = self.exchanges.get(header.trip_id)  # it may have registered meanwhile
+            if exchange is None:
+                self.early.add(EarlyMessage(remote, header, blob), self.clock())
+                return
+        await exchange.accept(header, blob, remote)

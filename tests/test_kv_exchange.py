@@ -1,0 +1,316 @@
+"""K/V messages between the lanes of a trip (issue 17): `peer/kv_exchange.py` over real hivemind P2P
+daemons on loopback (three lane peers and an intruder, on one event loop), and its early-message buffer."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import tracemalloc
+import uuid
+
+import pytest
+import torch
+from hivemind.p2p import P2P
+
+from peer.kv_exchange import BufferLimits, EarlyBuffer, EarlyMessage, KVService, message_limit
+from swarm.context_parallel import ContextParallelSpec, CPBasis
+from swarm.cp_wire import CPCodec, encode_kv, parse_kv_header
+from swarm.manifest import ModelShape
+from swarm.wire import ErrorCode, WireError
+
+SHAPE = ModelShape(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=96, vocab_size=256, max_seq_len=64)
+SPEC = ContextParallelSpec(size=3, compression="subspace", theta_max=0.5)
+SEQ, BATCH, LAYERS = 24, 2, 2
+
+
+def make_codec(run_id: str = "run-kv") -> CPCodec:
+    return CPCodec(SPEC, SHAPE, SEQ, BATCH, run_id, CPBasis.for_spec(SPEC, SHAPE, seed=5))
+
+
+def payload(seed: int, kind: str = "forward"):
+    generator = torch.Generator().manual_seed(seed)
+    n = SEQ // SPEC.size
+    z_k, z_v = (
+        torch.randn(BATCH, n, SPEC.r_k, generator=generator),
+        torch.randn(BATCH, n, SPEC.r_v, generator=generator),
+    )
+    theta = (torch.rand(BATCH, SPEC.n_theta, generator=generator) - 0.5) * (SPEC.theta_max if kind == "forward" else 3)
+    return z_k, z_v, theta
+
+
+def on_wire(tensors):
+    """What a receiver decodes: Z in bf16, θ in float32."""
+    z_k, z_v, theta = tensors
+    return z_k.bfloat16().float(), z_v.bfloat16().float(), theta
+
+
+def same(got, want) -> bool:
+    return all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+
+
+class Net:
+    """Three lane peers (lanes 0, 1, 2 of stage 0) and an intruder on loopback, each with a KVService."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.p2ps: list[P2P] = []
+        self.services: list[KVService] = []
+
+    def run(self, coroutine):
+        return self.loop.run_until_complete(coroutine)
+
+    async def start(self) -> None:
+        codec = make_codec()
+        maddrs = []
+        for lane in range(4):  # every daemon dials all earlier ones: each pair is connected
+            p2p = await P2P.create(initial_peers=maddrs, host_maddrs=["/ip4/127.0.0.1/tcp/0"], nat_port_map=False)
+            maddrs += await p2p.get_visible_maddrs()
+            service = KVService(p2p, "run-kv", message_limit(codec, lane % 3, SPEC.mode), receive_timeout=5.0)
+            service.serve(codec, lane % 3)
+            await service.start()
+            self.p2ps.append(p2p)
+            self.services.append(service)
+
+    async def stop(self) -> None:
+        for service, p2p in zip(self.services, self.p2ps, strict=True):
+            await service.stop()
+            await p2p.shutdown()
+
+    @property
+    def lanes(self) -> list[KVService]:
+        return self.services[:3]
+
+    @property
+    def intruder(self) -> KVService:
+        return self.services[3]
+
+    @property
+    def group(self):
+        return [p2p.peer_id for p2p in self.p2ps[:3]]
+
+
+@pytest.fixture(scope="module")
+def net():
+    loop = asyncio.new_event_loop()
+    running = Net(loop)
+    running.run(running.start())
+    yield running
+    running.run(running.stop())
+    loop.close()
+
+
+def trip_id() -> str:
+    return uuid.uuid4().hex
+
+
+def message(trip: str, src: int = 0, dst: int = 1, layer: int = 0, codec: CPCodec | None = None, **changes) -> bytes:
+    codec = codec or make_codec()
+    header = codec.header("forward", layer, src, src, dst, BATCH, SPEC.mode, trip)
+    return encode_kv(dataclasses.replace(header, **changes), *payload(src))
+
+
+async def refusal(service: KVService, peer, blob: bytes) -> ErrorCode | None:
+    try:
+        await service.send(peer, blob)
+    except WireError as exc:
+        return exc.code
+    return None
+
+
+def test_forward_and_backward_between_three_lanes_are_bit_exact(net):
+    async def body():
+        trip, before_out = trip_id(), [s.bytes_out for s in net.lanes]
+        lanes = [await service.open(trip, net.group) for service in net.lanes]
+        sent = {lane: payload(lane) for lane in range(3)}
+        await asyncio.gather(*(lanes[c].send_forward(1, *sent[c]) for c in range(3)))
+        assert await lanes[0].receive_forward(1) == {}
+        got1, got2 = await lanes[1].receive_forward(1), await lanes[2].receive_forward(1)
+        assert set(got1) == {0} and same(got1[0], on_wire(sent[0]))
+        assert set(got2) == {0, 1} and same(got2[0], on_wire(sent[0])) and same(got2[1], on_wire(sent[1]))
+
+        grads = {(c, j): payload(10 * c + j, "backward") for c in range(3) for j in range(c)}
+        await asyncio.gather(*(lanes[c].send_backward(1, {j: grads[c, j] for j in range(c)}) for c in range(3)))
+        total0, total1 = await lanes[0].receive_backward(1), await lanes[1].receive_backward(1)
+        assert await lanes[2].receive_backward(1) is None
+        from_1, from_2 = on_wire(grads[1, 0]), on_wire(grads[2, 0])
+        assert same(total0, tuple(a + b for a, b in zip(from_1, from_2, strict=True)))
+        assert same(total1, on_wire(grads[2, 1]))
+
+        # what left one lane arrived at another, message for message, and the services counted it
+        assert sum(x.bytes_out for x in lanes) == sum(x.bytes_in for x in lanes) > 0
+        assert [s.bytes_out - b for s, b in zip(net.lanes, before_out, strict=True)] == [x.bytes_out for x in lanes]
+        forward = len(message(trip))
+        assert lanes[0].bytes_out == 2 * forward and lanes[2].bytes_in == 2 * forward  # lane 2 gets no backward
+        for exchange in lanes:
+            exchange.close()
+
+    net.run(body())
+
+
+def test_early_messages_are_delivered_when_the_trip_registers(net):
+    async def body():
+        trip = trip_id()
+        first = await net.lanes[0].open(trip, net.group)
+        await first.send_forward(0, *payload(0))  # lanes 1 and 2 have not registered the trip yet
+        assert all(len(s.early.held(trip)) == 1 for s in net.lanes[1:])
+        later = [await s.open(trip, net.group) for s in net.lanes[1:]]
+        assert all(not s.early.held(trip) for s in net.lanes[1:])
+        await later[0].send_forward(0, *payload(1))
+        got = await later[1].receive_forward(0, timeout=5.0)
+        assert same(got[0], on_wire(payload(0))) and same(got[1], on_wire(payload(1)))
+        for exchange in [first, *later]:
+            exchange.close()
+
+    net.run(body())
+
+
+def test_refusals_carry_their_codes_and_the_trip_goes_on(net):
+    async def body():
+        trip, lane0, lane1, intruder = trip_id(), *net.lanes[:2], net.intruder
+        peer1 = net.group[1]
+        early_from_intruder = message(trip)
+        assert await refusal(intruder, peer1, early_from_intruder) is None  # held: the group is not known yet
+        dropped = lane1.dropped
+        exchange = await lane1.open(trip, net.group)
+        assert lane1.dropped == dropped + 1  # ... and dropped when the trip registered
+        cases = [
+            (intruder, message(trip), ErrorCode.UNKNOWN_SENDER),  # lane 0 is another peer in this trip's group
+            (lane0, message(trip, cp_version=1), ErrorCode.WRONG_CP_VERSION),
+            (lane0, message(trip, cp_sha256="0" * 64), ErrorCode.WRONG_CP_HASH),
+            (lane0, message(trip, codec=make_codec("other-run")), ErrorCode.WRONG_RUN),
+            (lane0, message(trip, layer=LAYERS), ErrorCode.WRONG_STAGE),
+            (lane0, message(trip, dst=2), ErrorCode.WRONG_STAGE),
+            (lane0, b"garbage, not a K/V message", ErrorCode.MALFORMED),
+            (lane0, message(trip)[:-2], ErrorCode.MALFORMED),
+        ]
+        for sender, blob, code in cases:
+            assert await refusal(sender, peer1, blob) == code, code
+        assert await refusal(lane0, peer1, message(trip)) is None  # the honest message after all that
+        got = await exchange.receive_forward(0, timeout=1.0)
+        assert same(got[0], on_wire(payload(0)))
+        assert await refusal(lane0, peer1, message(trip)) == ErrorCode.MALFORMED  # once per layer and kind
+        exchange.close()
+
+    net.run(body())
+
+
+def test_an_oversized_message_is_refused_before_its_body_is_read(net):
+    async def body():
+        lane1, peer1 = net.lanes[1], net.group[1]
+        huge = message(trip_id()) + bytes(32 << 20)
+        before = lane1.bytes_in
+        tracemalloc.start()
+        try:
+            code = await refusal(net.lanes[0], peer1, huge)
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        assert code == ErrorCode.TOO_LARGE
+        assert peak < 8 << 20, peak  # the sender's chunks in flight; nothing near the 32 MiB was received
+        assert lane1.bytes_in == before  # the handler never saw it
+
+    net.run(body())
+
+
+def test_a_flood_of_early_messages_stays_within_the_buffer_bound(net):
+    async def body():
+        lane1, peer1, now = net.lanes[1], net.group[1], [0.0]
+        size = len(message("x" * 32))
+        saved = lane1.early, lane1.clock
+        lane1.early = EarlyBuffer(BufferLimits(4 * size, 5, 3 * size, 100, ttl=10.0))
+        lane1.clock = lambda: now[0]  # the TTL on a clock of our own: a loaded machine must not expire them
+        try:
+            codes = [await refusal(net.lanes[0], peer1, message(uuid.uuid4().hex)) for _ in range(6)]
+            assert codes == [None] * 3 + [ErrorCode.OVERLOADED] * 3  # per sender: 3 messages' bytes
+            codes = [await refusal(net.lanes[2], peer1, message(uuid.uuid4().hex)) for _ in range(3)]
+            assert codes == [None] + [ErrorCode.OVERLOADED] * 2  # in all: 4 messages' bytes
+            assert lane1.early.bytes == 4 * size and len(lane1.early.messages) == 4
+            now[0] = 10.0  # the TTL frees them
+            assert await refusal(net.lanes[0], peer1, message(uuid.uuid4().hex)) is None
+            assert len(lane1.early.messages) == 1
+        finally:
+            lane1.early, lane1.clock = saved
+
+    net.run(body())
+
+
+def test_a_missing_lane_times_out_and_a_refused_send_surfaces_its_code(net):
+    async def body():
+        trip = trip_id()
+        lanes = [await s.open(trip, net.group) for s in net.lanes]
+        await lanes[0].send_forward(0, *payload(0))  # lane 1 never sends
+        with pytest.raises(WireError) as caught:
+            await lanes[2].receive_forward(0, timeout=0.3)
+        assert caught.value.code == ErrorCode.TIMEOUT and "[1]" in caught.value.message
+        for exchange in lanes:
+            exchange.close()
+
+        trip = trip_id()  # a group naming, for lane 2, a peer that serves no lane
+        net.intruder.serve(None)
+        try:
+            exchange = await net.lanes[0].open(trip, [*net.group[:2], net.p2ps[3].peer_id])
+            with pytest.raises(WireError) as caught:
+                await exchange.send_forward(0, *payload(0))
+            assert caught.value.code == ErrorCode.LEAVING
+            exchange.close()
+        finally:
+            net.intruder.serve(make_codec(), 0)
+
+    net.run(body())
+
+
+def test_close_leaves_nothing_behind(net):
+    async def body():
+        trip = trip_id()
+        lanes = [await s.open(trip, net.group) for s in net.lanes]
+        await lanes[0].send_forward(0, *payload(0))
+        waiting = asyncio.ensure_future(lanes[2].receive_forward(0, timeout=5.0))
+        await asyncio.sleep(0.05)
+        for exchange in lanes:
+            exchange.close()
+        with pytest.raises(WireError):
+            await waiting  # a receive waiting when its trip closed fails at once
+        for service, exchange in zip(net.lanes, lanes, strict=True):
+            assert trip not in service.exchanges and not service.early.held(trip)
+            assert not exchange.inbox
+        assert await refusal(net.lanes[0], net.group[1], message(trip)) == ErrorCode.TIMEOUT  # late: not buffered
+        assert not net.lanes[1].early.held(trip)
+        with pytest.raises(ValueError):
+            await net.lanes[1].open(trip, net.group)  # a retried trip takes a new id
+
+    net.run(body())
+
+
+def test_early_buffer_bounds_duplicates_and_expiry():
+    blob = message("t1")
+    header, _ = parse_kv_header(blob)
+    size = len(blob)
+
+    def early(sender, trip="t1", layer=0):
+        return EarlyMessage(sender, dataclasses.replace(header, trip_id=trip, layer=layer), blob)
+
+    buffer = EarlyBuffer(BufferLimits(10 * size, total_count=3, sender_bytes=10 * size, sender_count=2, ttl=10.0))
+    buffer.add(early("a"), now=0.0)
+    with pytest.raises(WireError) as caught:
+        buffer.add(early("a"), now=1.0)
+    assert caught.value.code == ErrorCode.MALFORMED  # the same layer twice from one sender
+    buffer.add(early("b"), now=1.0)  # the same claim from another sender: the group decides at registration
+    buffer.add(early("a", layer=1), now=2.0)
+    for sender in ("a", "c"):  # a's count, then the total count
+        with pytest.raises(WireError) as caught:
+            buffer.add(early(sender, "t2"), now=3.0)
+        assert caught.value.code == ErrorCode.OVERLOADED
+    assert buffer.bytes == 3 * size and buffer.sender_count == {"a": 2, "b": 1}
+    buffer.expire(now=11.5)  # a's first and b's are over 10 s old
+    assert len(buffer.messages) == 1 and buffer.sender_count == {"a": 1}
+    assert [m.header.layer for m in buffer.take("t1", now=11.9)] == [1]
+    assert buffer.bytes == 0 and not buffer.messages and not buffer.by_trip and not buffer.sender_bytes
+
+    by_bytes = EarlyBuffer(BufferLimits(3 * size, 100, sender_bytes=2 * size, sender_count=100))
+    by_bytes.add(early("a"), now=0.0)
+    by_bytes.add(early("a", layer=1), now=0.0)
+    by_bytes.add(early("b"), now=0.0)
+    for sender in ("a", "c"):  # a's bytes, then the total bytes
+        with pytest.raises(WireError) as caught:
+            by_bytes.add(early(sender, "t2"), now=0.0)
+        assert caught.value.code == ErrorCode.OVERLOADED

@@ -162,7 +162,11 @@ def _generator(seed: int, *salt: int) -> torch.Generator:
 
 
 class CPDecoder(nn.Module):
-    """Embedding, CP blocks, final norm and LM head in one process: the simulator's model."""
+    """Embedding, CP blocks, final norm and LM head in one process: the simulator's model. It is a
+    whole pipeline in one stage (`is_head`, `is_tail`, `layers`, `embed_tokens`, `finish`, as
+    `swarm.model.PipelineStage`), so `swarm.cp_lane.LaneTrip` runs its lanes."""
+
+    is_head = is_tail = True
 
     def __init__(self, shape, spec: ContextParallelSpec, seed: int, basis: CPBasis | None = None):
         super().__init__()
@@ -200,12 +204,23 @@ class CPDecoder(nn.Module):
         for block in self.blocks:
             block.attn.mode = self.spec.mode if on else DENSE_KV
 
+    @property
+    def layers(self) -> nn.ModuleList:
+        return self.blocks
+
+    def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.embed[tokens]
+
+    def finish(self, hidden: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, None]:
+        """The logits (no boundary: this model is every stage at once)."""
+        return self.lm_head(self.final_norm(hidden)), None
+
     def forward(self, tokens: torch.Tensor, round_wire: bool = True) -> torch.Tensor:
-        x = self.embed[tokens]
+        x = self.embed_tokens(tokens)
         for block in self.blocks:
             x = x + block.attn(block.attn_norm(x), self.rope_cos, self.rope_sin, round_wire)
             x = x + block.mlp(block.mlp_norm(x))
-        return self.lm_head(self.final_norm(x))
+        return self.finish(x, tokens)[0]
 
     # -------------------------------------------------------------- the PCA warm start
 

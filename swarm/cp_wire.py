@@ -8,9 +8,9 @@ claim of the header (run, CP basis version and hash, stage, layer, chunks, kind,
 byte count) before it allocates a tensor, then the values (finite, per-row norm bound, |θ| ≤ θ_max);
 whatever is off is a `swarm.wire.WireError` with one of its `ErrorCode`s, never a crash.
 
-`wire_step` runs one training step of a `CPDecoder` with every chunk as its own graph: each
-(chunk, layer) segment starts from a leaf, received Z and θ are leaves, and the gradients of the
-leaves are the backward messages. Its parameter gradients equal `CPDecoder.forward`'s.
+`lanes_forward` and `lanes_backward` drive the P lanes (`swarm.cp_lane.LaneTrip`) of one stage in one
+process, every message through this codec, in the order a swarm runs them; `wire_step` runs one
+training step of a `CPDecoder` that way. Its parameter gradients equal `CPDecoder.forward`'s.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from dataclasses import asdict, dataclass
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 
 from swarm.context_parallel import THETA_ITEMSIZE, WIRE_DTYPES, WIRE_ITEMSIZE, ContextParallelSpec, CPBasis, kv_width
+from swarm.cp_lane import LaneTrip
 from swarm.cp_modes import KVCompression
 from swarm.wire import MAX_ACTIVATION_NORM, MAX_GRADIENT_NORM, ErrorCode, WireError, check_range
 
@@ -284,88 +284,49 @@ class CPCodec:
         )
 
 
+def lanes_forward(lanes: list[LaneTrip], codec: CPCodec, sent: dict, trip_id: str = "") -> None:
+    """Every layer of P lanes of one stage, in the swarm's order (every lane's payload, then every lane
+    completes), each message through encode_kv/decode_kv; adds the bytes to sent["forward"][layer]."""
+    for layer in lanes[0].order:
+        mode = lanes[0].modes[layer]
+        inbox: dict[int, dict] = {lane.lane: {} for lane in lanes}
+        for lane in lanes:
+            payload = lane.payload(layer)
+            for dst in range(lane.lane + 1, len(lanes)):
+                header = codec.header("forward", layer, lane.lane, lane.lane, dst, lane.batch, mode, trip_id)
+                blob = encode_kv(header, *payload)
+                sent["forward"][layer] += len(blob)
+                inbox[dst][lane.lane] = decode_kv(blob, codec.expectation("forward", dst, mode))[1:]
+        for lane in lanes:
+            lane.complete(layer, inbox[lane.lane])
+
+
+def lanes_backward(lanes: list[LaneTrip], codec: CPCodec, sent: dict, trip_id: str = "") -> None:
+    """Every layer's backward from the top, later lanes first (their replies complete earlier lanes'
+    gradients), each gradient message through encode_kv/decode_kv; adds to sent["backward"][layer]."""
+    for layer in reversed(lanes[0].order):
+        mode = lanes[0].modes[layer]
+        inbox: dict[int, dict] = {lane.lane: {} for lane in lanes}
+        for lane in reversed(lanes):
+            for src, grads in lane.backward_layer(layer, inbox[lane.lane]).items():
+                header = codec.header("backward", layer, src, lane.lane, src, lane.batch, mode, trip_id)
+                blob = encode_kv(header, *grads)
+                sent["backward"][layer] += len(blob)
+                inbox[src][lane.lane] = decode_kv(blob, codec.expectation("backward", src, mode))[1:]
+
+
 def wire_step(model, tokens: torch.Tensor, codec: CPCodec) -> tuple[float, dict]:
-    """One forward and backward of `model` (a CPDecoder) with every chunk its own graph, all K/V
-    traffic encoded and decoded; accumulates parameter gradients; returns the loss and the bytes
+    """One forward and backward of `model` (a CPDecoder) as P lanes (swarm.cp_lane.LaneTrip), all K/V
+    traffic encoded and decoded; adds the parameter gradients to `.grad`; returns the loss and the bytes
     sent per layer ({"forward": [...], "backward": [...]}, summed over messages)."""
-    spec, mode, dtype = model.spec, model.mode, model.embed.dtype
-    size, n = spec.size, tokens.shape[1] // spec.size
-    batch, n_layers = tokens.shape[0], len(model.blocks)
-    sent_bytes = {"forward": [0] * n_layers, "backward": [0] * n_layers}
-    leaf = lambda t: t.detach().requires_grad_(True)  # noqa: E731
-    embeds = [model.embed[tokens[:, c * n : (c + 1) * n]] for c in range(size)]
-    hidden = [leaf(e) for e in embeds]
-    segments = []  # per layer: per chunk (input leaf, output, payload, received leaves by sender)
-    for layer, block in enumerate(model.blocks):
-        attn, inbox, outputs, layer_segments = block.attn, {}, [], []
-        for c in range(size):  # every chunk computes its K/V and sends them to every later chunk
-            xn = block.attn_norm(hidden[c])
-            q, k_full, v_full, theta = attn.project(xn, mode)
-            p_k, p_v = attn.payload(k_full, v_full, theta, mode) if attn.sends(c, mode) else (None, None)
-            for dst in range(c + 1, size):
-                blob = encode_kv(codec.header("forward", layer, c, c, dst, batch, mode), p_k, p_v, theta)
-                sent_bytes["forward"][layer] += len(blob)
-                inbox[dst, c] = blob
-            layer_segments.append([hidden[c], q, k_full, v_full, p_k, p_v, theta, {}])
-        for c in range(size):  # every chunk decodes what it received and attends
-            h_in, q, k_full, v_full, p_k, p_v, theta, received = layer_segments[c]
-            blocks = []
-            for j in range(c):
-                _, z_k, z_v, th = decode_kv(inbox[c, j], codec.expectation("forward", c, mode))
-                z_k, z_v = leaf(z_k.to(dtype)), leaf(z_v.to(dtype))
-                th = None if th is None else leaf(th.to(dtype))
-                received[j] = (z_k, z_v, th)
-                blocks.append(attn.rebuild(z_k, z_v, th, mode))
-            blocks.append(attn.own_block(k_full, v_full, p_k, p_v, theta, mode, True))
-            x = h_in + attn.attend(q, blocks, model.rope_cos, model.rope_sin)
-            outputs.append(x + block.mlp(block.mlp_norm(x)))
-        segments.append(layer_segments)
-        hidden = [leaf(o) for o in outputs]
-        for c in range(size):
-            layer_segments[c].append(outputs[c])
-    # tail: per-chunk loss, summed to the mean over all predicted tokens
-    count = batch * (tokens.shape[1] - 1)
-    grads, total = [], 0.0
-    for c in range(size):
-        logits = model.lm_head(model.final_norm(hidden[c]))
-        targets = tokens[:, c * n + 1 : (c + 1) * n + 1]
-        logits = logits[:, : targets.shape[1]]
-        logits = logits.reshape(-1, logits.shape[-1]).to(torch.promote_types(logits.dtype, torch.float32))
-        loss = F.cross_entropy(logits, targets.reshape(-1), reduction="sum") / count
-        loss.backward()
-        total += float(loss.detach())
-        grads.append(hidden[c].grad)
-    for layer in reversed(range(n_layers)):
-        sums = {}  # owner chunk → summed gradients of its payload from its receivers
-        for c in reversed(range(size)):  # later chunks first: their replies complete earlier chunks' gradients
-            h_in, q, k_full, v_full, p_k, p_v, theta, received, out = segments[layer][c]
-            roots, root_grads = [out], [grads[c]]
-            if c in sums:
-                g_k, g_v, g_th = sums[c]
-                roots += [p_k, p_v]
-                root_grads += [g_k, g_v]
-                if theta is not None:
-                    roots.append(theta)
-                    root_grads.append(g_th)
-            torch.autograd.backward(roots, root_grads)
-            grads[c] = h_in.grad
-            for j, (z_k, z_v, th) in received.items():
-                zero = torch.zeros_like
-                g = (
-                    z_k.grad if z_k.grad is not None else zero(z_k),
-                    z_v.grad if z_v.grad is not None else zero(z_v),
-                    None if th is None else (th.grad if th.grad is not None else zero(th)),
-                )
-                blob = encode_kv(codec.header("backward", layer, j, c, j, batch, mode), *g)
-                sent_bytes["backward"][layer] += len(blob)
-                _, d_k, d_v, d_th = decode_kv(blob, codec.expectation("backward", j, mode))
-                d_k, d_v = d_k.to(dtype), d_v.to(dtype)
-                d_th = None if d_th is None else d_th.to(dtype)
-                if j in sums:
-                    s_k, s_v, s_th = sums[j]
-                    sums[j] = (s_k + d_k, s_v + d_v, None if d_th is None else s_th + d_th)
-                else:
-                    sums[j] = (d_k, d_v, d_th)
-    for c in range(size):
-        embeds[c].backward(grads[c])
-    return total, sent_bytes
+    size, seq = model.spec.size, tokens.shape[1]
+    n = seq // size
+    sent = {"forward": [0] * len(model.blocks), "backward": [0] * len(model.blocks)}
+    lanes = [LaneTrip(model, c, tokens[:, c * n : (c + 1) * n]) for c in range(size)]
+    lanes_forward(lanes, codec, sent)
+    total = sum(lane.loss(tokens[:, (c + 1) * n] if c < size - 1 else None, seq) for c, lane in enumerate(lanes))
+    lanes_backward(lanes, codec, sent)
+    for lane in lanes:
+        lane.input_grad()
+        lane.apply_grads()
+    return total, sent

@@ -182,13 +182,22 @@ class PipelineStage(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Also returns x − T_fixed[tok] before the boundary projection (boundary mode, non-tail):
         the sender's half of a subspace update needs the part the projection removes."""
-        residual = None
         if self.is_head:
-            hidden = self.subspace.t_fixed[tokens] + self.t_s[tokens]
+            hidden = self.embed_tokens(tokens)
         elif hidden is None:
             raise ValueError(f"stage {self.index} needs the residual stream of stage {self.index - 1}")
         for block in self.layers:
             hidden = block(hidden, self.rope_cos, self.rope_sin)
+        return self.finish(hidden, tokens)
+
+    def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The head's input: T_fixed[tok] + T_S[tok] (per token, so a chunk of a sequence embeds alone)."""
+        return self.subspace.t_fixed[tokens] + self.t_s[tokens]
+
+    def finish(self, hidden: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """After the last layer: the boundary projection (and the residual it removes, when U moves), then
+        the logits on the tail. Per token, so a context-parallel lane finishes its chunk alone."""
+        residual = None
         if self.projects_boundary:
             anchor = self.subspace.t_fixed[tokens]
             if self.u_accumulator is not None:

@@ -33,6 +33,7 @@ def stage_record(
     public_name: str,
     addrs: list[str],
     reachability: str = "",
+    relay: str = "",
 ) -> StagePeerRecord:
     """This peer's record now. The losses of the trips completed since the last record are averaged into
     one (and the list started over); with none, the last reported loss is repeated."""
@@ -66,6 +67,7 @@ def stage_record(
         trip_versions=[f"{v}:{n}" for v, n in sorted(stats.trip_versions.items())][-16:],
         mixed_trips=stats.mixed_trips,
         reachability=reachability,
+        relay=relay,
     )
 
 

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from hivemind.dht import DHT
-from hivemind.p2p import P2P, PeerID
+from hivemind.p2p import P2P
 from hivemind.utils.timed_storage import get_dht_time
 
 from dhtio.records import fetch_stages
@@ -36,11 +36,12 @@ from peer.placement import counts_for_placement, placement_wait
 from peer.processes import StopSignals, stop_dht_and_children, stop_signals_ignored_by_children
 from peer.reachability import ReachabilityCheck, daemon_flags, relay_options, relay_service_flags, route_source
 from peer.refusals import RefusalLog
+from peer.relay import Relaying
 from peer.routing import REFRESH_INTERVAL, Router, routed_stages
 from peer.runtime import StageRuntime, pick_device
 from peer.status_log import log_progress, write_heartbeats
 from peer.subspace_sync import SubspaceSync
-from peer.transport import TripServicer, send_trip
+from peer.transport import TripServicer
 from peer.trip import Hop, Stats
 from peer.trip_server import TripServer
 from swarm.manifest import Manifest
@@ -76,6 +77,7 @@ class PeerDaemon:
         self.router: Router | None = None
         self.announcer: Announcer | None = None
         self.reachability: ReachabilityCheck | None = None
+        self.relaying: Relaying | None = None
         self.rng = random.Random()
         self.refusal_log = RefusalLog(interval=max(6 * options.log_interval, 10.0), started=time.monotonic())
         self.server = TripServer(
@@ -178,12 +180,12 @@ class PeerDaemon:
             public_name=self.options.public_name,
             addrs=[str(a) for a in self.dht.get_visible_maddrs()],
             reachability=self.reachability.result if self.reachability is not None else "",
+            relay=self.reachability.relay if self.reachability is not None else "",
         )
 
     async def _send(self, peer_id: str, message: bytes, timeout: float, max_reply: int) -> bytes:
-        return await send_trip(
-            self.p2p, PeerID.from_base58(peer_id), self.manifest.run_id, message, timeout=timeout, max_reply=max_reply
-        )
+        # straight to the peer, or through the relay its record names (peer/relay.py)
+        return await self.relaying.sender.send(peer_id, self.router.relay_of(peer_id), message, timeout, max_reply)
 
     # --- routing and rebalancing --------------------------------------------------------------------
 
@@ -374,17 +376,21 @@ class PeerDaemon:
         try:
             # inside the try: if this fails, the DHT child and p2pd (which ignore stop signals) are still stopped
             self.p2p = await self.dht.replicate_p2p()
+            max_bytes = expectation_for(self.manifest, 0, "forward", 0, "").max_bytes
             servicer = TripServicer(
                 self.server.handle_trip,
-                max_bytes=expectation_for(self.manifest, 0, "forward", 0, "").max_bytes,
+                max_bytes=max_bytes,
                 on_refused=self.stats.error,
                 # a refusal before the message is read is noted for the aggregated log line like any other
                 on_refused_from=lambda code, peer: self.refusal_log.note(peer.to_base58(), code.value),
                 admit=self.server.admit_stream,  # only known upstream peers get a receive slot
             )
             await servicer.add_p2p_handlers(self.p2p, namespace=self.manifest.run_id)
+            self.relaying = Relaying(self.p2p, self.manifest.run_id, self.options, servicer.serve_stream, self._fetch,
+                                     self.peer_id, max_bytes, lambda: self.label)
+            await self.relaying.start()
             self.reachability = ReachabilityCheck(
-                self.p2p, self._fetch, self.peer_id, self.options.relay, self.options.host_maddrs, lambda: self.label
+                self.p2p, self._fetch, self.peer_id, self.options.host_maddrs, lambda: self.label, self.relaying.client
             )
             await self.reachability.start()
             logger.info(
@@ -399,6 +405,8 @@ class PeerDaemon:
         finally:
             if self.reachability is not None:
                 await self.reachability.stop()
+            if self.relaying is not None:
+                await self.relaying.stop()
             if heartbeat is not None:
                 heartbeat.cancel()
                 await asyncio.gather(heartbeat, return_exceptions=True)

@@ -1,10 +1,11 @@
 """Can the swarm reach this peer, and how (issue 15): "direct", "via relay" or "unreachable".
 
 A peer behind a home router without a port forward cannot be dialled on the addresses it announces.
-What still reaches it in hivemind 1.1.12's p2pd (measured, benchmarks/RESULTS.md "Reaching a peer behind a
-home router"): the connections it opens itself (its DHT traffic connects it to the peers that then send it
-trips) and, with `--relay` on, a circuit relay (a public peer or the tracker's node) on which p2pd reserves
-a slot about 3 minutes after start. Nothing told the volunteer which case they were in; this module finds out.
+hivemind 1.1.12's p2pd circuit relay does not help (it reserves a slot about 3 minutes after start and never
+reports a circuit address: benchmarks/RESULTS.md "Reaching a peer behind a home router"), so such a peer
+registers with an application-level relay for trips (`peer/relay.py`) and names it in its record. This
+module finds out which case a peer is in: "direct" (a helper dialled it back), "via relay" (it was not
+dialled back and a relay holds its registration now) or "unreachable" (neither: relays off, or none found).
 
 The check (`ask_dial_back`): a joining peer asks a peer already in the swarm to open a fresh TCP
 connection to each TCP address it announces and to complete libp2p's multistream-select greeting
@@ -157,10 +158,8 @@ def tcp_targets(maddrs: Sequence[str], observed: str | None, limit: int = MAX_AD
 
 
 def classify(dialled_back: bool | None, relay: bool) -> str:
-    """`dialled_back`: a helper reached one of our announced addresses (None: no helper answered); `relay`:
-    this peer asked p2pd for relay reservations (`--relay` not off). p2pd 1.1.12 reports neither whether it
-    got one nor its circuit address (its identify lists listen addresses only), so "via relay" is "not
-    dialable, relaying on" and not a proof that a relay holds a slot for us."""
+    """`dialled_back`: a helper reached one of our announced addresses (None: no helper answered); `relay`: a relay
+    holds our registration now (`peer/relay.py` `RelayClient.relay`), so our record names it and senders use it."""
     if dialled_back:
         return DIRECT
     if dialled_back is None:
@@ -168,20 +167,20 @@ def classify(dialled_back: bool | None, relay: bool) -> str:
     return VIA_RELAY if relay else UNREACHABLE
 
 
-def advice(result: str, port_hint: str) -> str:
-    """The one line a volunteer reads at start-up."""
+def advice(result: str, port_hint: str, relay: str = "") -> str:
+    """The one line a volunteer reads at start-up (and again whenever the answer changes)."""
     if result == DIRECT:
         return "reachability: direct (other peers dial this peer on its announced address)"
     if result == VIA_RELAY:
         return (
-            "reachability: via relay (no announced address answers from outside; peers reach this one over the "
-            "connections it opens and through a relay slot, which p2pd reserves about 3 minutes after start). "
-            f"Optional, for a direct path: forward TCP {port_hint} on your router and pass "
-            f"--announce-maddrs /ip4/<public-ip>/tcp/{port_hint}"
+            f"reachability: via relay {relay[-6:]} (no announced address answers from outside; trips reach this peer "
+            "through that relay, over a connection this peer opened). Optional, for a direct path: forward TCP "
+            f"{port_hint} on your router and pass --announce-maddrs /ip4/<public-ip>/tcp/{port_hint}"
         )
     if result == UNREACHABLE:
         return (
-            "reachability: UNREACHABLE: no announced address answers from outside and relaying is off, so peers "
+            "reachability: UNREACHABLE: no announced address answers from outside and no relay holds this peer "
+            "(relaying is off, or no directly reachable peer with --relay-service on accepted it yet), so peers "
             "this one has not connected to cannot send it trips. Run with --relay auto (the default), or forward "
             f"TCP {port_hint} on your router and pass --host-maddrs /ip4/0.0.0.0/tcp/{port_hint} "
             f"--announce-maddrs /ip4/<public-ip>/tcp/{port_hint}"
@@ -316,23 +315,36 @@ async def ask_dial_back(p2p, helper, addrs: Sequence[str], timeout: float = 3 * 
 
 class ReachabilityCheck:
     """Serves dial-back requests of others and checks this peer once helpers exist (the first peer of a swarm
-    has none yet): logs one line and keeps the answer in `result` for the peer's record. Helpers are online
-    peers from the stage records (`fetch`, the daemon's DHT read), a few at random."""
+    has none yet): logs one line and keeps the answer (`result`, `relay`) for the peer's record. Helpers are
+    online peers from the stage records (`fetch`, the daemon's DHT read), a few at random. A peer not dialled
+    back holds a relay through `relay_client` (None: `--relay off`), and the line is logged again whenever the
+    answer changes (a relay lost, another found)."""
 
     def __init__(
         self,
         p2p,
         fetch: Callable[[], Awaitable[dict]],
         own_id: str,
-        relay: str,
         host_maddrs: Sequence[str],
         label: Callable[[], str],
+        relay_client=None,
     ):
-        self.p2p, self.fetch, self.own_id, self.relay, self.label = p2p, fetch, own_id, relay != "off", label
+        self.p2p, self.fetch, self.own_id, self.label = p2p, fetch, own_id, label
+        self.relay_client = relay_client
         ports = [parts[4] for parts in (str(a).split("/") for a in host_maddrs) if parts[3:4] == ["tcp"]]
         self.port_hint = next((port for port in ports if port.isdigit() and port != "0"), "31337")
-        self.result = UNKNOWN
+        self.dialled: bool | None = None
+        self.logged = UNKNOWN
         self.task: asyncio.Task | None = None
+
+    @property
+    def relay(self) -> str:
+        """The relay this peer's record names: only while it is not directly reachable and one holds it."""
+        return self.relay_client.relay if self.relay_client is not None and self.dialled is False else ""
+
+    @property
+    def result(self) -> str:
+        return classify(self.dialled, bool(self.relay))
 
     async def start(self) -> None:
         await DialBackService().add_handler(self.p2p)
@@ -355,7 +367,15 @@ class ReachabilityCheck:
     async def own_addrs(self) -> list[str]:
         return [str(a) for a in await self.p2p.get_visible_maddrs(latest=True)]  # as the daemon lists them now
 
-    async def run(self, attempts: int = 12, interval: float = 10.0) -> None:
+    def report(self, *_: object) -> None:
+        """Log the answer if it changed since the last line."""
+        if self.result != self.logged:
+            self.logged = self.result
+            (logger.warning if self.result == UNREACHABLE else logger.info)(
+                "%s %s", self.label(), advice(self.result, self.port_hint, self.relay)
+            )
+
+    async def run(self, attempts: int = 12, interval: float = 10.0, relay_wait: float = 30.0) -> None:
         for _ in range(attempts):
             addrs = await self.own_addrs()
             dialled = None
@@ -366,9 +386,11 @@ class ReachabilityCheck:
             if dialled is None:
                 await asyncio.sleep(interval)
                 continue
-            self.result = classify(dialled, self.relay)
-            (logger.warning if self.result == UNREACHABLE else logger.info)(
-                "%s %s", self.label(), advice(self.result, self.port_hint)
-            )
+            self.dialled = dialled
+            if not dialled and self.relay_client is not None:
+                self.relay_client.hold(self.report)
+                with contextlib.suppress(asyncio.TimeoutError):  # the first line says "via relay" if it can
+                    await asyncio.wait_for(self.relay_client.changed.wait(), relay_wait)
+            self.report()
             return
         logger.info("%s %s", self.label(), advice(UNKNOWN, self.port_hint))

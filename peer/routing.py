@@ -20,6 +20,10 @@ causes (all trips in flight at once) counts once. `unknown_sender` (the next hop
 yet) and `overloaded` are no fault: the hop backs off and tries another peer, with no ban. Strikes outlive
 the ban they caused, so bans escalate; they are forgotten `strike_memory` × `max_ban` after the last one.
 
+A peer reached through a relay (its record names one, `peer/relay.py`) is ranked by the same measured rate,
+which includes the relay's detour: it wins trips only where it is faster, a direct peer wins a tie (and two
+unmeasured peers with the same claim), and it stays a candidate, so a stage served only through a relay is served.
+
 Which peer's reply may be *used* is a second question, answered by audit trips (`peer/audit.py`, the
 `ledger`): a peer not yet verified only gets duplicates of trips a verified peer carries.
 """
@@ -178,16 +182,21 @@ class Router:
         measured = [r for e in usable if (r := self.measured_rate(e.record.peer_id)) is not None]
         best = max(measured, default=None)
 
-        def expected_wait(entry: PeerEntry) -> tuple[bool, float, float]:
+        def expected_wait(entry: PeerEntry) -> tuple[bool, float, bool, float]:
             peer_id = entry.record.peer_id
             ours = self.inflight.get(peer_id, 0)
             unmeasured = self.measured_rate(peer_id) is None
             # a measured peer's service times already include the queue other senders make there;
             # an unmeasured one gets one probe at a time, its claimed queue counted
             queue = ours + 1 + (entry.record.load if unmeasured else 0)
-            return unmeasured and ours > 0, queue / self.rate(entry, stage, best), self.rng.random()
+            wait = queue / self.rate(entry, stage, best)
+            return unmeasured and ours > 0, wait, bool(entry.record.relay), self.rng.random()
 
         return sorted(usable, key=expected_wait)
+
+    def relay_of(self, peer_id: str) -> str:
+        """The relay `peer_id`'s record names ("" when it is directly reachable or not listed)."""
+        return next((e.record.relay for es in self.stages.values() for e in es if e.record.peer_id == peer_id), "")
 
     def unreachable(self, now: float | None = None) -> set[str]:
         """Peers banned now: this peer failed to reach them (or caught them lying), so placement does not count

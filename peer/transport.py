@@ -171,7 +171,11 @@ class TripServicer:
             self.on_refused_from(exc.code, remote)
 
     async def _handle_stream(self, info: StreamInfo, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
-        remote = info.peer_id
+        await self.serve_stream(info.peer_id, reader, writer)
+
+    async def serve_stream(self, remote: PeerID, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """One trip stream from `remote`: libp2p's authenticated peer, or the sender a relay we registered with
+        names (`peer/relay.py` `RelayClient`); either way within every bound above."""
         with closing(writer):
             try:
                 complete = False
@@ -296,16 +300,29 @@ class TripServicer:
             self._refused(WireError(ErrorCode.TIMEOUT, "reply not taken in time"), remote)
 
 
-async def send_trip(p2p: P2P, peer: PeerID, namespace: str, blob: bytes, timeout: float, max_reply: int) -> bytes:
+async def send_trip(
+    p2p: P2P,
+    peer: PeerID,
+    namespace: str,
+    blob: bytes,
+    timeout: float,
+    max_reply: int,
+    *,
+    handle: str | None = None,
+    prefix: bytes = b"",
+) -> bytes:
     """Send a message and wait for the reply; connection failures and timeouts become WireErrors.
 
     The reply is read within the same bounds as a request (bytes, chunks, frame size before its body);
     a reply that arrived in full counts even if the peer stopped reading our message (an early refusal).
+    `handle` and `prefix` (bytes before the message) address a relay instead (`peer/relay.py`).
     """
 
     async def exchange() -> bytes:
-        _, reader, writer = await p2p.call_binary_stream_handler(peer, TripServicer.handle_name(namespace))
+        _, reader, writer = await p2p.call_binary_stream_handler(peer, handle or TripServicer.handle_name(namespace))
         with closing(writer):
+            if prefix:
+                writer.write(prefix)
             sending = asyncio.create_task(write_message(writer, blob, runtime_pb2.ExpertRequest, end=True))
             sending.add_done_callback(lambda task: task.cancelled() or task.exception())
             try:

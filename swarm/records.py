@@ -100,6 +100,23 @@ class StagePeerRecord(pydantic.BaseModel):
     # manifest's context_parallel.size P > 1): a lane in [0, P); 0 when context parallelism is off. A claim like
     # any other: readers drop a record whose lane is not below the run's P (peer/lanes.py).
     lane: _Count = 0
+    # the peer id of the relay that carries trips to this peer (peer/relay.py) when it is not directly reachable
+    # ("" when it is, or relays none). A claim: a sender only ever asks that relay to reach this peer id, and the
+    # relay opens the stream to it over the peer's own authenticated connection.
+    relay: pydantic.constr(strict=True, max_length=128) = ""
+
+    @pydantic.validator("relay")
+    def _relay_is_a_peer_id(cls, value: str) -> str:  # noqa: N805 - pydantic's validator signature
+        if value:
+            try:
+                raw = PeerID.from_base58(value).to_bytes()
+                multihash.decode(raw)  # a peer id is a multihash of the public key
+                parsed = PeerID(raw).to_base58()
+            except Exception:  # noqa: BLE001 - base58 or multihash errors alike
+                raise ValueError("relay is not a peer id") from None
+            if parsed != value:
+                raise ValueError("relay is not a canonical peer id")
+        return value
 
     class Config:
         extra = pydantic.Extra.forbid

@@ -87,6 +87,13 @@ def test_reachability_field_is_validated_and_optional():
     assert StagePeerRecord.parse_obj({**older, "reachability": "via relay"}).reachability == VIA_RELAY
     with pytest.raises(pydantic.ValidationError):
         StagePeerRecord.parse_obj({**older, "reachability": "<script>"})
+    # the relay a NATed peer names: a canonical peer id, or "" (older records have none)
+    relay = "QmZ5dV2ukSB2jHZ2dfu9JmVqYLgz3UBGWvRzzTumj6HUjx"
+    assert StagePeerRecord.parse_obj(older).relay == ""
+    assert StagePeerRecord.parse_obj({**older, "relay": relay}).relay == relay
+    for bad in ("x", "<script>", "Qm" + "1" * 44, relay[:-1], relay + " "):
+        with pytest.raises(pydantic.ValidationError):
+            StagePeerRecord.parse_obj({**older, "relay": bad})
 
 
 def test_rate_limit_is_global_and_per_peer_and_bounded():

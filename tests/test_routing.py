@@ -248,3 +248,24 @@ def test_after_failure_bans_counts_refusals_and_tracks_sends():
     assert results == [(Failover.GIVE_UP, 0.0), (Failover.GIVE_UP, 0.0), (Failover.GIVE_UP, 5.0)]
     r.answered("x", seconds=1.0, tokens=100)
     assert "x" not in r.bans and r.measured_rate("x") == 100.0
+
+
+def test_a_relayed_peer_serves_when_alone_and_loses_to_a_direct_one_unless_faster():
+    relay = "QmZ5dV2ukSB2jHZ2dfu9JmVqYLgz3UBGWvRzzTumj6HUjx"
+
+    def relayed(peer_id: str, throughput: float) -> PeerEntry:
+        e = entry(peer_id, throughput)
+        return PeerEntry(record=e.record.copy(update={"relay": relay}), expiration=0.0, owner=b"")
+
+    alone = router(relayed("home", 100.0))
+    assert [e.record.peer_id for e in alone.candidates(1)] == ["home"]  # a stage is never left unserved
+    assert alone.relay_of("home") == relay and alone.relay_of("nobody") == ""
+    for _ in range(20):  # same claim, then the same measured speed: the direct peer wins every tie
+        r = router(relayed("home", 100.0), entry("public", 100.0))
+        assert [e.record.peer_id for e in r.candidates(1)] == ["public", "home"]
+    r.observe("home", 1.0, 100)
+    r.observe("public", 1.0, 100)
+    assert [e.record.peer_id for e in r.candidates(1)] == ["public", "home"]
+    r.observe("public", 4.0, 100)  # the direct peer became slower than the relayed one: the relayed one leads
+    r.observe("public", 4.0, 100)
+    assert [e.record.peer_id for e in r.candidates(1)] == ["home", "public"]

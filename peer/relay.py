@@ -1,0 +1,435 @@
+"""An application-level relay for trips: how a peer behind a home router serves its stage (issue 15).
+
+Why not libp2p's circuit relay: hivemind 1.1.12's bundled p2pd (the only one available) reserves an
+auto-relay slot only ~3 minutes after start, never reports a `/p2p-circuit` address, and hivemind's Python
+multiaddr encodes `/p2p/<id>` in a form the daemon's connect refuses; two peers each behind a symmetric NAT
+never reached each other through it (benchmarks/RESULTS.md, "Reaching a peer behind a home router"). A trip
+is one request/reply of bytes over one stream, so a peer can carry it for another without libp2p's help:
+
+- **The NATed peer** (`RelayClient`) registers with a directly reachable peer that offers `--relay-service`
+  (`REGISTER`), over a connection it opened itself, and re-registers every `REGISTER_INTERVAL` so that
+  connection stays up. Its signed record names the relay (`StagePeerRecord.relay`).
+- **A sender** (`TripSender`) sends straight to the peer when it holds a connection to it or the peer names
+  no relay; otherwise, or when the direct attempt finds no way through (`unreachable`), it opens `FORWARD`
+  on the named relay: the target's peer id, then the trip's frames, unchanged.
+- **The relay** (`RelayService`) opens `DELIVER` on the target over the target's own connection, writes the
+  sender's peer id (as libp2p authenticated it) and pipes the bytes both ways, `READ_PIECE` at a time: it
+  buffers no more than one piece per direction, never a whole message. Budget, all refused with a coded
+  error reply the sender's trip logic already handles: `--relay-max-circuits` circuits per sender at once
+  and `MAX_CIRCUITS` in all (`overloaded`), `--relay-data-limit-mib` and the transport's own bound on a
+  message (`wire_bound`) per circuit each way (`too_large`), `--relay-time-limit` per circuit (`timeout`);
+  only registered targets (at most `MAX_REGISTERED`) are reached (`unreachable`), so a relay cannot be
+  pointed at third parties.
+- **The target** accepts `DELIVER` only from the relay it registered with and hands the stream to the same
+  bounded reader as a direct trip (`TripServicer.serve_stream`), admitting the named sender as usual.
+
+Security. A relay sees a trip's bytes and can drop, delay or cut them; it cannot read anything a direct
+trip's sender could not, and what it forges is held to the checks every reply passes: a forged reply must
+decode as the expected backward message (shape, version, finite values, hop versions), and the sender's
+audit trips compare an unverified peer's replies with a verified peer's (`peer/audit.py`). A relay can name
+a false sender to the target; the target admits only known upstream peers, so that buys the relay no more
+than a misbehaving upstream peer has. Refusals by a relay are counted against the target it was asked to
+reach (the sender cannot tell them apart), so a hostile relay can get its targets banned by their senders.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from contextlib import closing, suppress
+from dataclasses import dataclass
+
+from hivemind.p2p import P2P, PeerID
+from hivemind.proto import runtime_pb2
+
+from peer.framing import CHUNK_BYTES, FRAME_HEADER, FRAME_OVERHEAD, READ_PIECE, write_message
+from peer.options import PeerOptions
+from peer.transport import LINGER_BYTES, LINGER_S, send_trip
+from swarm.records import PeerEntry
+from swarm.wire import ErrorCode, WireError, encode_error
+
+logger = logging.getLogger("peer")
+
+FORWARD, DELIVER, REGISTER = "relay.forward", "relay.deliver", "relay.register"
+MAX_ID_BYTES = 64  # a libp2p peer id (a multihash of the public key) is 34-39 bytes
+HEADER_TIMEOUT = 5.0
+CONNECT_TIMEOUT = 10.0
+REGISTRATION_TTL = 90.0
+REGISTER_INTERVAL = 20.0
+RETRY_INTERVAL = 5.0
+MAX_REGISTERED = 128
+MAX_CIRCUITS = 64
+CONNECTED_CACHE_S = 2.0
+LOG_INTERVAL = 10.0
+ACCEPTED, FULL = b"\x00", b"\x01"
+
+Serve = Callable[[PeerID, asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+def handler(namespace: str, name: str) -> str:
+    return f"{namespace}::{name}"
+
+
+def wire_bound(max_message: int) -> int:
+    """Bytes of stream a message of at most `max_message` bytes takes, frames included (as `Frames` reads it)."""
+    chunks = -(-max_message // CHUNK_BYTES) + 1
+    return max_message + chunks * (FRAME_HEADER + FRAME_OVERHEAD) + FRAME_HEADER
+
+
+@dataclass(frozen=True)
+class Budget:
+    """What a relay carries for others (the `--relay-*` flags)."""
+
+    circuits_per_peer: int
+    bytes_per_circuit: int  # each way
+    seconds_per_circuit: float
+
+
+def admit_circuit(
+    budget: Budget, open_by_sender: int, open_total: int, target_registered: bool
+) -> tuple[ErrorCode, str] | None:
+    """Why a relay refuses a new circuit, or None to carry it."""
+    if not target_registered:
+        return ErrorCode.UNREACHABLE, "relay: the target is not registered here"
+    if open_by_sender >= budget.circuits_per_peer:
+        return ErrorCode.OVERLOADED, f"relay: {open_by_sender} circuits of this sender open (budget per peer)"
+    if open_total >= MAX_CIRCUITS:
+        return ErrorCode.OVERLOADED, f"relay: {open_total} circuits open"
+    return None
+
+
+def relay_candidates(stages: dict[int, list[PeerEntry]], own_id: str) -> list[str]:
+    """Peers that may relay for us, best first: online peers found directly reachable, then online peers not
+    yet checked; never one that is itself relayed or unreachable (a relay must be dialable by every sender)."""
+    direct, unchecked = set(), set()
+    for entries in stages.values():
+        for entry in entries:
+            record = entry.record
+            if record.state != "online" or record.peer_id == own_id or record.relay:
+                continue
+            if record.reachability == "direct":
+                direct.add(record.peer_id)
+            elif record.reachability == "":
+                unchecked.add(record.peer_id)
+    return random.sample(sorted(direct), len(direct)) + random.sample(sorted(unchecked - direct), len(unchecked))
+
+
+async def write_id(writer: asyncio.StreamWriter, peer: PeerID) -> None:
+    raw = peer.to_bytes()
+    writer.write(bytes([len(raw)]) + raw)
+    await writer.drain()
+
+
+async def read_id(reader: asyncio.StreamReader) -> PeerID:
+    """A peer id as `write_id` wrote it; WireError(malformed) on anything else."""
+    try:
+        size = (await asyncio.wait_for(reader.readexactly(1), HEADER_TIMEOUT))[0]
+        if not 0 < size <= MAX_ID_BYTES:
+            raise ValueError(size)
+        return PeerID(await asyncio.wait_for(reader.readexactly(size), HEADER_TIMEOUT))
+    except (asyncio.IncompleteReadError, asyncio.TimeoutError, ValueError) as exc:
+        raise WireError(ErrorCode.MALFORMED, f"relay header: {type(exc).__name__}") from None
+
+
+async def refuse(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, code: ErrorCode, message: str) -> None:
+    """A coded error reply, then the rest of the sender's message dropped for up to LINGER_S (as the transport's
+    `_linger` does, so the reply is not overtaken by a stream reset)."""
+    with suppress(Exception):
+        await write_message(writer, encode_error(code, message), runtime_pb2.ExpertResponse, end=False)
+
+        async def drop() -> None:
+            left = LINGER_BYTES
+            while left > 0 and (piece := await reader.read(READ_PIECE)):
+                left -= len(piece)
+
+        await asyncio.wait_for(drop(), LINGER_S)
+
+
+async def pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, limit: int, count: Callable[[int], None]):
+    """Copy until EOF, READ_PIECE at a time; WireError(too_large) past `limit` bytes."""
+    moved = 0
+    while piece := await reader.read(READ_PIECE):
+        moved += len(piece)
+        if moved > limit:
+            raise WireError(ErrorCode.TOO_LARGE, f"relay: more than {limit} bytes on one circuit")
+        writer.write(piece)
+        await writer.drain()
+        count(len(piece))
+
+
+class RelayService:
+    """Carries trips for registered NATed peers within `budget` (module docstring); counts what it carried."""
+
+    def __init__(self, p2p: P2P, namespace: str, budget: Budget, max_message: int):
+        self.p2p, self.namespace = p2p, namespace
+        self.budget = Budget(
+            budget.circuits_per_peer, min(budget.bytes_per_circuit, wire_bound(max_message)), budget.seconds_per_circuit
+        )
+        self.registered: dict[str, float] = {}  # peer id -> when its registration expires
+        self.open: Counter = Counter()  # sender -> circuits open
+        self.circuits = self.bytes_forward = self.bytes_back = 0
+        self.refused: Counter = Counter()
+        self.logged = (0, 0)
+
+    async def add_handlers(self) -> None:
+        await self.p2p.add_binary_stream_handler(handler(self.namespace, REGISTER), self._register)
+        await self.p2p.add_binary_stream_handler(handler(self.namespace, FORWARD), self._forward)
+
+    def register(self, peer: str, now: float | None = None) -> bool:
+        now = time.monotonic() if now is None else now
+        self.registered = {p: until for p, until in self.registered.items() if until > now}
+        if peer not in self.registered and len(self.registered) >= MAX_REGISTERED:
+            return False
+        self.registered[peer] = now + REGISTRATION_TTL
+        return True
+
+    async def _register(self, info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with closing(writer), suppress(Exception):
+            accepted = self.register(info.peer_id.to_base58())
+            writer.write(ACCEPTED if accepted else FULL)
+            await writer.drain()
+
+    async def _forward(self, info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        sender = info.peer_id
+        with closing(writer):
+            try:
+                target = await read_id(reader)
+            except WireError as exc:
+                self.refused[exc.code.value] += 1
+                return
+            now = time.monotonic()
+            registered = self.registered.get(target.to_base58(), 0.0) > now
+            refusal = admit_circuit(self.budget, self.open[sender], sum(self.open.values()), registered)
+            if refusal is not None:
+                self.refused[refusal[0].value] += 1
+                await refuse(reader, writer, *refusal)
+                return
+            self.open[sender] += 1
+            try:
+                await self._carry(sender, target, reader, writer)
+            finally:
+                self.open[sender] -= 1
+                if self.open[sender] <= 0:
+                    del self.open[sender]
+
+    async def _carry(self, sender: PeerID, target: PeerID, reader, writer) -> None:
+        try:
+            opened = self.p2p.call_binary_stream_handler(target, handler(self.namespace, DELIVER))
+            _, down, up = await asyncio.wait_for(opened, CONNECT_TIMEOUT)
+        except Exception as exc:  # noqa: BLE001 - the target's connection is gone: tell the sender
+            self.refused[ErrorCode.UNREACHABLE.value] += 1
+            await refuse(reader, writer, ErrorCode.UNREACHABLE, f"relay: target not reachable ({type(exc).__name__})")
+            return
+        back = 0
+
+        def forward(n: int) -> None:
+            self.bytes_forward += n
+
+        def backward(n: int) -> None:
+            nonlocal back
+            back += n
+            self.bytes_back += n
+
+        with closing(up):
+            limit = self.budget.bytes_per_circuit
+            request = asyncio.create_task(self._request(sender, reader, up, limit, forward))
+            seconds = self.budget.seconds_per_circuit
+            reply = asyncio.create_task(asyncio.wait_for(pump(down, writer, limit, backward), seconds))
+            try:
+                await asyncio.wait({request, reply}, return_when=asyncio.FIRST_COMPLETED)
+                if not reply.done() and isinstance(request.exception(), WireError):
+                    reply.cancel()  # the sender's message broke the budget: refuse it here, before the target does
+                    exc = request.exception()
+                else:
+                    exc = None
+                    await reply
+                    self.circuits += 1
+            except asyncio.TimeoutError:
+                exc = WireError(ErrorCode.TIMEOUT, "relay: circuit time limit")
+            except WireError as error:
+                exc = error
+            except Exception as error:  # noqa: BLE001 - a broken stream ends the circuit, never the relay
+                logger.debug("relay circuit %s -> %s ended: %s", sender, target, error)
+                exc = None
+            finally:
+                for task in (request, reply):
+                    task.cancel()
+                await asyncio.gather(request, reply, return_exceptions=True)
+            if exc is not None:
+                self.refused[exc.code.value] += 1
+                if back == 0:
+                    await refuse(reader, writer, exc.code, exc.message)
+
+    @staticmethod
+    async def _request(sender: PeerID, reader, up, limit: int, count: Callable[[int], None]) -> None:
+        """The sender's id for the target, then the sender's bytes (WireError past the limit)."""
+        await write_id(up, sender)
+        await pump(reader, up, limit, count)
+
+    def summary(self) -> str:
+        return (
+            f"relay: carried {self.circuits} trips for {len(self.registered)} registered peer(s), "
+            f"{self.bytes_forward} B forward, {self.bytes_back} B back, refused {dict(self.refused) or 0}"
+        )
+
+    async def log_loop(self, label: Callable[[], str], interval: float = LOG_INTERVAL) -> None:
+        """One line per interval while anything changed (benchmarks and tests read these counters)."""
+        while True:
+            await asyncio.sleep(interval)
+            now = (self.circuits, sum(self.refused.values()))
+            if now != self.logged:
+                self.logged = now
+                logger.info("%s %s", label(), self.summary())
+
+
+class RelayClient:
+    """A peer not directly reachable: holds a registration with a relay (`relay`, "" while none) and serves the
+    trips it delivers. `candidates()` lists possible relays (`relay_candidates` over fresh records)."""
+
+    def __init__(self, p2p: P2P, namespace: str, serve: Serve, candidates: Callable[[], Awaitable[list[str]]]):
+        self.p2p, self.namespace, self.serve, self.candidates = p2p, namespace, serve, candidates
+        self.relay = ""
+        self.changed = asyncio.Event()  # set at the first change of `relay`
+        self.delivered = 0
+        self.task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        await self.p2p.add_binary_stream_handler(handler(self.namespace, DELIVER), self._deliver)
+
+    def hold(self, on_change: Callable[[str], None]) -> None:
+        """Keep a relay from now on (in the background); `on_change(relay)` when it changes."""
+        if self.task is None:
+            self.task = asyncio.create_task(self._hold(on_change))
+
+    async def stop(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+            await asyncio.gather(self.task, return_exceptions=True)
+
+    async def _deliver(self, info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if not self.relay or info.peer_id.to_base58() != self.relay:
+            writer.close()  # only the relay we chose delivers: nobody else can name senders to us
+            return
+        try:
+            sender = await read_id(reader)
+        except WireError:
+            writer.close()
+            return
+        self.delivered += 1
+        await self.serve(sender, reader, writer)
+
+    async def register(self, relay: str) -> bool:
+        try:
+            opened = self.p2p.call_binary_stream_handler(PeerID.from_base58(relay), handler(self.namespace, REGISTER))
+            _, reader, writer = await asyncio.wait_for(opened, CONNECT_TIMEOUT)
+            with closing(writer):
+                return await asyncio.wait_for(reader.read(1), HEADER_TIMEOUT) == ACCEPTED
+        except Exception:  # noqa: BLE001 - not a relay (no such handler), gone, or full
+            return False
+
+    async def _hold(self, on_change: Callable[[str], None]) -> None:
+        while True:
+            if self.relay and not await self.register(self.relay):
+                self.relay = ""
+                self.changed.set()
+                on_change("")
+            if not self.relay:
+                try:
+                    found = await self.candidates()
+                except Exception:  # noqa: BLE001 - no records this round: try again
+                    found = []
+                for candidate in found[:8]:
+                    if await self.register(candidate):
+                        self.relay = candidate
+                        self.changed.set()
+                        on_change(candidate)
+                        break
+            await asyncio.sleep(REGISTER_INTERVAL if self.relay else RETRY_INTERVAL)
+
+
+class TripSender:
+    """Sends a trip straight to a peer, or through the relay its record names (module docstring)."""
+
+    def __init__(self, p2p: P2P, namespace: str):
+        self.p2p, self.namespace = p2p, namespace
+        self.connected: set[str] = set()
+        self.listed = -float("inf")
+        self.direct = self.relayed = 0
+
+    async def is_connected(self, peer_id: str) -> bool:
+        """Whether p2pd holds a plain (not circuit) connection to `peer_id` (cached CONNECTED_CACHE_S)."""
+        if time.monotonic() - self.listed > CONNECTED_CACHE_S:
+            infos = await self.p2p.list_peers()
+            self.connected = {
+                info.peer_id.to_base58() for info in infos if any("p2p-circuit" not in str(a) for a in info.addrs)
+            }
+            self.listed = time.monotonic()
+        return peer_id in self.connected
+
+    async def send(self, peer_id: str, relay: str, blob: bytes, timeout: float, max_reply: int) -> bytes:
+        peer = PeerID.from_base58(peer_id)
+        if not relay or await self.is_connected(peer_id):
+            try:
+                reply = await send_trip(self.p2p, peer, self.namespace, blob, timeout, max_reply)
+                self.direct += 1
+                return reply
+            except WireError as exc:
+                if not relay or exc.code is not ErrorCode.UNREACHABLE:
+                    raise
+                self.connected.discard(peer_id)
+        return await self.via_relay(peer_id, relay, blob, timeout, max_reply)
+
+    async def via_relay(self, peer_id: str, relay: str, blob: bytes, timeout: float, max_reply: int) -> bytes:
+        raw = PeerID.from_base58(peer_id).to_bytes()
+        reply = await send_trip(
+            self.p2p, PeerID.from_base58(relay), self.namespace, blob, timeout, max_reply,
+            handle=handler(self.namespace, FORWARD), prefix=bytes([len(raw)]) + raw,
+        )
+        self.relayed += 1
+        return reply
+
+
+class Relaying:
+    """A peer's part in relaying, started once per process: its `sender` (every trip it sends), its `client`
+    (when `--relay` is not off; `peer/reachability.py` decides whether it holds a relay) and its `service`
+    (with `--relay-service on`: it carries trips for others, its counters logged every LOG_INTERVAL)."""
+
+    def __init__(
+        self,
+        p2p: P2P,
+        namespace: str,
+        options: PeerOptions,
+        serve: Serve,
+        fetch: Callable[[], Awaitable[dict[int, list[PeerEntry]]]],
+        own_id: str,
+        max_message: int,
+        label: Callable[[], str],
+    ):
+        async def candidates() -> list[str]:
+            return relay_candidates(await fetch(), own_id)
+
+        o = self.options = options
+        self.sender = TripSender(p2p, namespace)
+        self.client = RelayClient(p2p, namespace, serve, candidates) if o.relay != "off" else None
+        budget = Budget(o.relay_max_circuits, o.relay_data_limit_mib << 20, float(o.relay_time_limit))
+        self.service = RelayService(p2p, namespace, budget, max_message) if o.relay_service else None
+        self.label = label
+        self.log_task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        if self.client is not None:
+            await self.client.start()
+        if self.service is not None:
+            await self.service.add_handlers()
+            self.log_task = asyncio.create_task(self.service.log_loop(self.label))
+
+    async def stop(self) -> None:
+        if self.client is not None:
+            await self.client.stop()
+        if self.log_task is not None:
+            self.log_task.cancel()
+            await asyncio.gather(self.log_task, return_exceptions=True)

@@ -158,13 +158,14 @@ def _sources(kind: str, lane: int, size: int) -> range:
 class LaneExchange:
     """One trip's K/V traffic at one lane; made by `KVService.open`, freed by `close`."""
 
-    def __init__(self, service: KVService, trip_id: str, group: Sequence[PeerID], lane: int):
+    def __init__(self, service: KVService, trip_id: str, group: Sequence[PeerID | str], lane: int):
         codec, mode = service.codec, service.mode
         if codec is None or mode is None:
             raise WireError(ErrorCode.LEAVING, "this peer serves no lane")
-        if len(group) != codec.spec.size or not 0 <= lane < len(group):
-            raise ValueError(f"a group of {len(group)} peers for lane {lane} of P={codec.spec.size}")
-        self.service, self.trip_id, self.group, self.lane = service, trip_id, list(group), lane
+        peers = [p if isinstance(p, PeerID) else PeerID.from_base58(p) for p in group]
+        if len(peers) != codec.spec.size or not 0 <= lane < len(peers) or peers[lane] != service.p2p.peer_id:
+            raise ValueError(f"a group of {len(peers)} peers not naming this peer at lane {lane} of {codec.spec.size}")
+        self.service, self.trip_id, self.group, self.lane = service, trip_id, peers, lane
         self.codec, self.mode = codec, mode
         self.expect: dict[str, KVExpectation] = {kind: codec.expectation(kind, lane, mode) for kind in KINDS}
         self.inbox: dict[tuple[str, int], dict[int, Payload]] = {}
@@ -177,16 +178,21 @@ class LaneExchange:
         if not 0 <= header.src < len(self.group) or self.group[header.src] != remote:
             raise WireError(ErrorCode.UNKNOWN_SENDER, f"this trip's group names another peer for lane {header.src}")
 
-    async def accept(self, header: KVHeader, blob: bytes, remote: PeerID) -> None:
-        """Check the sender, decode (off the event loop) and file a message; raises WireError."""
-        self.check_sender(header, remote)
-        _, z_k, z_v, theta = await asyncio.to_thread(decode_kv, blob, self.expect[header.kind])
+    def _check_new(self, header: KVHeader) -> None:
         if self.closed:
             raise WireError(ErrorCode.TIMEOUT, "trip closed here")
         key = (header.kind, header.layer)
-        received = self.inbox.setdefault(key, {})
-        if key in self.taken or header.src in received:
+        if key in self.taken or header.src in self.inbox.get(key, {}):
             raise WireError(ErrorCode.MALFORMED, f"a second {header.kind} message of layer {header.layer}")
+
+    async def accept(self, header: KVHeader, blob: bytes, remote: PeerID) -> None:
+        """Check the sender, decode (off the event loop) and file a message; raises WireError."""
+        self.check_sender(header, remote)
+        self._check_new(header)
+        _, z_k, z_v, theta = await asyncio.to_thread(decode_kv, blob, self.expect[header.kind])
+        self._check_new(header)  # the trip may have closed, or the same message come twice, meanwhile
+        key = (header.kind, header.layer)
+        received = self.inbox.setdefault(key, {})
         received[header.src] = (z_k, z_v, theta)
         self.bytes_in += len(blob)
         if len(received) == len(_sources(header.kind, self.lane, len(self.group))):
@@ -302,7 +308,8 @@ class KVService:
         self.bytes_in = self.bytes_out = 0
         self.refused: Counter[str] = Counter()
         self.dropped = 0  # early messages dropped at registration (sender not in the group, or stale)
-        self.servicer = TripServicer(self._on_message, max_bytes, on_refused=self._count, admit=admit)
+        self.admit = admit
+        self.servicer = TripServicer(self._on_message, max_bytes, on_refused=self._count, admit=self._admit)
 
     async def start(self) -> None:
         await self.servicer.add_p2p_handlers(self.p2p, namespace=self.namespace)
@@ -319,8 +326,8 @@ class KVService:
         self.codec, self.lane = codec, lane
         self.mode = mode if mode is not None or codec is None else codec.spec.mode
 
-    async def open(self, trip_id: str, group: Sequence[PeerID]) -> LaneExchange:
-        """Register a trip (its group names one peer per lane, this peer at its own lane) and hand it the
+    async def open(self, trip_id: str, group: Sequence[PeerID | str]) -> LaneExchange:
+        """Register a trip (its group names one peer per lane, by id or base58, this peer at its lane) and hand it the
         early messages its group names as their senders and that decode under the current codec."""
         if trip_id in self.exchanges or trip_id in self.closed:
             raise ValueError(f"trip {trip_id!r} is open or was closed here: a retried trip needs a new id")
@@ -351,6 +358,12 @@ class KVService:
         raise_if_error(reply)
         if reply != ACK:
             raise WireError(ErrorCode.MALFORMED, f"{peer} answered a K/V message with {reply[:16]!r}")
+
+    def _admit(self, peer: PeerID) -> ErrorCode | None:
+        """Asked before a stream gets a receive slot: nobody while this peer serves no lane."""
+        if self.codec is None:
+            return ErrorCode.LEAVING
+        return None if self.admit is None else self.admit(peer)
 
     def _count(self, code: ErrorCode) -> None:
         self.refused[code.value] += 1

@@ -153,7 +153,7 @@ def test_early_messages_are_delivered_when_the_trip_registers(net):
         first = await net.lanes[0].open(trip, net.group)
         await first.send_forward(0, *payload(0))  # lanes 1 and 2 have not registered the trip yet
         assert all(len(s.early.held(trip)) == 1 for s in net.lanes[1:])
-        later = [await s.open(trip, net.group) for s in net.lanes[1:]]
+        later = [await s.open(trip, [p.to_base58() for p in net.group]) for s in net.lanes[1:]]  # ids as text
         assert all(not s.early.held(trip) for s in net.lanes[1:])
         await later[0].send_forward(0, *payload(1))
         got = await later[1].receive_forward(0, timeout=5.0)
@@ -277,6 +277,8 @@ def test_close_leaves_nothing_behind(net):
         assert not net.lanes[1].early.held(trip)
         with pytest.raises(ValueError):
             await net.lanes[1].open(trip, net.group)  # a retried trip takes a new id
+        with pytest.raises(ValueError):
+            await net.lanes[1].open(trip_id(), net.group[1:] + net.group[:1])  # its lane names another peer
 
     net.run(body())
 

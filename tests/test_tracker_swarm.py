@@ -9,6 +9,7 @@ losing its only peer.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -31,7 +32,7 @@ from hivemind.p2p import P2P
 from prometheus_client.parser import text_string_to_metric_families
 
 from dhtio.records import announce
-from swarm.manifest import save_manifest
+from swarm.manifest import Manifest, save_manifest
 from swarm.presets import preset
 from swarm.records import StagePeerRecord, load_identity_key, make_validators
 
@@ -40,6 +41,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 REPO = Path(__file__).resolve().parents[1]
 ARTIFACTS = REPO / "test-artifacts"
 MANIFEST = preset("tiny", stages=3)
+LANES_MANIFEST = preset("tiny", stages=2, context_parallel={"size": 2})  # 2 stages x 2 lanes
 XSS_SCRIPT = "<script>window.__xss=1</script>"
 XSS_IMG = "<img src=x onerror=window.__xss=1>"
 CHROMIUM = "/usr/bin/chromium"
@@ -126,12 +128,15 @@ class Tracker:
 class FakePeer:
     """A real DHT node that announces one signed stage record every second, like a peer daemon."""
 
-    def __init__(self, initial_peers: list[str], stage: int, name: str, ttl: float, **fields) -> None:
+    def __init__(
+        self, initial_peers: list[str], stage: int, name: str, ttl: float, manifest: Manifest = MANIFEST, **fields
+    ) -> None:
         # records are signed with the libp2p identity key, so that their peer_id is the signer's
         self._identity_dir = tempfile.TemporaryDirectory(prefix="fake-peer-")
         identity = Path(self._identity_dir.name) / "identity.key"
         P2P.generate_identity(str(identity))
-        self.signer, validators = make_validators(MANIFEST, load_identity_key(identity))
+        self.manifest = manifest
+        self.signer, validators = make_validators(manifest, load_identity_key(identity))
         self.dht = DHT(
             start=True,
             initial_peers=initial_peers,
@@ -158,13 +163,13 @@ class FakePeer:
             bytes_out=100 * self.count,
             loss=(5.0 / (1 + 0.1 * self.count)) if self.stage == 0 else None,
         )
-        return stage_record(self.stage, self.name, MANIFEST, **{**fields, **self.fields})
+        return stage_record(self.stage, self.name, self.manifest, **{**fields, **self.fields})
 
     def _loop(self) -> None:
         while not self.closed.is_set():
             if self.announcing.is_set():
                 try:
-                    announce(self.dht, MANIFEST, self.signer, self.record(), ttl=self.ttl)
+                    announce(self.dht, self.manifest, self.signer, self.record(), ttl=self.ttl)
                     self.count += 1
                 except Exception:  # a failed store is retried on the next beat, like a real peer
                     pass
@@ -187,24 +192,19 @@ def close_all(peers) -> None:
         t.join(timeout=30)
 
 
-@pytest.fixture(scope="module")
-def swarm(tmp_path_factory):
-    workdir = tmp_path_factory.mktemp("tracker")
-    save_manifest(MANIFEST, workdir / "manifest.json")
+@contextlib.contextmanager
+def tracked_swarm(workdir: Path, manifest: Manifest, specs: list[tuple]):
+    """The tracker on `manifest` and a FakePeer per spec (key, stage, public name, record ttl, record fields),
+    announcing; yields (tracker, peers by key, the tracker's bootstrap addresses)."""
+    save_manifest(manifest, workdir / "manifest.json")
     tracker = Tracker(workdir, free_port())
     peers: dict[str, FakePeer] = {}
     try:
         tracker.start()
         bootstrap = get_json(tracker.url + "/api/v1/bootstrap")["initial_peers"]
-        specs = [
-            ("script", 0, XSS_SCRIPT, 8.0),
-            ("img", 1, XSS_IMG, 8.0),
-            ("plain", 1, "plain peer", 8.0),
-            ("last", 2, "only last stage", 3.0),
-        ]
 
-        def make(key, stage, name, ttl):
-            peers[key] = FakePeer(bootstrap, stage, name, ttl)
+        def make(key, stage, name, ttl, fields):
+            peers[key] = FakePeer(bootstrap, stage, name, ttl, manifest=manifest, **fields)
 
         starting = [threading.Thread(target=make, args=spec) for spec in specs]
         for t in starting:
@@ -214,10 +214,22 @@ def swarm(tmp_path_factory):
         assert sorted(peers) == sorted(spec[0] for spec in specs), "a peer's DHT node did not start"
         for peer in peers.values():
             peer.thread.start()
-        yield tracker, peers
+        yield tracker, peers, bootstrap
     finally:
         close_all(peers.values())
         tracker.stop()
+
+
+@pytest.fixture(scope="module")
+def swarm(tmp_path_factory):
+    specs = [
+        ("script", 0, XSS_SCRIPT, 8.0, {}),
+        ("img", 1, XSS_IMG, 8.0, {}),
+        ("plain", 1, "plain peer", 8.0, {}),
+        ("last", 2, "only last stage", 3.0, {}),
+    ]
+    with tracked_swarm(tmp_path_factory.mktemp("tracker"), MANIFEST, specs) as (tracker, peers, _):
+        yield tracker, peers
 
 
 def stage_counts(url: str) -> list[int]:
@@ -259,6 +271,16 @@ def test_metrics_parse_as_prometheus_text(swarm):
     assert families["protocol_tracker_polls"].samples[0].value >= 1
 
 
+def rendered_page(browser, url: str, viewport: dict, **options):
+    """The tracker's page at `url` once its script has drawn it, and the page errors it raises meanwhile."""
+    page = browser.new_page(viewport=viewport, **options)
+    errors: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    page.goto(url + "/")
+    page.wait_for_selector("body[data-rendered='1']", timeout=15000)
+    return page, errors
+
+
 @pytest.mark.browser
 def test_page_in_chromium_shows_stages_chart_and_escapes_names(swarm):
     if not os.path.exists(CHROMIUM):
@@ -275,11 +297,7 @@ def test_page_in_chromium_shows_stages_chart_and_escapes_names(swarm):
             args=["--no-sandbox", "--disable-background-networking", "--disable-gpu"],
         )
         try:
-            page = browser.new_page(viewport={"width": 1200, "height": 1400})
-            errors: list[str] = []
-            page.on("pageerror", lambda exc: errors.append(str(exc)))
-            page.goto(tracker.url + "/")
-            page.wait_for_selector("body[data-rendered='1']", timeout=15000)
+            page, errors = rendered_page(browser, tracker.url, {"width": 1200, "height": 1400})
             rows = page.locator("#stage-table tbody tr")
             assert rows.count() == 3
             assert [rows.nth(i).locator("td.peers-online").inner_text() for i in range(3)] == ["1", "2", "1"]
@@ -290,12 +308,13 @@ def test_page_in_chromium_shows_stages_chart_and_escapes_names(swarm):
             assert XSS_SCRIPT in names and XSS_IMG in names
             assert page.evaluate("typeof window.__xss") == "undefined"
             assert page.locator("#peer-table img, #peer-table script").count() == 0
+            assert page.locator("#peer-table td.lane, #stage-table td.lanes").count() == 0  # no lanes without CP
             assert errors == []
             page.screenshot(path=str(ARTIFACTS / "tracker-page.png"), full_page=True)
 
-            phone = browser.new_page(viewport={"width": 390, "height": 844}, device_scale_factor=2, is_mobile=True)
-            phone.goto(tracker.url + "/")
-            phone.wait_for_selector("body[data-rendered='1']", timeout=15000)
+            phone, _ = rendered_page(
+                browser, tracker.url, {"width": 390, "height": 844}, device_scale_factor=2, is_mobile=True
+            )
             # readable on a phone: the page itself does not scroll sideways (wide tables scroll in their box)
             assert phone.evaluate("document.documentElement.scrollWidth <= window.innerWidth + 1")
             phone.screenshot(path=str(ARTIFACTS / "tracker-page-phone.png"), full_page=True)
@@ -333,3 +352,69 @@ def test_swarm_goes_unhealthy_when_a_stage_loses_its_only_peer(swarm):
     families = {f.name: f for f in text_string_to_metric_families(get(tracker.url + "/metrics")[1].decode())}
     assert families["protocol_swarm_healthy"].samples[0].value == 0
     assert get_json(tracker.url + "/healthz")["swarm_healthy"] is False
+
+
+# --- a context-parallel run: 2 stages x 2 lanes, lane 1 of stage 1 empty until a peer takes it ---
+
+
+@pytest.fixture(scope="module")
+def lane_swarm(tmp_path_factory):
+    specs = [
+        ("s0l0", 0, XSS_SCRIPT, 8.0, {"lane": 0}),
+        ("s0l1", 0, "lane one", 8.0, {"lane": 1}),
+        ("s1l0", 1, XSS_IMG, 8.0, {"lane": 0}),
+    ]
+    with tracked_swarm(tmp_path_factory.mktemp("tracker-lanes"), LANES_MANIFEST, specs) as found:
+        yield found
+
+
+def lanes_of(body: dict) -> list[list[int]]:
+    return [[lane["peers_serving"] for lane in row["lanes"]] for row in body["stages"]]
+
+
+def test_lanes_per_stage_and_an_empty_lane_in_the_json(lane_swarm):
+    tracker, _, _ = lane_swarm
+
+    def placed():
+        body = get_json(tracker.url + "/api/v1/swarm")
+        return body if lanes_of(body) == [[1, 1], [1, 0]] else None
+
+    body = wait_for(placed, 30, "every peer in its lane")
+    assert body["lanes"] == 2 and not body["healthy"]
+    assert [row["empty_lanes"] for row in body["stages"]] == [[], [1]]
+    assert {"code": "empty_lane", "stage": 1} in [{"code": w["code"], "stage": w["stage"]} for w in body["warnings"]]
+    lanes = {p["public_name"]: p["lane"] for row in body["stages"] for p in row["peers"]}
+    assert lanes == {XSS_SCRIPT: 0, "lane one": 1, XSS_IMG: 0}
+
+
+@pytest.mark.browser
+def test_page_in_chromium_shows_lanes_and_marks_the_empty_one(lane_swarm):
+    if not os.path.exists(CHROMIUM):
+        pytest.skip("Debian chromium is not installed")
+    from playwright.sync_api import sync_playwright
+
+    tracker, _, _ = lane_swarm
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=["--no-sandbox", "--disable-gpu"])
+        try:
+            page, errors = rendered_page(browser, tracker.url, {"width": 1200, "height": 1000})
+            stage_rows = page.locator("#stage-table tbody tr")
+            assert [stage_rows.nth(i).get_attribute("class") for i in range(2)] == ["ok", "empty"]
+            assert stage_rows.nth(1).locator(".lane.empty").inner_text() == "1: empty"
+            assert stage_rows.nth(0).locator(".lane.empty").count() == 0
+            assert sorted(page.locator("#peer-table td.lane").all_inner_texts()) == ["0", "0", "1"]
+            assert XSS_SCRIPT in page.locator("#peer-table td.peer-name").all_inner_texts()
+            assert page.evaluate("typeof window.__xss") == "undefined" and errors == []
+            ARTIFACTS.mkdir(exist_ok=True)
+            page.screenshot(path=str(ARTIFACTS / "tracker-page-lanes.png"), full_page=True)
+        finally:
+            browser.close()
+
+
+def test_a_peer_taking_the_empty_lane_makes_the_swarm_healthy(lane_swarm):
+    tracker, peers, bootstrap = lane_swarm
+    # a peer takes the empty lane: the swarm can carry trips again
+    peers["s1l1"] = FakePeer(bootstrap, 1, "fills lane one", 8.0, manifest=LANES_MANIFEST, lane=1)
+    peers["s1l1"].thread.start()
+    body = wait_for(lambda: (b := get_json(tracker.url + "/api/v1/swarm"))["healthy"] and b, 30, "a healthy swarm")
+    assert lanes_of(body) == [[1, 1], [1, 1]] and body["stages"][1]["empty_lanes"] == []

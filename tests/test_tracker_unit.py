@@ -202,6 +202,48 @@ def test_peer_lists_are_bounded():
     assert peers_listed_per_stage(32) * 32 <= MAX_PEERS_LISTED and peers_listed_per_stage(10**6) == 8
 
 
+CP2 = preset("tiny", stages=2, context_parallel={"size": 2})
+
+
+def lane_view(stage: int, lane: int, name: str, throughput: float = 100.0, **changes) -> PeerView:
+    return view(stage_record(stage, name, CP2, lane=lane, throughput=throughput, **changes))
+
+
+def test_lanes_per_stage_and_capacity_is_the_weakest_lane():
+    stages = {
+        0: [lane_view(0, 0, "a", 100.0), lane_view(0, 0, "b", 50.0), lane_view(0, 1, "c", 120.0)],
+        1: [lane_view(1, 0, "d", 300.0), lane_view(1, 1, "e", 200.0)],
+    }
+    s = summarize(CP2, stages, NOW)
+    assert s["healthy"] and s["lanes"] == 2
+    assert [(lane["peers_serving"], lane["throughput"], lane["empty"]) for lane in s["stages"][0]["lanes"]] == [
+        (2, 150.0, False),
+        (1, 120.0, False),
+    ]
+    assert [row["throughput"] for row in s["stages"]] == [120.0, 200.0]
+    assert s["totals"]["capacity_tokens_per_s"] == 120.0
+    assert [p["lane"] for p in s["stages"][1]["peers"]] == [0, 1]
+
+
+def test_an_empty_lane_stalls_the_swarm_and_a_bad_lane_claim_serves_nothing():
+    stages = {
+        0: [lane_view(0, 0, "a"), lane_view(0, 1, "b")],
+        1: [lane_view(1, 0, "c"), lane_view(1, 2, "liar", 1e6)],  # lane 2 of 2: a bad claim fills no lane
+    }
+    s = summarize(CP2, stages, NOW)
+    assert not s["healthy"]
+    assert s["stages"][1]["empty_lanes"] == [1] and s["stages"][0]["empty_lanes"] == []
+    assert s["stages"][1]["throughput"] == 0.0 and s["totals"]["capacity_tokens_per_s"] == 0.0
+    assert ("empty_lane", 1) in codes(s) and ("bad_lane", 1) in codes(s)
+    assert s["stages"][1]["peers_serving"] == 1
+
+
+def test_without_context_parallelism_only_lane_0_serves_and_rows_list_no_lanes():
+    s = summarize(MANIFEST, full_swarm(s1={"lane": 1}), NOW)
+    assert s["lanes"] == 1 and "lanes" not in s["stages"][0]
+    assert not s["healthy"] and ("bad_lane", 1) in codes(s) and ("empty_stage", 1) in codes(s)
+
+
 def test_last_seen_moves_only_when_a_record_is_refreshed():
     a = PeerEntry(record(0, "a"), expiration=NOW + 30, owner=b"a")
     b = PeerEntry(record(1, "b"), expiration=NOW + 30, owner=b"b")
@@ -360,6 +402,26 @@ def test_page_escapes_peer_names_and_forbids_inline_script(app_client):
     assert page.headers["x-content-type-options"] == "nosniff"
     assert client.get("/static/tracker.js").status_code == 200
     assert client.get("/static/tracker.css").status_code == 200
+
+
+def test_page_shows_lanes_and_marks_empty_ones_only_with_context_parallelism(tmp_path, app_client):
+    client, _, _ = app_client
+    assert "Lane" not in client.get("/").text
+    entries = {
+        0: [PeerEntry(stage_record(0, XSS_SCRIPT, CP2, lane=1), NOW + 1e9, b"a")],
+        1: [PeerEntry(stage_record(1, "b", CP2, lane=0), NOW + 1e9, b"b")],
+    }
+    history = History(tmp_path / "lanes.sqlite")
+    monitor = SwarmMonitor(CP2, history, lambda: entries, bootstrap=lambda: [])
+    monitor.poll_once()
+    with TestClient(create_app(monitor)) as lanes_client:
+        page = lanes_client.get("/").text
+    history.close()
+    assert "<th>Lane</th>" in page and "<th>Lanes (serving peers)</th>" in page
+    assert '<span class="lane empty" data-lane="0">0: empty</span>' in page
+    assert '<span class="lane ok" data-lane="1">1: 1</span>' in page
+    assert '<td class="lane">1</td>' in page
+    assert XSS_SCRIPT not in page and "&lt;script&gt;window.__xss=1&lt;/script&gt;" in page
 
 
 def test_a_failing_dht_keeps_the_tracker_serving(app_client):

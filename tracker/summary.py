@@ -69,10 +69,19 @@ def current_u_version(stages: Mapping[int, Sequence[PeerView | PeerEntry]]) -> i
     return max(versions, default=0)
 
 
+def run_lanes(manifest: Manifest) -> int:
+    """P, the lanes of every stage (`context_parallel.size`; 1 without context parallelism). A record's lane is
+    valid below P, as peers judge it (peer/lanes.py; the tracker does not import the peer)."""
+    return manifest.context_parallel.size if manifest.context_parallel is not None else 1
+
+
 def is_serving(record: StagePeerRecord, manifest: Manifest) -> bool:
-    """Online and computing the run's function: a peer with another T_fixed cannot serve this run."""
-    return record.state == "online" and (
-        not manifest.t_fixed_sha256 or record.t_fixed_sha256 == manifest.t_fixed_sha256
+    """Online, computing the run's function (a peer with another T_fixed cannot serve this run) on a lane the
+    run has."""
+    return (
+        record.state == "online"
+        and (not manifest.t_fixed_sha256 or record.t_fixed_sha256 == manifest.t_fixed_sha256)
+        and record.lane < run_lanes(manifest)
     )
 
 
@@ -106,6 +115,11 @@ def peer_warnings(
                 **where,
                 message=f"runs U v{record.u_version}, the swarm is at v{u_version}",
             )
+        )
+    if record.lane >= run_lanes(manifest):
+        last = run_lanes(manifest) - 1
+        out.append(
+            dict(level="error", code="bad_lane", **where, message=f"claims lane {record.lane}, the run has 0..{last}")
         )
     if record.software_version != SOFTWARE_VERSION:
         out.append(
@@ -143,6 +157,7 @@ def peer_summary(view: PeerView, now: float, manifest: Manifest | None = None) -
         claimed_throughput=claim,
         claimed_throughput_raw=r.throughput,
         load=r.load,
+        lane=r.lane,
         u_version=r.u_version,
         u_sha256=r.u_sha256,
         t_fixed_sha256=r.t_fixed_sha256,
@@ -212,10 +227,13 @@ def summarize(
 ) -> dict[str, Any]:
     """The swarm summary served by `/api/v1/swarm` (minus history), the page and `/metrics`.
 
-    `healthy` holds only when every stage has a serving peer (online, right T_fixed): a trip
-    needs every stage, so one empty stage stops training for the whole swarm.
-    Totals: `capacity_tokens_per_s` is the pipeline's bottleneck (the weakest stage's summed
-    throughput, as its peers claim it, each claim clamped to `throughput_bound`: see `peer_summary`);
+    `healthy` holds only when every stage has a serving peer (online, right T_fixed, a lane the run has) on
+    every lane: a trip needs every stage, and with context parallelism (P = `lanes` > 1) every lane of each, so
+    one empty stage or lane stops training for the whole swarm. With P > 1 a stage row lists its `lanes` (serving
+    peers and throughput of each) and its `empty_lanes`.
+    Totals: `capacity_tokens_per_s` is the pipeline's bottleneck (the weakest stage's throughput: the summed
+    throughput of its weakest lane, as its peers claim it,
+    each claim clamped to `throughput_bound`: see `peer_summary`);
     `tokens_trained` sums the stage-0 drivers' counters (every trip starts there), each clamped to what
     plausible hardware could have done while the tracker saw it (`credited_tokens`); `loss` is the
     weighted median of the online drivers' losses within the plausible bound (`plausible_loss_bound`),
@@ -244,6 +262,7 @@ def summarize(
     tokens_trained, losses = 0, []
     per_stage = peers_listed_per_stage(manifest.num_stages)
     loss_bound = plausible_loss_bound(manifest)
+    lanes = run_lanes(manifest)
     for i in range(manifest.num_stages):
         bound = plausible_throughput(manifest, i)
         views = sorted(
@@ -251,7 +270,9 @@ def summarize(
         )
         serving = [v for v in views if is_serving(v.record, manifest)]
         online = [v for v in views if v.record.state == "online"]
-        stage_capacity = sum(claimed_throughput(v.record, manifest) for v in serving)
+        lane_peers = [[v for v in serving if v.record.lane == lane] for lane in range(lanes)]
+        lane_capacity = [sum(claimed_throughput(v.record, manifest) for v in group) for group in lane_peers]
+        stage_capacity = min(lane_capacity)
         capacity.append(stage_capacity)
         for v in views:
             counts = peer_counters(v, manifest, i, bound, now)
@@ -272,6 +293,10 @@ def summarize(
                     message=f"stage {i} has no online peer: training is stalled",
                 )
             )
+        empty_lanes = [lane for lane, group in enumerate(lane_peers) if not group]
+        for lane in empty_lanes if serving else ():
+            message = f"lane {lane} of stage {i} has no online peer: no trip can cross the stage"
+            warnings.append(dict(level="error", code="empty_lane", stage=i, peer=None, message=message))
         spec = manifest.stages[i]
         stage_rows.append(
             dict(
@@ -288,7 +313,13 @@ def summarize(
                 peers_omitted=max(0, len(views) - per_stage),
             )
         )
-    healthy = polled and all(row["peers_serving"] > 0 for row in stage_rows)
+        if lanes > 1:
+            stage_rows[-1]["lanes"] = [
+                dict(lane=lane, peers_serving=len(group), throughput=total, empty=not group)
+                for lane, (group, total) in enumerate(zip(lane_peers, lane_capacity, strict=True))
+            ]
+            stage_rows[-1]["empty_lanes"] = empty_lanes
+    healthy = polled and all(row["peers_serving"] > 0 and not row.get("empty_lanes") for row in stage_rows)
     loss = weighted_median(capped_weights(losses))
     online = dict(tokens_trained=tokens_trained, bytes_sent=bytes_sent, dense_equivalent_bytes=dense_bytes)
     run = {name: int(run_totals.get(name, 0)) for name in online} if run_totals is not None else online
@@ -297,6 +328,7 @@ def summarize(
         time=now,
         healthy=healthy,
         u_version=u_version,
+        lanes=lanes,
         stages=stage_rows,
         totals=dict(
             peers=sum(r["peers_total"] for r in stage_rows),

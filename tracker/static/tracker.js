@@ -62,13 +62,23 @@
 
   function renderStages(s) {
     const rows = s.stages.map((row) => {
-      const tr = el("tr", { "data-stage": row.stage, class: row.peers_serving ? "ok" : "empty" });
+      const serves = row.peers_serving && !(row.empty_lanes && row.empty_lanes.length);
+      const tr = el("tr", { "data-stage": row.stage, class: serves ? "ok" : "empty" });
       tr.append(el("td", {}, row.stage), el("td", {}, row.layers[0] + "–" + (row.layers[1] - 1)),
         el("td", { class: "peers-online" }, row.peers_online), el("td", { class: "peers-total" }, row.peers_total),
         el("td", {}, num(row.throughput, 0) + " tok/s"), el("td", {}, row.load));
+      if (s.lanes > 1) tr.append(lanesCell(row));
       return tr;
     });
     replaceRows(document.querySelector("#stage-table tbody"), rows);
+  }
+
+  // A context-parallel stage's lanes: "lane: serving peers", an empty lane marked (a trip needs every lane).
+  function lanesCell(row) {
+    const td = el("td", { class: "lanes" });
+    td.append(...(row.lanes || []).map((l) => el("span", { class: "lane " + (l.empty ? "empty" : "ok"), "data-lane": l.lane },
+      l.lane + ": " + (l.empty ? "empty" : l.peers_serving))));
+    return td;
   }
 
   function renderPeers(s) {
@@ -78,7 +88,9 @@
         const tr = el("tr", { "data-stage": row.stage, class: p.state });
         const id = el("code", { title: p.peer_id }, p.peer_id.slice(0, 14));
         const idCell = el("td"); idCell.append(id);
-        tr.append(el("td", {}, row.stage), el("td", { class: "peer-name" }, p.public_name), idCell,
+        tr.append(el("td", {}, row.stage));
+        if (s.lanes > 1) tr.append(el("td", { class: "lane" }, p.lane));
+        tr.append(el("td", { class: "peer-name" }, p.public_name), idCell,
           el("td", {}, p.state), el("td", { class: "reach" }, p.reachability || "?"), el("td", {}, num(p.throughput, 0)), el("td", {}, p.load),
           el("td", {}, "v" + p.u_version), el("td", {}, p.tokens), el("td", {}, num(p.seconds_since_seen, 0) + "s ago"));
         rows.push(tr);

@@ -3,7 +3,8 @@
 A stage with context parallelism P is served by lanes 0..P-1; a trip names one peer per lane (its
 group, fixed by the driver when the trip starts). Per layer, lane c sends its K/V message
 (`swarm.cp_wire`) to the trip's peers of lanes > c and waits for those of lanes < c; backward it
-returns each received message's gradient to its sender and sums what lanes > c return to it.
+returns each received message's gradient to its sender and gets back those of its own message from
+lanes > c (`swarm.cp_lane.LaneTrip` sums them).
 
 `KVService` (one per peer) receives these messages on its own stream handler, `<run>.kv`, through
 `peer.transport.TripServicer`, so a K/V stream has the same bounds as a trip stream (bytes, chunks,
@@ -158,8 +159,10 @@ def _sources(kind: str, lane: int, size: int) -> range:
 class LaneExchange:
     """One trip's K/V traffic at one lane; made by `KVService.open`, freed by `close`."""
 
-    def __init__(self, service: KVService, trip_id: str, group: Sequence[PeerID | str], lane: int):
-        codec, mode = service.codec, service.mode
+    def __init__(
+        self, service: KVService, trip_id: str, group: Sequence[PeerID | str], lane: int, mode: KVCompression | None
+    ):
+        codec = service.codec
         if codec is None or mode is None:
             raise WireError(ErrorCode.LEAVING, "this peer serves no lane")
         peers = [p if isinstance(p, PeerID) else PeerID.from_base58(p) for p in group]
@@ -213,16 +216,10 @@ class LaneExchange:
         """The K/V of `layer` of every earlier lane, by lane."""
         return await self._receive("forward", layer, timeout)
 
-    async def receive_backward(self, layer: int, timeout: float | None = None) -> Payload | None:
-        """The sum of the gradients the later lanes returned for this lane's message of `layer` (None for
-        the last lane, which sends to nobody)."""
-        received = list((await self._receive("backward", layer, timeout)).values())
-        if not received:
-            return None
-        g_k, g_v, g_theta = (
-            None if parts[0] is None else sum(parts[1:], parts[0]) for parts in zip(*received, strict=True)
-        )
-        return g_k, g_v, g_theta
+    async def receive_backward(self, layer: int, timeout: float | None = None) -> dict[int, Payload]:
+        """The gradients of this lane's message of `layer` from every later lane, by lane (summed by the
+        caller, `swarm.cp_lane.LaneTrip.backward_layer`; the last lane gets none)."""
+        return await self._receive("backward", layer, timeout)
 
     def close(self) -> None:
         """Free everything of this trip here; waiting receives fail, later messages are refused."""
@@ -326,12 +323,15 @@ class KVService:
         self.codec, self.lane = codec, lane
         self.mode = mode if mode is not None or codec is None else codec.spec.mode
 
-    async def open(self, trip_id: str, group: Sequence[PeerID | str]) -> LaneExchange:
-        """Register a trip (its group names one peer per lane, by id or base58, this peer at its lane) and hand it the
-        early messages its group names as their senders and that decode under the current codec."""
+    async def open(
+        self, trip_id: str, group: Sequence[PeerID | str], mode: KVCompression | None = None
+    ) -> LaneExchange:
+        """Register a trip (its group names one peer per lane, by id or base58, this peer at its lane) and hand
+        it the early messages its group names as their senders and that decode under the current codec. `mode`:
+        the trip's (`LaneTrip.modes`, fixed for the trip), by default what `serve` was told."""
         if trip_id in self.exchanges or trip_id in self.closed:
             raise ValueError(f"trip {trip_id!r} is open or was closed here: a retried trip needs a new id")
-        exchange = LaneExchange(self, trip_id, group, self.lane)
+        exchange = LaneExchange(self, trip_id, group, self.lane, mode or self.mode)
         self.exchanges[trip_id] = exchange
         for message in self.early.take(trip_id, self.clock()):
             try:

@@ -4,6 +4,7 @@ daemons on loopback (three lane peers and an intruder, on one event loop), and i
 from __future__ import annotations
 
 import asyncio
+import copy
 import dataclasses
 import tracemalloc
 import uuid
@@ -14,7 +15,9 @@ from hivemind.p2p import P2P
 
 from peer.kv_exchange import BufferLimits, EarlyBuffer, EarlyMessage, KVService, message_limit
 from swarm.context_parallel import ContextParallelSpec, CPBasis
-from swarm.cp_wire import CPCodec, encode_kv, parse_kv_header
+from swarm.cp_lane import LaneTrip
+from swarm.cp_model import CPDecoder
+from swarm.cp_wire import CPCodec, encode_kv, parse_kv_header, wire_step
 from swarm.manifest import ModelShape
 from swarm.wire import ErrorCode, WireError
 
@@ -130,11 +133,9 @@ def test_forward_and_backward_between_three_lanes_are_bit_exact(net):
 
         grads = {(c, j): payload(10 * c + j, "backward") for c in range(3) for j in range(c)}
         await asyncio.gather(*(lanes[c].send_backward(1, {j: grads[c, j] for j in range(c)}) for c in range(3)))
-        total0, total1 = await lanes[0].receive_backward(1), await lanes[1].receive_backward(1)
-        assert await lanes[2].receive_backward(1) is None
-        from_1, from_2 = on_wire(grads[1, 0]), on_wire(grads[2, 0])
-        assert same(total0, tuple(a + b for a, b in zip(from_1, from_2, strict=True)))
-        assert same(total1, on_wire(grads[2, 1]))
+        for c in range(3):
+            got = await lanes[c].receive_backward(1)
+            assert set(got) == set(range(c + 1, 3)) and all(same(got[d], on_wire(grads[d, c])) for d in got)
 
         # what left one lane arrived at another, message for message, and the services counted it
         assert sum(x.bytes_out for x in lanes) == sum(x.bytes_in for x in lanes) > 0
@@ -145,6 +146,48 @@ def test_forward_and_backward_between_three_lanes_are_bit_exact(net):
             exchange.close()
 
     net.run(body())
+
+
+def test_lanes_train_through_the_exchange_as_in_one_process(net):
+    """Three `LaneTrip`s of one model, each on its own peer, with every K/V message over libp2p, compute
+    bit for bit what `wire_step` computes in one process (same messages, same rounding, same sums)."""
+    model, n = CPDecoder(SHAPE, SPEC, seed=5), SEQ // SPEC.size
+    with torch.no_grad():  # θ heads start at zero; give them weight so θ is not all zeros
+        for block in model.blocks:
+            block.attn.theta_head.weight.normal_(0, 0.5, generator=torch.Generator().manual_seed(block.attn.layer))
+    twin = copy.deepcopy(model)
+    tokens = torch.randint(0, SHAPE.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+
+    async def run_lane(c: int, exchange) -> tuple[LaneTrip, float]:
+        lane = LaneTrip(model, c, tokens[:, c * n : (c + 1) * n])
+        for layer in lane.order:
+            payload = lane.payload(layer)
+            if payload is not None:
+                await exchange.send_forward(layer, *payload)
+            lane.complete(layer, await exchange.receive_forward(layer))
+        loss = lane.loss(tokens[:, (c + 1) * n] if c < SPEC.size - 1 else None, SEQ)
+        for layer in reversed(lane.order):
+            await exchange.send_backward(layer, lane.backward_layer(layer, await exchange.receive_backward(layer)))
+        return lane, loss
+
+    async def body():
+        trip = trip_id()
+        exchanges = [await s.open(trip, net.group) for s in net.lanes]
+        done = await asyncio.gather(*(run_lane(c, x) for c, x in enumerate(exchanges)))
+        for exchange in exchanges:
+            exchange.close()
+        return done, sum(x.bytes_out for x in exchanges), len(trip)
+
+    done, wire_bytes, id_length = net.run(body())
+    for lane, _ in done:  # in lane order, as wire_step adds them
+        lane.input_grad()
+        lane.apply_grads()
+    want, sent = wire_step(twin, tokens, make_codec())
+    assert sum(loss for _, loss in done) == want
+    for (name, got), expected in zip(model.named_parameters(), twin.parameters(), strict=True):
+        assert got.grad is not None and torch.equal(got.grad, expected.grad), name
+    messages = LAYERS * 2 * 3  # per layer 3 forward (0→1, 0→2, 1→2) and 3 backward; wire_step's trip id is ""
+    assert wire_bytes == sum(sent["forward"]) + sum(sent["backward"]) + messages * id_length
 
 
 def test_early_messages_are_delivered_when_the_trip_registers(net):

@@ -25,7 +25,8 @@ A message for a trip closed here a moment ago is refused `timeout` rather than b
 `LaneExchange` is one trip at one lane. Sends go to every destination at once and fail, like receives
 that wait too long, as a `WireError` with a code: the caller retries the trip with another group, never
 finishing it with stale K/V. Bytes are message bytes (the K/V message, or the reply), counted per
-exchange and per service; libp2p's framing adds ~17 bytes per MiB chunk.
+exchange and per service (`bytes_in` of a service: every message its handler read, refused ones too);
+the stream framing adds 17 bytes per chunk of up to 1 MiB and an end frame.
 """
 
 from __future__ import annotations

@@ -237,6 +237,46 @@ def test_refusals_carry_their_codes_and_the_trip_goes_on(net):
     net.run(body())
 
 
+def test_a_lane_on_another_cp_basis_gets_no_kv_and_sends_none(net):
+    """Lane 2 switched its CP basis (v1, the same Ū): lanes 0 and 1 refuse what it sends, it refuses what
+    they send, both as `wrong_cp_version`; and a basis that switches during a trip stops its sends."""
+
+    def switched() -> CPCodec:
+        codec = make_codec()
+        codec.basis.switch(dict(codec.basis.ubar), 1)
+        return codec
+
+    async def body():
+        lane0, lane2 = net.lanes[0], net.lanes[2]
+        saved = lane0.codec, lane2.codec
+        lane2.serve(switched(), 2)
+        try:
+            trip = trip_id()
+            lanes = [await s.open(trip, net.group) for s in net.lanes]
+            for send in (
+                lanes[0].send_forward(0, *payload(0)),  # lane 1 takes it, lane 2 refuses it
+                lanes[2].send_backward(0, {0: payload(20, "backward"), 1: payload(21, "backward")}),
+            ):
+                with pytest.raises(WireError) as caught:
+                    await send
+                assert caught.value.code == ErrorCode.WRONG_CP_VERSION
+            for exchange in lanes:
+                exchange.close()
+
+            lane0.serve(make_codec(), 0)  # a codec of its own, switched below while a trip is open
+            exchange = await lane0.open(trip_id(), net.group)
+            lane0.codec.basis.switch(dict(lane0.codec.basis.ubar), 1)
+            with pytest.raises(WireError) as caught:
+                await exchange.send_forward(0, *payload(0))
+            assert caught.value.code == ErrorCode.WRONG_CP_VERSION and exchange.bytes_out == 0
+            exchange.close()
+        finally:
+            lane0.serve(saved[0], 0)
+            lane2.serve(saved[1], 2)
+
+    net.run(body())
+
+
 def test_an_oversized_message_is_refused_before_its_body_is_read(net):
     async def body():
         lane1, peer1 = net.lanes[1], net.group[1]

@@ -12,9 +12,12 @@ Every layer of a lane is its own graph: the layer's input is a leaf, received Z 
 gradients are the backward messages), and a layer's graph is freed as soon as its backward is done.
 Parameter gradients go to a per-trip buffer (`torch.autograd.grad`), not to `.grad`: a peer interleaves
 many trips and optimizer steps on one thread, and a step must never see half a trip. `apply_grads`
-adds the whole trip at once. Hooks registered on a Parameter (the constrained tensors' gradient
-projection of `PipelineStage`) run under `autograd.grad` as under `.backward`, so the buffer holds
-projected gradients; the projection is linear, so the lanes' sum equals the one-graph gradient.
+adds the whole trip at once. If such a step changed the weights in place between a layer's forward and
+its backward, autograd refuses the saved graph and the lane recomputes that layer alone, from its kept
+input and received messages, with the current weights. Hooks registered on a Parameter (the constrained
+tensors' gradient projection of `PipelineStage`) run under `autograd.grad` as under `.backward`, so the
+buffer holds projected gradients; the projection is linear, so the lanes' sum equals the one-graph
+gradient.
 
 The stage is anything with `layers` (blocks whose `attn` is a `swarm.cp_model.CPAttention`),
 `rope_cos`/`rope_sin`, `is_head`/`is_tail`, `embed_tokens(tokens)` and `finish(hidden, tokens)`:
@@ -34,6 +37,14 @@ KV = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]  # Z_k, Z_v, θ (or 
 
 def _leaf(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().requires_grad_(True)
+
+
+def _or_zeros(grads, received: torch.Tensor | None) -> torch.Tensor | None:
+    """The next gradient of a received tensor from `grads` (zeros if it did not reach the loss); None for none."""
+    if received is None:
+        return None
+    grad = next(grads)
+    return grad if grad is not None else torch.zeros_like(received)
 
 
 class _Layer:
@@ -97,38 +108,62 @@ class LaneTrip:
         """Norm and projections of this chunk at `layer`; returns what lanes > c receive (Z_k, Z_v, θ
         compressed; K, V, None dense), detached, or None when this lane sends nothing (the last lane,
         unless its own block is rebuilt from its message)."""
-        block, attn = self._block(layer)
+        self._block(layer)
         if layer != self.order[self.done] or layer in self.layers:
             raise RuntimeError(f"payload({layer}) out of order: next is layer {self.order[self.done]}")
-        mode = self.modes[layer]
-        x_in = self.hidden
-        q, k_full, v_full, theta = attn.project(block.attn_norm(x_in), mode)
-        sent = attn.payload(k_full, v_full, theta, mode) if attn.sends(self.lane, mode) else None
-        self.layers[layer] = _Layer(x_in, q, k_full, v_full, sent, theta)
-        if sent is None:
+        segment = self.layers[layer] = self._project(layer, self.hidden)
+        if segment.payload is None:
             return None
-        return sent[0].detach(), sent[1].detach(), None if theta is None else theta.detach()
+        theta = None if segment.theta is None else segment.theta.detach()
+        return segment.payload[0].detach(), segment.payload[1].detach(), theta
 
     def complete(self, layer: int, received: dict[int, KV]) -> None:
         """Rebuild every earlier lane's K/V from its message, attend at the right RoPE offsets, run the MLP."""
-        block, attn = self._block(layer)
+        self._block(layer)
         segment = self.layers.get(layer)
         if segment is None or segment.out is not None:
             raise RuntimeError(f"complete({layer}) needs payload({layer}) first, once")
-        mode = self.modes[layer]
         self._check(received, range(self.lane), self._widths(layer), "forward", layer)
-        blocks = []
         for src in range(self.lane):
-            z_k, z_v, theta = (None if t is None else _leaf(t.to(self.device, self.dtype)) for t in received[src])
-            segment.received[src] = (z_k, z_v, theta)
-            blocks.append(attn.rebuild(z_k, z_v, theta, mode))
+            segment.received[src] = tuple(
+                None if t is None else _leaf(t.to(self.device, self.dtype)) for t in received[src]
+            )
+        self._attend(layer, segment)
+        self.hidden = _leaf(segment.out)
+        self.done += 1
+
+    def _project(self, layer: int, x_in: torch.Tensor) -> _Layer:
+        block, attn = self.attns[layer]
+        mode = self.modes[layer]
+        q, k_full, v_full, theta = attn.project(block.attn_norm(x_in), mode)
+        sent = attn.payload(k_full, v_full, theta, mode) if attn.sends(self.lane, mode) else None
+        return _Layer(x_in, q, k_full, v_full, sent, theta)
+
+    def _attend(self, layer: int, segment: _Layer) -> None:
+        block, attn = self.attns[layer]
+        mode = self.modes[layer]
+        blocks = [attn.rebuild(*segment.received[src], mode) for src in range(self.lane)]
         p_k, p_v = segment.payload if segment.payload is not None else (None, None)
         blocks.append(attn.own_block(segment.k_full, segment.v_full, p_k, p_v, segment.theta, mode, True))
         x = segment.x_in + attn.attend(segment.q, blocks, self.stage.rope_cos, self.stage.rope_sin)
         segment.out = x + block.mlp(block.mlp_norm(x))
-        segment.q = segment.k_full = segment.v_full = None  # held by the graph if needed, not by us
-        self.hidden = _leaf(segment.out)
-        self.done += 1
+        segment.q = segment.k_full = segment.v_full = None  # held by the graph where needed, not by us
+
+    def _recompute(self, layer: int) -> _Layer:
+        """The layer's forward again, from its kept input and received leaves, with the current weights:
+        an optimizer step between this trip's forward and backward changed them in place, and autograd
+        refuses a graph whose saved weights changed. What this lane sent is not sent again (the runtime's
+        whole-stage recompute makes the same compromise); the PCA statistics do not count it twice."""
+        old, attn = self.layers[layer], self.attns[layer][1]
+        stats, attn.stats = attn.stats, None
+        try:
+            segment = self._project(layer, old.x_in)
+        finally:
+            attn.stats = stats
+        segment.received = old.received
+        self._attend(layer, segment)
+        self.layers[layer] = segment
+        return segment
 
     def _finish(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.done != len(self.order):
@@ -191,31 +226,36 @@ class LaneTrip:
         segment = self.layers[layer]
         receivers = range(self.lane + 1, self.size) if segment.payload is not None else range(0)
         self._check(grads, receivers, self._widths(layer), "backward", layer)
-        roots, root_grads = [segment.out], [self.out_grad]
-        if grads:
-            summed = [sum(grads[dst][i].to(self.device, self.dtype) for dst in receivers) for i in range(2)]
-            roots += list(segment.payload)
-            root_grads += summed
-            if segment.theta is not None:
-                roots.append(segment.theta)
-                root_grads.append(sum(grads[dst][2].to(self.device, self.dtype) for dst in receivers))
-        leaves = [t for src in sorted(segment.received) for t in segment.received[src] if t is not None]
+        width = 2 if segment.theta is None else 3
+        summed = [sum(grads[dst][i].to(self.device, self.dtype) for dst in receivers) for i in range(width) if grads]
         params = [p for p in block.parameters() if p.requires_grad]
-        found = torch.autograd.grad(roots, [segment.x_in, *leaves, *params], root_grads, allow_unused=True)
+        accumulator = getattr(self.stage, "u_accumulator", None)
+        snapshot = accumulator.snapshot() if accumulator is not None else None
+        try:
+            found = self._layer_grads(segment, summed, params)
+        except RuntimeError as exc:
+            if "modified by an inplace operation" not in str(exc):
+                raise
+            if snapshot is not None:  # projection hooks that fired before the failure must not count twice
+                accumulator.restore(snapshot)
+            segment = self._recompute(layer)
+            found = self._layer_grads(segment, summed, params)
         self.out_grad = found[0]  # never None: the residual path
-        self._keep(params, found[1 + len(leaves) :])
-        back, index = {}, 1
-        for src in sorted(segment.received):
-            parts = []
-            for tensor in segment.received[src]:
-                if tensor is None:
-                    parts.append(None)
-                    continue
-                parts.append(found[index] if found[index] is not None else torch.zeros_like(tensor))
-                index += 1
-            back[src] = tuple(parts)
+        rest = iter(found[1:])
+        back = {src: tuple(_or_zeros(rest, t) for t in segment.received[src]) for src in sorted(segment.received)}
+        self._keep(params, list(rest))
         del self.layers[layer]
         return back
+
+    def _layer_grads(self, segment: _Layer, summed: list, params: list) -> tuple:
+        """∂/∂(layer input, received leaves by sender, parameters) of the layer's output (gradient
+        `out_grad`) and of this lane's payload (gradients `summed`, when it has receivers)."""
+        roots, root_grads = [segment.out], [self.out_grad]
+        if summed:
+            roots += [*segment.payload, segment.theta][: len(summed)]
+            root_grads += summed
+        leaves = [t for src in sorted(segment.received) for t in segment.received[src] if t is not None]
+        return torch.autograd.grad(roots, [segment.x_in, *leaves, *params], root_grads, allow_unused=True)
 
     def input_grad(self) -> torch.Tensor | None:
         """After every layer's backward: ∂L/∂(chunk input) to send upstream, or None at the head (whose

@@ -221,3 +221,52 @@ def test_each_layers_graph_is_freed_by_its_backward():
     lanes[1].backward_output(torch.ones(BATCH, 16, 64))
     back = lanes[1].backward_layer(top, {})
     assert set(back) == {0} and outputs[top]() is None and outputs[below]() is not None
+
+
+def _trip_with_a_step_between(stage, tokens, hidden, out_grad, step) -> tuple[dict, torch.Tensor, int]:
+    """Two lanes' forward, then `step` changes the weights in place (as an optimizer step on the same thread
+    would), then their backward: the trip's gradient buffers, the input gradient and how many layers were
+    recomputed."""
+    lanes = [LaneTrip(stage, c, tokens[:, c * 16 : (c + 1) * 16], hidden[:, c * 16 : (c + 1) * 16]) for c in range(2)]
+    codec, sent = _codec(stage, tokens), {"forward": [0] * 6, "backward": [0] * 6}
+    lanes_forward(lanes, codec, sent)
+    for c, lane in enumerate(lanes):
+        lane.output()
+        lane.backward_output(out_grad[:, c * 16 : (c + 1) * 16])
+    with torch.no_grad():
+        for param in stage.parameters():
+            step(param)
+    recomputed = []
+    for lane in lanes:
+        original = lane._recompute
+        lane._recompute = lambda layer, original=original: recomputed.append(layer) or original(layer)
+    lanes_backward(lanes, codec, sent)
+    grads = {p: sum(lane.grads[p] for lane in lanes if p in lane.grads) for p in stage.parameters()}
+    return grads, torch.cat([lane.input_grad() for lane in lanes], dim=1), len(recomputed)
+
+
+def test_an_optimizer_step_between_forward_and_backward_recomputes_the_layer():
+    """An in-place change of the weights (an optimizer step of another trip) makes autograd refuse the
+    layer's saved graph; the lane recomputes that layer from its kept input and received messages with the
+    current weights. With a step that changes nothing but the version counters, the gradients are exactly
+    those of the trip without a step, and the U accumulator gets each projection-hook term once."""
+    manifest = _manifest(2, "subspace", "paper").model_copy(update={"subspace_update_interval": 10})
+    stages, tokens = _stages(manifest), _tokens()
+    _, inputs, outputs, _ = _in_process(stages, tokens)
+    stage, hidden, out_grad = stages[1], inputs[1].detach(), outputs[1].grad
+    assert stage.u_accumulator is not None
+    stage.u_accumulator.reset()  # the one-graph backward's hooks added their terms
+    plain, plain_input, none = _trip_with_a_step_between(stage, tokens, hidden, out_grad, lambda p: None)
+    terms = stage.u_accumulator.snapshot()
+    stage.u_accumulator.reset()
+    # only the query weights: the layer's backward gets past the MLP's w2 (whose hook adds a U term) before
+    # autograd refuses the graph, so the terms of the failed try must be taken back
+    queries = {p for block in stage.layers for p in block.attn.wq.parameters()}
+    bump = lambda p: p.add_(0) if p in queries else None  # noqa: E731
+    bumped, bumped_input, recomputed = _trip_with_a_step_between(stage, tokens, hidden, out_grad, bump)
+    assert none == 0 and recomputed == 4  # 2 layers x 2 lanes
+    assert torch.equal(bumped_input, plain_input)
+    assert all(torch.equal(bumped[p], plain[p]) for p in plain)
+    assert torch.equal(stage.u_accumulator.snapshot()[0], terms[0]) and stage.u_accumulator.terms == terms[1]
+    moved, _, _ = _trip_with_a_step_between(stage, tokens, hidden, out_grad, lambda p: p.mul_(1.01))
+    assert any(not torch.equal(moved[p], plain[p]) for p in plain)  # recomputed with the new weights

@@ -195,6 +195,8 @@ class LaneTrip:
         B·(seq_len − 1) predictions makes the lanes' losses sum to the sequence's mean loss."""
         if not self.stage.is_tail:
             raise RuntimeError("only the tail computes a loss")
+        if seq_len != self.chunk_len * self.size:
+            raise ValueError(f"a sequence of {seq_len} tokens is not {self.size} chunks of {self.chunk_len}")
         last = self.lane == self.size - 1
         if (next_tokens is None) != last:
             raise ValueError("every lane but the last needs the first token of the next chunk")

@@ -17,7 +17,10 @@ reached B, seconds from C's start to the first echo, what kind of connection car
 TCP connection, through the router's public address or not, or a `/p2p-circuit` relay), and the echo
 throughput of 16 MiB.
 
-    sudo python -m benchmarks.nat [--cases public cone ...] [--json OUT]
+    sudo python -m benchmarks.nat [--cases public cone ...] [--app-relay] [--json OUT]
+
+`--app-relay` measures the application-level trip relay (peer/relay.py) instead: A relays, B registers with it,
+and C sends trips to B straight and through A (median ms of a 28 KB trip, Mbit/s of 4 MiB trips both ways).
 
 Every namespace is named `pnat<hex>-…` and deleted on exit, also on failure.
 """
@@ -39,6 +42,8 @@ from pathlib import Path
 CASES = ("public", "forwarded", "cone", "symmetric", "both-symmetric")
 RELAY_PORT, B_PORT = 40000, 41000
 ECHO_BYTES = 16 << 20
+NAMESPACE = "natbench"
+TRIP_SMALL, TRIP_LARGE = 28 << 10, 4 << 20  # a compressed boundary message; a dense one
 
 
 def sh(*args: str, check: bool = True) -> str:
@@ -127,12 +132,49 @@ async def _echo(_info, reader, writer) -> None:
         writer.close()
 
 
+async def _echo_trip(blob: bytes, _remote) -> bytes:
+    return blob
+
+
+async def _trips(p2p, target: str, relay: str) -> dict:
+    """Trips of the application-level relay (peer/relay.py): per path (straight to B, through A's relay), the
+    median seconds of TRIP_SMALL-byte trips (latency) and Mbit/s of TRIP_LARGE-byte trips (both ways counted)."""
+    from peer.relay import TripSender
+
+    sender, found = TripSender(p2p, NAMESPACE), {}
+    for path in ("direct", "relay"):
+        send = sender.via_relay if path == "relay" else (lambda peer, _relay, *rest: sender.send(peer, "", *rest))
+        try:
+            seconds = []
+            for _ in range(20):
+                started = time.monotonic()
+                assert await send(target, relay, b"s" * TRIP_SMALL, 30.0, TRIP_LARGE) == b"s" * TRIP_SMALL
+                seconds.append(time.monotonic() - started)
+            started = time.monotonic()
+            for _ in range(4):
+                assert len(await send(target, relay, b"L" * TRIP_LARGE, 120.0, TRIP_LARGE)) == TRIP_LARGE
+            mbit = 8 * 2 * 4 * TRIP_LARGE / (time.monotonic() - started) / 1e6
+            median = sorted(seconds)[len(seconds) // 2]
+            found[path] = {"trip_ms": round(1000 * median, 1), "trip_mbit_s": round(mbit, 1)}
+        except Exception as exc:  # noqa: BLE001 - a path that does not work is a result
+            found[path] = {"error": f"{type(exc).__name__}: {exc}".splitlines()[0][:200]}
+    return found
+
+
 async def node(role: str, workdir: Path, options: dict) -> None:
-    """A: relay and bootstrap. B: the peer behind the router, echoing. C: dials B by id and measures."""
+    """A: relay and bootstrap. B: the peer behind the router, echoing. C: dials B by id and measures.
+    With `app_relay`, A also runs peer/relay.py's RelayService, B registers with it and echoes trips, and C
+    measures trips straight to B and through A (`_trips`)."""
     from hivemind.p2p import P2P, PeerID
 
+    from peer.relay import Budget, RelayClient, RelayService
+    from peer.transport import TripServicer
+
+    app = options.get("app_relay", False)
     if role == "a":
         p2p = await P2P.create(host_maddrs=[f"/ip4/{options['address']}/tcp/{RELAY_PORT}"])
+        if app:
+            await RelayService(p2p, NAMESPACE, Budget(16, 1 << 30, 600.0), TRIP_LARGE).add_handlers()
         (workdir / "a.json").write_text(json.dumps({"id": p2p.peer_id.to_base58()}))
         await asyncio.sleep(3600)
     relay = json.loads((workdir / "a.json").read_text())["id"]
@@ -140,10 +182,26 @@ async def node(role: str, workdir: Path, options: dict) -> None:
     if role == "b":
         p2p = await P2P.create(initial_peers=boot, host_maddrs=[f"/ip4/0.0.0.0/tcp/{B_PORT}"], **options["p2p"])
         await p2p.add_binary_stream_handler("echo", _echo)
+        if app:
+            servicer = TripServicer(_echo_trip, max_bytes=TRIP_LARGE)
+            await servicer.add_p2p_handlers(p2p, namespace=NAMESPACE)
+
+            async def candidates() -> list[str]:
+                return [relay]
+
+            client = RelayClient(p2p, NAMESPACE, servicer.serve_stream, candidates)
+            await client.start()
+            client.hold(lambda _: None)
+            await asyncio.wait_for(client.changed.wait(), 60)
         (workdir / "b.json").write_text(json.dumps({"id": p2p.peer_id.to_base58()}))
         await asyncio.sleep(3600)
     started = time.monotonic()
     target = PeerID.from_base58(json.loads((workdir / "b.json").read_text())["id"])
+    if app:
+        p2p = await P2P.create(initial_peers=boot, host_maddrs=["/ip4/0.0.0.0/tcp/0"])
+        result = await _trips(p2p, target.to_base58(), relay)
+        (workdir / "c.json").write_text(json.dumps({"reached": "error" not in result["relay"], "trips": result}))
+        return
     if options.get("via_relay"):  # B's circuit address on the relay as a bootstrap peer: p2pd dials it at start
         boot.append(f"{boot[0]}/p2p-circuit/p2p/{target.to_base58()}")
     p2p = await P2P.create(initial_peers=boot, host_maddrs=["/ip4/0.0.0.0/tcp/0"])
@@ -184,7 +242,7 @@ def _wait_file(path: Path, timeout: float) -> None:
         time.sleep(0.2)
 
 
-def run_case(case: str, force_private: bool, timeout: float, via_relay: bool) -> dict:
+def run_case(case: str, force_private: bool, timeout: float, via_relay: bool, app_relay: bool = False) -> dict:
     net, workdir = Internet(), Path(tempfile.mkdtemp(prefix="nat-"))
     children: list[subprocess.Popen] = []
 
@@ -199,7 +257,7 @@ def run_case(case: str, force_private: bool, timeout: float, via_relay: bool) ->
 
     try:
         relay_address = net.public_host("a")
-        spawn(net.name("a"), "a", {"address": relay_address})
+        spawn(net.name("a"), "a", {"address": relay_address, "app_relay": app_relay})
         _wait_file(workdir / "a.json", 60)
         b_options: dict = {"use_auto_relay": True}
         if case == "public":
@@ -212,14 +270,15 @@ def run_case(case: str, force_private: bool, timeout: float, via_relay: bool) ->
             net.home("b", 10, "symmetric" if "symmetric" in case else "cone")
             if force_private:
                 b_options["force_reachability"] = "private"
-        spawn(net.name("b"), "b", {"relay_address": relay_address, "p2p": b_options})
+        spawn(net.name("b"), "b", {"relay_address": relay_address, "p2p": b_options, "app_relay": app_relay})
         _wait_file(workdir / "b.json", 60)
         if case == "both-symmetric":
             net.home("c", 20, "symmetric")
         else:
             net.public_host("c")
         time.sleep(5)  # B's reservation on the relay, as a peer that joined a little earlier would have
-        c = spawn(net.name("c"), "c", {"relay_address": relay_address, "timeout": timeout, "via_relay": via_relay})
+        c_options = {"relay_address": relay_address, "timeout": timeout, "via_relay": via_relay, "app_relay": app_relay}
+        c = spawn(net.name("c"), "c", c_options)
         c.wait(timeout=timeout + 180)
         if (workdir / "c.json").exists():
             result = json.loads((workdir / "c.json").read_text())
@@ -234,7 +293,8 @@ def run_case(case: str, force_private: bool, timeout: float, via_relay: bool) ->
         shutil.rmtree(workdir, ignore_errors=True)  # the row holds what the run found
     connection = result.get("connection", [])
     result["kind"] = ("relay" if any("p2p-circuit" in a for a in connection) else "direct") if connection else "-"
-    return {"case": case + (" (dialled via the relay)" if via_relay else ""), **result}
+    suffix = " (trips, peer/relay.py)" if app_relay else " (dialled via the relay)" if via_relay else ""
+    return {"case": case + suffix, **result}
 
 
 def main() -> int:
@@ -243,6 +303,7 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds C keeps trying to reach B")
     parser.add_argument("--no-force-private", action="store_true", help="let AutoNAT find out B is private")
     parser.add_argument("--via-relay", action="store_true", help="C dials B's circuit address on the relay first")
+    parser.add_argument("--app-relay", action="store_true", help="trips straight to B vs through peer/relay.py on A")
     parser.add_argument("--json", help="write the rows here")
     parser.add_argument("--node", nargs=3, metavar=("ROLE", "WORKDIR", "OPTIONS"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -254,13 +315,17 @@ def main() -> int:
         parser.error("needs root: it creates network namespaces and iptables rules")
     rows = []
     for case in args.cases:
-        row = run_case(case, not args.no_force_private, args.timeout, args.via_relay)
+        row = run_case(case, not args.no_force_private, args.timeout, args.via_relay, args.app_relay)
         print(json.dumps(row), flush=True)
         rows.append(row)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     print("\n| case | reached | first echo s | connection | echo Mbit/s |\n|---|---|---|---|---|")
     for r in rows:
+        if "trips" in r:
+            t = r["trips"]
+            print(f"| {r['case']} | direct {t['direct']} | relay {t['relay']} |")
+            continue
         print(f"| {r['case']} | {r['reached']} | {r.get('first_echo_s', '-')} | {r['kind']} "
               f"{' '.join(r.get('connection', []))} | {r.get('echo_mbit_s', '-')} |")
     return 0

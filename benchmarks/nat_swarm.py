@@ -1,10 +1,12 @@
 """A real swarm on the emulated internet with its middle stage behind a home router (issue 15).
 
-The tracker (whose DHT node is the bootstrap and, by p2pd's default, the relay), a stage-0 driver and a
-stage-2 peer sit on public addresses of `benchmarks/nat.py`'s `Internet`; each stage-1 peer sits behind its
-own router, in one of three ways (`HOME_MODES`):
+The tracker (whose DHT node is the bootstrap) and a stage-2 peer sit on public addresses of `benchmarks/nat.py`'s
+`Internet`; the stage-0 driver sits behind a symmetric NAT of its own (`driver_nat`, None: public), so it can
+never dial a NATed peer and no trip to one arrives over a connection that peer opened; each stage-1 peer sits
+behind its own router, in one of three ways (`HOME_MODES`):
 
-- `relay`: MASQUERADE, no port forward, `--relay auto` (the default): the swarm should report "via relay".
+- `relay`: MASQUERADE, no port forward, `--relay auto` (the default): the swarm should report "via relay", and
+  every trip to it goes through the stage-2 peer's trip relay (peer/relay.py; its counters: `relay_counters`).
 - `forward`: the router forwards TCP `B_PORT` (DNAT) and the peer announces the router's address: "direct".
 - `off`: MASQUERADE, no port forward, `--relay off`: "unreachable".
 
@@ -18,6 +20,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -34,6 +37,7 @@ from swarm.manifest import Manifest, save_manifest
 from swarm.presets import preset
 
 HOME_MODES = ("relay", "forward", "off")
+RELAY_LINE = re.compile(r"relay: carried (\d+) trips for \d+ registered peer\(s\), (\d+) B forward, (\d+) B back")
 TRACKER_PORT = 8800
 REPO = Path(__file__).resolve().parent.parent
 
@@ -42,8 +46,8 @@ class NatSwarm:
     """Tracker, stage 0 and stage 2 public; stage-1 peers behind routers (`add_home_peer`). `close()` stops
     every process and deletes every namespace (and with them every iptables rule and veth)."""
 
-    def __init__(self, manifest: Manifest, workdir: Path):
-        self.manifest, self.workdir = manifest, workdir
+    def __init__(self, manifest: Manifest, workdir: Path, driver_nat: str | None = "symmetric"):
+        self.manifest, self.workdir, self.driver_nat = manifest, workdir, driver_nat
         self.processes: dict[str, subprocess.Popen] = {}
         self.net = Internet()
         self.lan = 10
@@ -109,7 +113,10 @@ class NatSwarm:
                     raise TimeoutError("the tracker did not answer") from None
                 time.sleep(1)
         for stage in (0, 2):
-            self.net.public_host(f"s{stage}")
+            if stage == 0 and self.driver_nat is not None:
+                self.net.home("s0", 9, self.driver_nat)
+            else:
+                self.net.public_host(f"s{stage}")
             self._spawn(f"stage{stage}", self.net.name(f"s{stage}"), self._peer_argv(f"stage{stage}", stage))
 
     def _peer_argv(self, name: str, stage: int, *extra: str) -> list[str]:
@@ -196,6 +203,12 @@ class NatSwarm:
     def log(self, name: str) -> str:
         return (self.workdir / f"{name}.log").read_text(errors="replace")
 
+    def relay_counters(self, name: str) -> dict[str, int]:
+        """What `name`'s trip relay carried so far, from its last `RelayService.summary` line (zeros if none)."""
+        found = RELAY_LINE.findall(self.log(name))
+        trips, forward, back = map(int, found[-1]) if found else (0, 0, 0)
+        return {"trips": trips, "forward": forward, "back": back}
+
     def close(self) -> None:
         stop_process_groups(list(self.processes.values()), grace=20.0)
         self.processes.clear()
@@ -210,10 +223,11 @@ def tokens_per_second(swarm: NatSwarm, seconds: float) -> float:
     return (last[0] - first[0]) / (last[1] - first[1])
 
 
-def measure(modes: list[str], window: float) -> list[dict]:
-    """Per mode: a fresh stage-1 peer behind its router, its reachability, then tokens/s over `window`."""
+def measure(modes: list[str], window: float, driver_nat: str | None) -> list[dict]:
+    """Per mode: a fresh stage-1 peer behind its router, its reachability, then tokens/s over `window` and what
+    the stage-2 peer's trip relay carried meanwhile."""
     workdir = Path(tempfile.mkdtemp(prefix="nat-swarm-"))
-    swarm = NatSwarm(preset("tiny", stages=3), workdir)
+    swarm = NatSwarm(preset("tiny", stages=3), workdir, driver_nat)
     rows = []
     try:
         swarm.start()
@@ -226,7 +240,12 @@ def measure(modes: list[str], window: float) -> list[dict]:
             row = {"mode": mode, "reachability": found["reachability"], "trained": True}
             try:
                 swarm.wait_peer(name, lambda p: p["tokens"] > 2000, 240, f"training through {name}")
+                before = swarm.relay_counters("stage2")
                 row["tokens_per_s"] = round(tokens_per_second(swarm, window), 1)
+                time.sleep(12)  # the relay logs its counters every 10 s
+                after = swarm.relay_counters("stage2")
+                row["relayed_trips"] = after["trips"] - before["trips"]  # in the window, plus up to 12 s
+                row["relayed_bytes"] = after["forward"] + after["back"] - before["forward"] - before["back"]
                 try:
                     row["driver_connection"] = asyncio.run(swarm.connection("stage0", found["peer_id"]))
                 except Exception as exc:  # noqa: BLE001 - the tokens/s still count; say why this is missing
@@ -246,8 +265,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--modes", nargs="+", choices=HOME_MODES, default=["forward", "relay"])
     parser.add_argument("--window", type=float, default=90.0, help="seconds of training measured per mode")
+    parser.add_argument("--driver-nat", choices=["symmetric", "cone", "public"], default="symmetric")
     args = parser.parse_args()
-    measure(args.modes, args.window)
+    measure(args.modes, args.window, None if args.driver_nat == "public" else args.driver_nat)
     return 0
 
 

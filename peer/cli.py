@@ -74,21 +74,20 @@ def build_parser() -> argparse.ArgumentParser:
         "--relay",
         default="auto",
         choices=("auto", "on", "off"),
-        help="behind a home router without a port forward, be reached through a relay: 'on' reserves a relay "
-        "slot at once, 'auto' does so when this machine's route leaves from a private address and nothing is "
-        "announced (else when AutoNAT finds it unreachable), 'off' never",
+        help="when no other peer can dial this one (checked at start), register with a directly reachable peer "
+        "that relays trips (peer/relay.py) and name it in this peer's record; 'auto' and 'on' do, 'off' never",
     )
     parser.add_argument(
         "--relay-service",
         default="on",
         choices=("on", "off"),
-        help="carry relayed connections for peers behind NAT (worth it on a public address)",
+        help="relay trips for peers behind NAT that register with this one (worth it on a public address)",
     )
-    parser.add_argument("--relay-max-circuits", type=int, default=16, help="relayed connections per peer at once")
+    parser.add_argument("--relay-max-circuits", type=int, default=16, help="relayed trips per sending peer at once")
     parser.add_argument(
-        "--relay-data-limit-mib", type=int, default=4096, help="MiB relayed each way before a connection is reset"
+        "--relay-data-limit-mib", type=int, default=4096, help="MiB relayed each way per trip at most"
     )
-    parser.add_argument("--relay-time-limit", type=int, default=1800, help="seconds a relayed connection lasts at most")
+    parser.add_argument("--relay-time-limit", type=int, default=1800, help="seconds a relayed trip lasts at most")
     parser.add_argument(
         "--identity",
         help="file with this peer's private key; created if missing, keeps the "

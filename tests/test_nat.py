@@ -1,7 +1,8 @@
 """Reachability behind a home router (issue 15): the pure policy and classification, the dial-back helper's
 bounds against a hostile requester, and (slow, root + iptables) a 3-stage swarm whose middle stage's only
-peer sits behind an emulated NAT: "via relay" with no port forward, "direct" with one, "unreachable" with
-relays off."""
+peer sits behind an emulated NAT, with the driver behind a symmetric NAT of its own: "via relay" with no port
+forward (and the stage-2 peer's trip relay counts the trips it carried), "direct" with one (the relay carries
+none), "unreachable" with relays off."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import shutil
 import struct
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import pydantic.v1 as pydantic
@@ -233,9 +235,19 @@ def test_swarm_with_its_middle_stage_behind_nat():
             swarm.add_home_peer(name, mode)
             found = swarm.wait_peer(name, lambda p: p["reachability"], 300, f"{name}'s reachability")
             assert found["reachability"] == reachability, (mode, found)
+            # the tracker names the relay exactly when the peer is reached through one: the public stage-2 peer
+            assert found["relay"] == (swarm.peer("stage2")["peer_id"] if mode == "relay" else ""), found
             assert f"reachability: {reachability}".lower() in swarm.log(name).lower()
+            before = swarm.relay_counters("stage2")
             if mode != "off":  # it serves stage 1: every trip goes through it
                 swarm.wait_peer(name, lambda p: p["tokens"] > 2000, 300, f"training through {name}")
+                time.sleep(12)  # the relay logs its counters every 10 s
+            after = swarm.relay_counters("stage2")
+            if mode == "relay":  # the driver sits behind its own symmetric NAT: the relay is the only path
+                assert after["trips"] > before["trips"] and after["forward"] > before["forward"] + 2000, after
+                assert "via relay" in swarm.log(name) and swarm.peer("stage0")["tokens"] > 0
+            else:  # a forwarded port is dialled directly; an unreachable peer gets no trips at all
+                assert after["trips"] == before["trips"], (mode, before, after)
             swarm.stop_peer(name)
         failed = False
     finally:

@@ -170,6 +170,7 @@ def peer_summary(view: PeerView, now: float, manifest: Manifest | None = None) -
         loss=r.loss,
         optimizer_epoch=r.optimizer_epoch,
         reachability=r.reachability,  # "direct", "via relay", "unreachable", "" (not reported)
+        relay=r.relay,  # the peer id of the relay that carries its trips ("" when none)
         last_seen=view.last_seen,
         seconds_since_seen=max(0.0, now - view.last_seen),
         expires_in=max(0.0, view.expiration - now),

@@ -82,6 +82,8 @@ class LaneTrip:
         self.grads: dict[torch.nn.Parameter, torch.Tensor] = {}  # this trip's parameter gradients
         self.layers: dict[int, _Layer] = {}
         self.batch, self.chunk_len = tokens.shape
+        if self.size * self.chunk_len > stage.rope_cos.shape[0]:
+            raise ValueError(f"{self.size} chunks of {self.chunk_len} tokens exceed the model's context")
         if stage.is_head:
             self.input = None
             self.embedded = stage.embed_tokens(tokens)
@@ -109,8 +111,8 @@ class LaneTrip:
         compressed; K, V, None dense), detached, or None when this lane sends nothing (the last lane,
         unless its own block is rebuilt from its message)."""
         self._block(layer)
-        if layer != self.order[self.done] or layer in self.layers:
-            raise RuntimeError(f"payload({layer}) out of order: next is layer {self.order[self.done]}")
+        if self.done == len(self.order) or layer != self.order[self.done] or layer in self.layers:
+            raise RuntimeError(f"payload({layer}) out of order: {self.done} of layers {self.order} are complete")
         segment = self.layers[layer] = self._project(layer, self.hidden)
         if segment.payload is None:
             return None

@@ -188,6 +188,8 @@ def test_a_missing_or_misshapen_message_is_refused_with_a_code_and_changes_nothi
 
 def test_backward_refuses_missing_gradients_and_calls_out_of_order():
     stage, lanes = _two_lanes("none")
+    with pytest.raises(ValueError, match="exceed the model's context"):  # 64 tokens at most
+        LaneTrip(stage, 1, torch.zeros(BATCH, 40, dtype=torch.long))
     with pytest.raises(RuntimeError, match="out of order"):
         lanes[0].payload(stage.first_layer + 1)
     for layer in lanes[0].order:
@@ -197,6 +199,8 @@ def test_backward_refuses_missing_gradients_and_calls_out_of_order():
         lanes[1].complete(layer, {0: sent})
     with pytest.raises(RuntimeError, match="needs output"):
         lanes[0].backward_output(torch.zeros(BATCH, 16, 64))
+    with pytest.raises(RuntimeError, match="out of order"):
+        lanes[0].payload(stage.first_layer)  # every layer is complete
     top = lanes[0].order[-1]
     out = lanes[0].output()[0]
     with pytest.raises(RuntimeError, match="out of order"):

@@ -234,6 +234,14 @@ def test_refusals_carry_their_codes_and_the_trip_goes_on(net):
         assert await refusal(lane0, peer1, message(trip)) == ErrorCode.MALFORMED  # once per layer and kind
         exchange.close()
 
+        stranger, before = intruder.p2p.peer_id, lane1.bytes_in  # admission (e.g. known lane peers) before reading
+        lane1.admit = lambda peer: ErrorCode.UNKNOWN_SENDER if peer == stranger else None
+        try:
+            assert await refusal(intruder, peer1, message(trip_id())) == ErrorCode.UNKNOWN_SENDER
+            assert lane1.bytes_in == before
+        finally:
+            lane1.admit = None
+
     net.run(body())
 
 

@@ -13,7 +13,7 @@ import sys
 import traceback
 
 from peer.daemon import PeerDaemon
-from peer.lanes import lane_count, lane_refusal
+from peer.lanes import lane_refusal
 from peer.options import PeerOptions
 from swarm.flags import EnvDefaultsParser, add_log_level, refuse_start
 from swarm.manifest import Manifest, ManifestError, load_manifest, parse_manifest
@@ -177,7 +177,7 @@ def parse_lane(value: str, manifest: Manifest) -> int | None:
         lane = int(value)
     except ValueError:
         raise StartupError(f"--lane must be 'auto' or a number, got {value!r}") from None
-    refusal = lane_refusal(lane, lane_count(manifest))
+    refusal = lane_refusal(lane, manifest.lanes)
     if refusal is not None:
         raise StartupError(refusal)
     return lane

@@ -30,7 +30,7 @@ from hivemind.utils.timed_storage import get_dht_time
 from dhtio.records import fetch_stages
 from peer.announcer import Announcer, stage_record
 from peer.driver import Driver
-from peer.lanes import Slot, allowed_slots, choose_slot, lane_count, lane_loads, move_target
+from peer.lanes import Slot, allowed_slots, choose_slot, lane_loads, move_target
 from peer.options import PeerOptions
 from peer.placement import counts_for_placement, placement_wait
 from peer.processes import StopSignals, stop_dht_and_children, stop_signals_ignored_by_children
@@ -69,7 +69,7 @@ class PeerDaemon:
         self.index: int | None = None
         self.state = "joining"
         self.lane = options.lane or 0  # the chunk of every sequence this peer holds (0 without context parallelism)
-        self.lanes = lane_count(manifest)
+        self.lanes = manifest.lanes
         self.throughput = 0.0
         self.stopping = asyncio.Event()
         self.dht: DHT | None = None

@@ -33,11 +33,6 @@ LaneLoads = Mapping[int, Mapping[int, Sequence[float]]]  # stage → lane → th
 Slot = tuple[int, int]  # (stage, lane)
 
 
-def lane_count(manifest: Manifest) -> int:
-    """P: the lanes every stage has (1 when the run has no context parallelism)."""
-    return manifest.context_parallel.size if manifest.context_parallel is not None else 1
-
-
 def valid_lane(record: StagePeerRecord, lanes: int) -> bool:
     """Whether the record's lane exists in a run with `lanes` lanes (the schema already refuses a negative one)."""
     return record.lane < lanes
@@ -49,7 +44,7 @@ def lane_loads(
     """Claimed throughputs (clamped, `claimed_throughput`) of the peers that count for placement (`counts`:
     `counts_for_placement` with the reader's clock, hashes and bans) per stage and lane; every lane of a listed
     stage is present, an empty one as []."""
-    lanes = lane_count(manifest)
+    lanes = manifest.lanes
     out: dict[int, dict[int, list[float]]] = {}
     for stage, entries in stages.items():
         per_lane: dict[int, list[float]] = {lane: [] for lane in range(lanes)}

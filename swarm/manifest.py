@@ -191,6 +191,11 @@ class Manifest(_Strict):
         return MODES[self.compression]
 
     @property
+    def lanes(self) -> int:
+        """P: the lanes (chunks of every sequence) each stage has; 1 when the run has no context parallelism."""
+        return self.context_parallel.size if self.context_parallel is not None else 1
+
+    @property
     def updates_u(self) -> bool:
         """Whether U moves during this run: an update interval is set and the mode has a U to move."""
         return self.subspace_update_interval > 0 and self.mode.moves_u

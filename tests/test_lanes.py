@@ -9,7 +9,6 @@ from peer.lanes import (
     LaneGroup,
     allowed_slots,
     choose_slot,
-    lane_count,
     lane_loads,
     lane_refusal,
     move_target,
@@ -39,9 +38,9 @@ def loads_of(*entries: PeerEntry, manifest=CP2) -> dict:
     return lane_loads(stages, manifest, lambda e: counts_for_placement(e, NOW, manifest.t_fixed_sha256, "me"))
 
 
-def test_lane_count_is_the_context_parallel_size():
-    assert lane_count(CP2) == 2
-    assert lane_count(TINY) == 1
+def test_lanes_are_the_context_parallel_size():
+    assert CP2.lanes == 2
+    assert TINY.lanes == 1
 
 
 def test_a_lane_must_be_below_p_and_only_lane_0_without_context_parallelism():

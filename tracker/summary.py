@@ -69,19 +69,13 @@ def current_u_version(stages: Mapping[int, Sequence[PeerView | PeerEntry]]) -> i
     return max(versions, default=0)
 
 
-def run_lanes(manifest: Manifest) -> int:
-    """P, the lanes of every stage (`context_parallel.size`; 1 without context parallelism). A record's lane is
-    valid below P, as peers judge it (peer/lanes.py; the tracker does not import the peer)."""
-    return manifest.context_parallel.size if manifest.context_parallel is not None else 1
-
-
 def is_serving(record: StagePeerRecord, manifest: Manifest) -> bool:
     """Online, computing the run's function (a peer with another T_fixed cannot serve this run) on a lane the
     run has."""
     return (
         record.state == "online"
         and (not manifest.t_fixed_sha256 or record.t_fixed_sha256 == manifest.t_fixed_sha256)
-        and record.lane < run_lanes(manifest)
+        and record.lane < manifest.lanes
     )
 
 
@@ -116,8 +110,8 @@ def peer_warnings(
                 message=f"runs U v{record.u_version}, the swarm is at v{u_version}",
             )
         )
-    if record.lane >= run_lanes(manifest):
-        last = run_lanes(manifest) - 1
+    if record.lane >= manifest.lanes:
+        last = manifest.lanes - 1
         out.append(
             dict(level="error", code="bad_lane", **where, message=f"claims lane {record.lane}, the run has 0..{last}")
         )
@@ -263,7 +257,7 @@ def summarize(
     tokens_trained, losses = 0, []
     per_stage = peers_listed_per_stage(manifest.num_stages)
     loss_bound = plausible_loss_bound(manifest)
-    lanes = run_lanes(manifest)
+    lanes = manifest.lanes
     for i in range(manifest.num_stages):
         bound = plausible_throughput(manifest, i)
         views = sorted(

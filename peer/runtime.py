@@ -30,6 +30,7 @@ from peer.processes import close_abandoned_loops, release_freed_memory
 from peer.progress import PROGRESS_INTERVAL
 from peer.stage_optimizer import StageOptimizer
 from swarm.codec import BoundaryCodec
+from swarm.cp_lane import LaneTrip
 from swarm.manifest import Manifest
 from swarm.model import PipelineStage, next_token_loss
 from swarm.optim import clip_grad_norm, lr_at, make_optimizer, parameter_groups
@@ -185,6 +186,29 @@ class StageRuntime:
             grad.to(self.device) if grad is not None else None,
         )
         return result
+
+    def learn_lane(
+        self,
+        lane: LaneTrip,
+        tokens: torch.Tensor,
+        residual: torch.Tensor | None,
+        output_grad: torch.Tensor | None,
+        version: int,
+    ) -> torch.Tensor | None:
+        """After a lane trip's last layer backward (`peer/lane_trip.py`): its input gradient, and its parameter
+        gradients applied at once, checked and clipped like a trip's, then the optimizer's step for its chunk
+        (`tokens`, B sequences of it), all in one stage-thread job. Its weight-hook terms of ∂/∂U were added
+        layer by layer and are not taken back if it is refused."""
+        self.check_version(version)
+        input_grad = lane.input_grad()
+        lane.apply_grads()
+        self._refuse_if_not_finite((input_grad, None), None)
+        tokens = tokens.to(self.device)
+        hidden = lane.input.detach() if lane.input is not None else None
+        grad = output_grad.to(self.device) if output_grad is not None else None
+        self.stage.note_boundaries(tokens, hidden, input_grad, residual, grad)
+        self.step(batch_size=tokens.shape[0])
+        return input_grad
 
     def _backward_once(self, leaf, output, grad, tokens) -> tuple[torch.Tensor | None, float | None]:
         loss_value = None

@@ -35,7 +35,7 @@ from peer.routing import Failover, Router
 from peer.runtime import StageRuntime
 from swarm.manifest import Manifest
 from swarm.records import PeerEntry, plausible_loss_bound
-from swarm.wire import ErrorCode, WireError, encode_error, expectation_for, raise_if_error
+from swarm.wire import ErrorCode, Header, WireError, encode_error, expectation_for, raise_if_error
 
 logger = logging.getLogger("peer")
 
@@ -161,9 +161,10 @@ class Hop:
             stats.losses.append(result.loss)
             stats.last_loss = result.loss
 
-    async def serve(self, blob: bytes, refuse: Callable[[ErrorCode, str, int], bytes]) -> bytes:
+    async def serve(self, blob: bytes, refuse: Callable[[ErrorCode, str, int], bytes], sender: str = "") -> bytes:
         """Stages 1…n−1: a forward message in, its backward reply out. Every failure is a coded error reply
-        (`refuse`: counted and logged by the server), never an exception that could take the peer down."""
+        (`refuse`: counted and logged by the server), never an exception that could take the peer down. `sender`
+        (who sent it) matters to a lane trip only (`peer/lane_trip.py`), which names its senders."""
         runtime = self.runtime
         try:
             header, hidden, tokens = runtime.codec.decode_forward(blob, stage=self.index)
@@ -171,14 +172,13 @@ class Hop:
             return refuse(exc.code, exc.message, 0)
         self.stats.load += 1
         try:
-            # decode checked the version against ours; every later step re-checks it
-            result = await self.hop(hidden, tokens, header.u_version, header.trip_id)
+            result = await self.turn(header, hidden, tokens, sender)
             self.stats.trips += 1
             self.stats.tokens += tokens.numel()
             return runtime.codec.encode_backward(
                 result.input_grad,
                 header.trip_id,
-                to_stage=self.index - 1,
+                to_stage=max(self.index - 1, 0),  # stage 0 serves only a lane trip's driver (peer/lane_trip.py)
                 loss=result.loss,
                 extra={"versions": result.versions},
             )
@@ -190,6 +190,11 @@ class Hop:
             return encode_error(ErrorCode.INTERNAL, f"{type(exc).__name__}")
         finally:
             self.stats.load -= 1
+
+    async def turn(self, header: Header, hidden: torch.Tensor, tokens: torch.Tensor, sender: str) -> HopResult:
+        """This stage's turn in a trip that arrived (a lane trip's is `LaneHop.turn`)."""
+        # decode checked the version against ours; every later step re-checks it
+        return await self.hop(hidden, tokens, header.u_version, header.trip_id)
 
     async def hop(self, hidden: torch.Tensor | None, tokens: torch.Tensor, version: int, trip_id: str) -> HopResult:
         """This stage's turn: forward, the rest of the pipeline (unless this is the tail), backward, step."""

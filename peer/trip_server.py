@@ -8,7 +8,8 @@ ago is served on its retry (`peer/admission.py`). A backward reply is read only 
 stream this peer opened to the peer it chose (`send_trip` dials that peer id, and libp2p
 authenticates the peer at the other end), so nobody else can answer for it. Known senders are held
 to a token bucket and an in-flight cap (`sender_limits`), and every refusal is logged once per
-sender per interval (`peer.refusals`), not once per trip.
+sender per interval (`peer.refusals`), not once per trip. With context parallelism (P > 1 lanes) stage 0
+accepts too: the chunks a trip's driver, itself a stage-0 peer, hands the other lanes (`peer/lane_trip.py`).
 """
 
 from __future__ import annotations
@@ -101,13 +102,23 @@ class TripServer:
         The router's latest read is merged into `upstream`, never replacing it (see `peer/admission.py`):
         an id stays known until its own record expires, whatever later reads return."""
         hop, now = self.hop, get_dht_time()
-        if hop is None or not hop.index:
+        if hop is None or not (hop.index or self._lanes(hop)):
             return False
         if self._upstream_stage != hop.index:
             self.upstream.clear()
             self._upstream_stage = hop.index
-        self.upstream.merge(((e.record.peer_id, e.expiration) for e in hop.router.stages.get(hop.index - 1, [])), now)
+        entries = hop.router.stages.get(self._upstream_of(hop), [])
+        self.upstream.merge(((e.record.peer_id, e.expiration) for e in entries), now)
         return self.upstream.known(sender, now)
+
+    @staticmethod
+    def _lanes(hop: Hop) -> bool:
+        """Whether the stage is context-parallel: then stage 0 takes chunks from the trip's driver, a stage-0 peer."""
+        return hop.manifest.lanes > 1
+
+    def _upstream_of(self, hop: Hop) -> int:
+        """The stage whose peers may send this stage trips."""
+        return hop.index - 1 if hop.index else 0
 
     def _kick_refresh(self) -> None:
         """Start a background DHT read for unknown senders, at most once per SENDER_REFRESH_INTERVAL for all of
@@ -125,8 +136,8 @@ class TripServer:
         except Exception as exc:  # noqa: BLE001 - the sender was refused already; the next miss reads again
             logger.warning("%s could not read the DHT for a sender check: %s", self.label(), exc)
             return
-        if hop is not None and hop is self.hop and hop.index:
-            entries = stages.get(hop.index - 1, [])
+        if hop is not None and hop is self.hop and (hop.index or self._lanes(hop)):
+            entries = stages.get(self._upstream_of(hop), [])
             self.upstream.merge(((e.record.peer_id, e.expiration) for e in entries), get_dht_time())
 
     def _not_admitted(self, sender: str) -> tuple[ErrorCode, str] | None:
@@ -135,11 +146,11 @@ class TripServer:
         hop, state = self.hop, self.state()
         if hop is None or state != "online":
             return ErrorCode.LEAVING, f"peer is {state}, not serving"
-        if hop.runtime.stage.is_head:
+        if hop.runtime.stage.is_head and not self._lanes(hop):
             return ErrorCode.WRONG_STAGE, "stage 0 drives trips and accepts none"
         if not self._upstream_known(sender):
             self._kick_refresh()
-            return ErrorCode.UNKNOWN_SENDER, f"no live record of stage {hop.index - 1} for this peer id"
+            return ErrorCode.UNKNOWN_SENDER, f"no live record of stage {self._upstream_of(hop)} for this peer id"
         return None
 
     def admit_stream(self, peer: PeerID) -> ErrorCode | None:
@@ -166,4 +177,4 @@ class TripServer:
             return self.refuse(sender, ErrorCode.LEAVING, f"peer is {state}, not serving")
         if self.stats.load >= self.overload_cap:
             return self.refuse(sender, ErrorCode.OVERLOADED, f"{self.stats.load} trips in flight")
-        return await hop.serve(blob, lambda code, message, hops: self.refuse(sender, code, message, hops))
+        return await hop.serve(blob, lambda code, message, hops: self.refuse(sender, code, message, hops), sender)

@@ -1,0 +1,323 @@
+"""A context-parallel trip (issue 17): lane c of every stage carries chunk c of the sequence, exchanging K/V.
+
+With `context_parallel.size` P > 1 a trip is a row of P lane trips. The driver (any stage-0 peer, see
+`LaneHop.drive`) fixes the trip's *group* when it starts: one peer per lane of every stage
+(`peer/lanes.py` `pick_group`). It serves its own lane itself and sends every other lane's chunk to that
+lane's stage-0 peer; lane c of stage s hands its boundary message to the group's lane-c peer of stage s+1
+and waits for its reply, like a `Hop`, while every layer's K/V crosses between the lanes of the stage
+(`peer/kv_exchange.py`, computed by `swarm.cp_lane.LaneTrip`).
+
+Every boundary message of a lane trip carries its `LaneClaim` in the header's `extra`: the lane, the
+group (S × P peer ids), the sequence length, and the first token of the next chunk (the tail's last
+target; none on the last lane). `read_claim` checks it before any compute, as decode checks the rest:
+shape, bounded strings, no peer twice in a stage, this peer named at (its stage, its lane), and the
+sender named where it must be (the lane-c peer of the stage before, or a stage-0 peer of the group for a
+chunk the driver hands to stage 0).
+
+A lane's parameter gradients stay in its `LaneTrip` until the trip's last backward here; they are then
+applied, checked and stepped in one stage-thread job (`StageRuntime.learn_lane`). A failure before that
+(a K/V timeout, a refusal, a lane's peer gone) closes the exchange and drops the lane's gradients: the
+trip fails on this lane, and the driver runs the whole trip again with a new id and another group.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+
+import torch
+
+from peer.kv_exchange import KVService, LaneExchange
+from peer.lanes import EmptyLane, pick_group
+from peer.trip import Hop, HopResult, Reply
+from swarm.cp_lane import LaneTrip
+from swarm.cp_wire import CPCodec
+from swarm.manifest import Manifest
+from swarm.wire import ErrorCode, Header, WireError, expectation_for
+
+logger = logging.getLogger("peer")
+
+MAX_PEER_ID = 128  # characters of one peer id in a claim (base58 ids are ~52)
+GROUP_ATTEMPTS = 3  # groups tried for one trip before it is dropped
+
+
+@dataclass(frozen=True)
+class LaneClaim:
+    """What a lane trip's boundary message says about the trip beyond its chunk."""
+
+    lane: int
+    group: tuple[tuple[str, ...], ...]  # group[stage][lane]: the peer serving it for this trip
+    seq_len: int
+    next_tokens: tuple[int, ...] | None  # the first token of the next chunk, per sequence (None: last lane)
+
+    def extra(self) -> dict:
+        return {
+            "lane": self.lane,
+            "group": [list(peers) for peers in self.group],
+            "seq": self.seq_len,
+            "next": None if self.next_tokens is None else list(self.next_tokens),
+        }
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def read_claim(
+    extra: dict, manifest: Manifest, stage: int, lane: int, own_id: str, sender: str, tokens_shape: tuple[int, ...]
+) -> LaneClaim:
+    """The claim of a lane trip's forward message to lane `lane` of `stage` (this peer, `own_id`), from `sender`,
+    whose chunk has `tokens_shape` (B, n); WireError with a code for anything off."""
+    lanes, stages = manifest.lanes, manifest.num_stages
+    group, seq, nxt, claimed = extra.get("group"), extra.get("seq"), extra.get("next"), extra.get("lane")
+    shape_ok = (
+        isinstance(group, list)
+        and len(group) == stages
+        and all(isinstance(peers, list) and len(peers) == lanes for peers in group)
+        and all(isinstance(p, str) and 0 < len(p) <= MAX_PEER_ID for peers in group for p in peers)
+    )
+    if not shape_ok or not _is_int(claimed) or not _is_int(seq):
+        raise WireError(ErrorCode.MALFORMED, f"a lane trip names its lane, sequence and {stages}×{lanes} peers")
+    if any(len(set(peers)) != lanes for peers in group):
+        raise WireError(ErrorCode.MALFORMED, "a lane trip names one peer twice in a stage")
+    if claimed != lane or group[stage][lane] != own_id:
+        raise WireError(ErrorCode.WRONG_STAGE, f"trip is for lane {claimed}; this peer serves lane {lane} of {stage}")
+    batch, chunk = tokens_shape
+    if seq != chunk * lanes or seq > manifest.model.max_seq_len:
+        raise WireError(ErrorCode.WRONG_SHAPE, f"sequence of {seq} is not {lanes} chunks of {chunk}")
+    last = lane == lanes - 1
+    if last:
+        next_tokens = None
+        if nxt is not None:
+            raise WireError(ErrorCode.MALFORMED, "the last lane has no next chunk")
+    else:
+        vocab = manifest.model.vocab_size
+        if not isinstance(nxt, list) or len(nxt) != batch or not all(_is_int(t) and 0 <= t < vocab for t in nxt):
+            raise WireError(ErrorCode.BAD_TOKENS, f"the next chunk's first tokens: {batch} ids in [0, {vocab})")
+        next_tokens = tuple(nxt)
+    senders = group[0] if stage == 0 else [group[stage - 1][lane]]
+    if sender not in senders:
+        raise WireError(ErrorCode.UNKNOWN_SENDER, "the trip's group does not name the sender where it sent from")
+    return LaneClaim(lane, tuple(tuple(peers) for peers in group), seq, next_tokens)
+
+
+def split_claims(tokens: torch.Tensor, group: tuple[tuple[str, ...], ...]) -> list[tuple[LaneClaim, torch.Tensor]]:
+    """The P chunks of `tokens` (B, L) and their claims: chunk c with the first token of chunk c+1."""
+    lanes, seq = len(group[0]), tokens.shape[1]
+    n = seq // lanes
+    if n * lanes != seq:
+        raise ValueError(f"a sequence of {seq} tokens is not {lanes} chunks")
+    out = []
+    for c in range(lanes):
+        nxt = None if c == lanes - 1 else tuple(int(t) for t in tokens[:, (c + 1) * n])
+        out.append((LaneClaim(c, group, seq, nxt), tokens[:, c * n : (c + 1) * n]))
+    return out
+
+
+def lane_codec(manifest: Manifest, stage) -> CPCodec:
+    """The K/V codec of `stage` (a `PipelineStage` with context parallelism) for this run's microbatches."""
+    spec = manifest.context_parallel
+    batch = manifest.batch
+    layers = manifest.layers_of(stage.index)
+    return CPCodec(spec, manifest.model, batch.seq_len, batch.microbatch_size, manifest.run_id, stage.cp_basis,
+                   stage.index, layers)
+
+
+def blame(exc: BaseException, group: tuple[tuple[str, ...], ...], lane: int, local: bool) -> str | None:
+    """The peer a failed lane points at: the refusal came `hops` hops down lane `lane` (from the driver's own
+    lane hop, hop 1 is stage 1; from a chunk sent to stage 0, hop 1 is that stage-0 peer). None when the
+    lane failed in its own K/V exchange or compute: the lane that stalled it fails on its own chain."""
+    if not isinstance(exc, WireError) or exc.hops == 0:
+        return None
+    stage = exc.hops if local else exc.hops - 1
+    return group[stage][lane] if stage < len(group) else None
+
+
+async def _together(first, second):
+    """Run two awaitables at once; the first failure cancels the other (no orphan keeps a K/V exchange busy)."""
+    tasks = [asyncio.ensure_future(first), asyncio.ensure_future(second)]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
+async def _nothing() -> None:
+    return None
+
+
+class LaneHop(Hop):
+    """This peer's lane `lane` of stage `index` in every lane trip through it (`serve`), and, on stage 0, the
+    driver of whole trips (`drive`). The next hop is the group's, not the router's: a trip never changes
+    peers midway (its K/V would go stale); the driver runs it again with another group instead."""
+
+    def __init__(self, *args, lane: int, kv: KVService, peer_id: str, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.lane, self.kv, self.peer_id = lane, kv, peer_id
+        self.lanes = self.manifest.lanes
+        self.kv_bytes = 0  # K/V message bytes this peer sent and received in lane trips that completed here
+
+    @property
+    def tokens_per_trip(self) -> int:
+        return self.manifest.batch.microbatch_size * self.manifest.batch.seq_len // self.lanes
+
+    # --- serving one lane -----------------------------------------------------------------------------
+
+    async def turn(self, header: Header, hidden: torch.Tensor, tokens: torch.Tensor, sender: str) -> HopResult:
+        """A chunk's forward message (from the group's previous stage of this lane, or from the driver on stage 0):
+        its claim checked before any compute, then this lane's turn. Stage 0 sends the driver no gradient: zeros
+        keep the reply's format."""
+        claim = read_claim(header.extra, self.manifest, self.index, self.lane, self.peer_id, sender,
+                           tuple(tokens.shape))
+        head = self.runtime.stage.is_head
+        result = await self.lane_hop(claim, None if head else hidden, tokens, header.u_version, header.trip_id)
+        if head:
+            result.input_grad = torch.zeros(*tokens.shape, self.manifest.model.d_model)
+        return result
+
+    async def lane_hop(
+        self, claim: LaneClaim, hidden: torch.Tensor | None, tokens: torch.Tensor, version: int, trip_id: str
+    ) -> HopResult:
+        """This lane's turn: the layers with the exchange, the next stage's lane (or the loss), the layers'
+        backward with the exchange, then the gradients applied and the step in one job."""
+        runtime = self.runtime
+        exchange = await self.kv.open(trip_id, claim.group[self.index])
+        try:
+            lane = await runtime.run(self._start, tokens, hidden, version)
+            await self._forward(lane, exchange)
+            sent = received = 0
+            residual = out_grad = None
+            if runtime.stage.is_tail:
+                nxt = None if claim.next_tokens is None else torch.tensor(claim.next_tokens)
+                loss = await runtime.run(lane.loss, nxt, claim.seq_len)
+                versions = [version]
+            else:
+                output, residual = await runtime.run(lane.output)
+                message = await runtime.run(self._encode, version, output, tokens, trip_id, claim)
+                reply = await self._ask_lane(claim.group[self.index + 1][self.lane], message)
+                await runtime.run(lane.backward_output, reply.grad)
+                loss, versions, out_grad = reply.loss, reply.versions + [version], reply.grad
+                sent, received = len(message), reply.size
+            await self._backward(lane, exchange)
+            input_grad = await runtime.run(runtime.learn_lane, lane, tokens, residual, out_grad, version)
+            self.kv_bytes += exchange.bytes_in + exchange.bytes_out
+            return HopResult(input_grad, loss, versions, sent, received)
+        finally:
+            exchange.close()
+
+    def _start(self, tokens: torch.Tensor, hidden: torch.Tensor | None, version: int) -> LaneTrip:
+        self.runtime.check_version(version)
+        device = self.runtime.device
+        return LaneTrip(self.runtime.stage, self.lane, tokens.to(device), None if hidden is None else hidden.to(device))
+
+    async def _forward(self, lane: LaneTrip, exchange: LaneExchange) -> None:
+        run = self.runtime.run
+        for layer in lane.order:
+            payload = await run(lane.payload, layer)
+            send = exchange.send_forward(layer, *payload) if payload is not None else _nothing()
+            received, _ = await _together(exchange.receive_forward(layer), send)
+            await run(lane.complete, layer, received)
+
+    async def _backward(self, lane: LaneTrip, exchange: LaneExchange) -> None:
+        for layer in reversed(lane.order):
+            grads = await exchange.receive_backward(layer)
+            back = await self.runtime.run(lane.backward_layer, layer, grads)
+            await exchange.send_backward(layer, back)
+
+    def _encode(self, version: int, output, tokens, trip_id: str, claim: LaneClaim) -> bytes:
+        self.runtime.check_version(version)
+        return self.runtime.codec.encode_forward(output, tokens, trip_id, self.index + 1, extra=claim.extra())
+
+    async def _ask_lane(self, peer_id: str, message: bytes) -> Reply:
+        """The group's next peer of this lane; any failure there (unreachable too) is one hop down."""
+        max_reply = expectation_for(self.manifest, self.index, "backward", 0, "").max_bytes
+        started = time.monotonic()
+        try:
+            reply = await self._ask(peer_id, message, max_reply)
+        except WireError as exc:
+            raise WireError(exc.code, exc.message, max(exc.hops, 1)) from None
+        self.router.answered(peer_id, time.monotonic() - started, self.tokens_per_trip)
+        return reply
+
+    # --- driving whole trips (stage 0) -----------------------------------------------------------------
+
+    def pick(self) -> tuple[tuple[str, ...], ...]:
+        """One peer per lane of every stage, this peer at its own lane of stage 0; NO_PEER for an empty lane."""
+        groups = []
+        for stage in range(self.manifest.num_stages):
+            taken = {self.lane: self.peer_id} if stage == self.index else None
+            group = pick_group(self.router, stage, self.lanes, taken=taken)
+            if isinstance(group, EmptyLane):
+                raise WireError(ErrorCode.NO_PEER, str(group))
+            groups.append(group.peers)
+        return tuple(groups)
+
+    async def drive(self, tokens: torch.Tensor) -> None:
+        """Stage 0: one microbatch as P lane trips, run again with another group (the blamed peers banned) while
+        a lane fails; the trip's loss is the sum of the lanes' losses."""
+        failure: BaseException | None = None
+        for _ in range(GROUP_ATTEMPTS):
+            try:
+                group = self.pick()
+            except WireError:
+                self.router.update(await self.fetch())
+                group = self.pick()
+            try:
+                return await self.drive_group(tokens, group)
+            except WireError as exc:
+                failure = exc
+        raise failure if failure is not None else WireError(ErrorCode.NO_PEER, "no group")
+
+    async def drive_group(self, tokens: torch.Tensor, group: tuple[tuple[str, ...], ...]) -> None:
+        """One trip over `group`; on any lane's failure the other lanes are cancelled (their exchanges close) and
+        the peers the failures point at are banned (`blame`), then the first failure is raised."""
+        version, trip_id = self.runtime.stage.subspace.version, uuid.uuid4().hex
+        tasks = []
+        for claim, chunk in split_claims(tokens, group):
+            if claim.lane == self.lane:
+                tasks.append(asyncio.ensure_future(self.lane_hop(claim, None, chunk, version, trip_id)))
+            else:
+                tasks.append(asyncio.ensure_future(self._remote(claim, chunk, trip_id)))
+        done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        errors = {c: t.exception() for c, t in enumerate(tasks) if t in done and t.exception() is not None}
+        if errors:
+            for c, exc in errors.items():
+                suspect = blame(exc, group, c, c == self.lane)
+                if suspect is not None and suspect != self.peer_id:
+                    self.router.ban(suspect)
+                    logger.warning("%s lane %d of a trip failed at %s (%s)", self.label, c, suspect[-6:], exc)
+            raise next(iter(errors.values()))
+        results = [t.result() for t in tasks]
+        self._count(results, tokens, version)
+
+    async def _remote(self, claim: LaneClaim, chunk: torch.Tensor, trip_id: str) -> HopResult:
+        """A lane's chunk to the group's stage-0 peer of that lane, its loss and versions back."""
+        message = await self.runtime.run(self._encode_start, chunk, trip_id, claim)
+        reply = await self._ask_lane(claim.group[0][claim.lane], message)
+        return HopResult(None, reply.loss, reply.versions, len(message), reply.size)
+
+    def _encode_start(self, chunk: torch.Tensor, trip_id: str, claim: LaneClaim) -> bytes:
+        """A stage-0 lane needs only its tokens: the message's residual is T_fixed (zero once compressed)."""
+        anchor = self.runtime.stage.subspace.t_fixed[chunk.to(self.runtime.device)]
+        return self.runtime.codec.encode_forward(anchor, chunk, trip_id, 0, extra=claim.extra())
+
+    def _count(self, results: list[HopResult], tokens: torch.Tensor, version: int) -> None:
+        stats = self.stats
+        stats.trips += 1
+        stats.tokens += tokens.numel()
+        stats.trip_versions[version] += 1
+        stats.bytes_out += sum(r.sent for r in results)
+        stats.bytes_in += sum(r.received for r in results)
+        losses = [r.loss for r in results]
+        if all(loss is not None for loss in losses):
+            stats.losses.append(sum(losses))
+            stats.last_loss = stats.losses[-1]

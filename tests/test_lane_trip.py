@@ -1,0 +1,193 @@
+"""Lane trips (issue 17, `peer/lane_trip.py`): the claim a lane trip's boundary message carries, and whole trips
+over a group of 2 stages × 2 lanes, each lane a real `StageRuntime` (hivemind DHT and optimizer) with its
+`KVService` on the DHT's libp2p daemon; boundary messages go from hop to hop in this process."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from builders import tiny_manifest
+from hivemind.dht import DHT
+
+from peer.kv_exchange import KVService, message_limit
+from peer.lane_trip import LaneClaim, LaneHop, lane_codec, read_claim, split_claims
+from peer.routing import Router
+from peer.runtime import StageRuntime
+from peer.trip import Stats
+from swarm.model import build_stages, next_token_loss
+from swarm.wire import ErrorCode, WireError, encode_error
+
+CP = {"size": 2, "compression": "subspace", "wire_dtype": "fp32"}
+MANIFEST = tiny_manifest("subspace", n_layers=2, stages=2, target=10_000, context_parallel=CP)
+GROUP = (("a0", "a1"), ("b0", "b1"))
+
+
+def tokens(seed: int = 1) -> torch.Tensor:
+    batch = MANIFEST.batch
+    return torch.randint(0, 256, (batch.microbatch_size, batch.seq_len), generator=torch.Generator().manual_seed(seed))
+
+
+def claim_extra(lane: int = 1, **changes) -> dict:
+    extra = LaneClaim(lane, GROUP, 32, None if lane == 1 else (5, 6)).extra()
+    extra.update(changes)
+    return extra
+
+
+def refusal(extra: dict, stage: int = 1, lane: int = 1, own: str = "b1", sender: str = "a1") -> ErrorCode | None:
+    try:
+        read_claim(extra, MANIFEST, stage, lane, own, sender, (2, 16))
+    except WireError as exc:
+        return exc.code
+    return None
+
+
+def test_claims_are_checked_before_any_compute():
+    assert refusal(claim_extra()) is None
+    assert refusal(claim_extra(0), lane=0, own="b0", sender="a0") is None
+    assert refusal(claim_extra(0), stage=0, lane=0, own="a0", sender="a1") is None  # the driver: any stage-0 peer
+    assert refusal(claim_extra(group=[["a0", "a1"]])) is ErrorCode.MALFORMED  # not S × P
+    assert refusal(claim_extra(group=[["a0", "a1"], ["b0", "x" * 200]])) is ErrorCode.MALFORMED
+    assert refusal(claim_extra(group=[["a0", "a1"], ["b1", "b1"]])) is ErrorCode.MALFORMED  # a peer twice
+    assert refusal(claim_extra(lane=True)) is ErrorCode.MALFORMED
+    assert refusal(claim_extra(0)) is ErrorCode.WRONG_STAGE  # another lane
+    assert refusal(claim_extra(), own="b9") is ErrorCode.WRONG_STAGE  # this peer not named
+    assert refusal(claim_extra(), sender="a0") is ErrorCode.UNKNOWN_SENDER  # lane 0's stage-0 peer
+    assert refusal(claim_extra(seq=48)) is ErrorCode.WRONG_SHAPE
+    assert refusal(claim_extra(next=[1, 2])) is ErrorCode.MALFORMED  # the last lane has no next chunk
+    assert refusal(claim_extra(0, next=[1, 256]), lane=0, own="b0", sender="a0") is ErrorCode.BAD_TOKENS
+    assert refusal(claim_extra(0, next=[1]), lane=0, own="b0", sender="a0") is ErrorCode.BAD_TOKENS
+
+
+def test_split_claims_hand_each_lane_the_next_chunks_first_token():
+    batch = tokens()
+    (first, chunk0), (last, chunk1) = split_claims(batch, GROUP)
+    assert torch.equal(torch.cat([chunk0, chunk1], dim=1), batch)
+    assert first.next_tokens == tuple(int(t) for t in batch[:, 16]) and last.next_tokens is None
+
+
+class Swarm:
+    """Four lane peers: stage s lane c is `peers[2 * s + c]`."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.dhts: list[DHT] = []
+        self.runtimes: list[StageRuntime] = []
+        self.services: list[KVService] = []
+        self.hops: dict[str, LaneHop] = {}
+        self.ids: list[str] = []
+
+    def start(self) -> None:
+        for slot in range(4):
+            stage, lane = divmod(slot, 2)
+            initial = [str(a) for a in self.dhts[0].get_visible_maddrs()] if self.dhts else []
+            dht = DHT(start=True, initial_peers=initial)
+            runtime = StageRuntime(MANIFEST, stage, dht, torch.device("cpu"), f"[lane test {stage}.{lane}]")
+            self.dhts.append(dht)
+            self.runtimes.append(runtime)
+            self.loop.run_until_complete(self._serve(dht, runtime, stage, lane))
+
+    async def _serve(self, dht: DHT, runtime: StageRuntime, stage: int, lane: int) -> None:
+        p2p = await dht.replicate_p2p()
+        codec = lane_codec(MANIFEST, runtime.stage)
+        service = KVService(p2p, MANIFEST.run_id, message_limit(codec, lane, codec.spec.mode))
+        service.serve(codec, lane)
+        await service.start()
+        peer_id = p2p.peer_id.to_base58()
+        router = Router(runtime.stage.subspace.t_fixed_sha256, peer_id)
+
+        async def fetch():
+            return {}
+
+        async def send(to: str, blob: bytes, timeout: float, max_reply: int) -> bytes:
+            refuse = lambda code, message, hops: encode_error(code, message, hops)  # noqa: E731
+            return await asyncio.wait_for(self.hops[to].serve(blob, refuse, peer_id), timeout)
+
+        hop = LaneHop(MANIFEST, stage, runtime, router, send, fetch, Stats(), runtime.label, 60.0,
+                      lane=lane, kv=service, peer_id=peer_id)
+        self.services.append(service)
+        self.ids.append(peer_id)
+        self.hops[peer_id] = hop
+
+    @property
+    def group(self) -> tuple[tuple[str, ...], ...]:
+        return (tuple(self.ids[:2]), tuple(self.ids[2:]))
+
+    def accumulated(self) -> list[int]:
+        return [runtime.optimizer.grad_averager.local_samples_accumulated for runtime in self.runtimes]
+
+    def stop(self) -> None:
+        for service in self.services:
+            self.loop.run_until_complete(service.stop())
+        for runtime, dht in zip(self.runtimes, self.dhts, strict=True):
+            runtime.shutdown()
+            dht.shutdown()
+
+
+@pytest.fixture(scope="module")
+def swarm():
+    loop = asyncio.new_event_loop()
+    running = Swarm(loop)
+    try:
+        running.start()
+        yield running
+    finally:
+        running.stop()
+        loop.close()
+
+
+def in_process(batch: torch.Tensor) -> tuple[float, list[dict[str, torch.Tensor]]]:
+    """The whole sequence through freshly built stages in one graph: the loss and each stage's gradients."""
+    stages, hidden = build_stages(MANIFEST), None
+    for stage in stages:
+        hidden = stage(hidden, batch)
+    loss = next_token_loss(hidden, batch)
+    loss.backward()
+    grads = [{n: p.grad for n, p in stage.named_parameters() if p.grad is not None} for stage in stages]
+    return float(loss.detach()), grads
+
+
+def accumulated_grads(runtime: StageRuntime) -> dict[str, torch.Tensor]:
+    """What hivemind's gradient accumulators hold, by parameter name (the optimizer's parameters in its order)."""
+    names = {id(p): n for n, p in runtime.stage.named_parameters()}
+    params = [p for group in runtime.optimizer.opt.param_groups for p in group["params"]]
+    grads = runtime.optimizer.grad_averager._grad_accumulators()
+    return {names[id(p)]: g.clone() for p, g in zip(params, grads, strict=True)}
+
+
+def test_a_trip_over_two_stages_of_two_lanes_is_the_whole_sequence(swarm):
+    driver = swarm.hops[swarm.ids[0]]
+    batch = tokens(7)
+    before = swarm.accumulated()
+    swarm.loop.run_until_complete(driver.drive_group(batch, swarm.group))
+    assert driver.stats.trips == 1 and len(driver.stats.losses) == 1
+    loss, grads = in_process(batch)
+    assert driver.stats.losses[0] == pytest.approx(loss, rel=1e-4)  # the lanes' losses sum to the mean loss
+    # every lane stepped its chunk once (B sequences), nothing else
+    assert [after - was for after, was in zip(swarm.accumulated(), before, strict=True)] == [2, 2, 2, 2]
+    # the two lanes of a stage together hold the stage's gradient (each unclipped: its norm is below grad_clip)
+    for stage in range(2):
+        lanes = [accumulated_grads(runtime) for runtime in swarm.runtimes[2 * stage : 2 * stage + 2]]
+        for name, want in grads[stage].items():
+            got = lanes[0][name] + lanes[1][name]
+            assert float((got - want).abs().max()) <= 1e-4 * float(want.abs().max()) + 1e-7, name
+    assert all(hop.kv_bytes > 0 for hop in swarm.hops.values())
+    assert all(not service.exchanges for service in swarm.services)  # every exchange closed
+
+
+def test_a_lane_peer_gone_fails_the_whole_trip_and_applies_nothing(swarm):
+    driver = swarm.hops[swarm.ids[0]]
+    gone = swarm.services[3]  # stage 1, lane 1
+    codec = gone.codec
+    gone.serve(None)  # it leaves its lane: its K/V are refused `leaving`
+    before, trips = swarm.accumulated(), driver.stats.trips
+    try:
+        with pytest.raises(WireError):
+            swarm.loop.run_until_complete(asyncio.wait_for(driver.drive_group(tokens(8), swarm.group), 90))
+    finally:
+        gone.serve(codec, 1)
+    assert swarm.accumulated() == before and driver.stats.trips == trips
+    assert all(runtime.stage.t_s.grad is None for runtime in swarm.runtimes[:1])
+    swarm.loop.run_until_complete(asyncio.sleep(0.5))  # the cancelled lanes' exchanges close
+    assert all(not service.exchanges for service in swarm.services)

@@ -17,9 +17,10 @@ hash, stage, layer, lanes, kind, dtype, shapes, byte count), then the values.
 
 A lane may hear from a trip before it registered the trip itself (its own boundary message can be
 slower than an earlier lane's K/V): such a message is checked against this peer's current codec and
-kept as bytes in `EarlyBuffer`, bounded per sender and in all (bytes and count) and for `ttl` seconds;
-beyond a bound it is refused `overloaded`. When the trip registers (`KVService.open`), what its group
-does not name as the sender, or what no longer decodes under the trip's codec, is dropped and counted.
+kept as bytes in `peer.kv_early.EarlyBuffer`, bounded per sender, per trip and in all (bytes and count)
+and for `ttl` seconds; beyond a bound it is refused `overloaded`. When the trip registers
+(`KVService.open`), what its group does not name as the sender, or what no longer decodes under the
+trip's codec, is dropped and counted.
 A message for a trip closed here a moment ago is refused `timeout` rather than buffered.
 
 `LaneExchange` is one trip at one lane. Sends go to every destination at once and fail, like receives
@@ -32,15 +33,16 @@ the stream framing adds 17 bytes per chunk of up to 1 MiB and an end frame.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import torch
 from hivemind.p2p import P2P, PeerID
 
+from peer.kv_early import BufferLimits, EarlyBuffer, EarlyMessage
 from peer.transport import TripServicer, send_trip
 from swarm.cp_modes import KVCompression
 from swarm.cp_wire import CPCodec, Kind, KVExpectation, KVHeader, decode_kv, encode_kv, parse_kv_header
@@ -56,95 +58,6 @@ RECEIVE_TIMEOUT = 30.0
 MAX_CLOSED = 4096  # trip ids remembered as closed, for `BufferLimits.ttl`
 
 Payload = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]  # Z_k, Z_v, θ (or their gradients)
-
-
-@dataclass(frozen=True)
-class BufferLimits:
-    """Bounds of the messages held for trips not registered yet. An honest early lane sends at most one
-    message per layer of the stage per trip before the slow lane registers it; the defaults leave room
-    for several trips of a stage of dozens of layers with compressed K/V, and a few dense ones."""
-
-    total_bytes: int = 64 << 20
-    total_count: int = 1024
-    sender_bytes: int = 16 << 20
-    sender_count: int = 256
-    ttl: float = 20.0
-
-
-@dataclass
-class EarlyMessage:
-    sender: PeerID
-    header: KVHeader
-    blob: bytes
-    expires: float = 0.0
-
-
-class EarlyBuffer:
-    """Messages of trips not registered yet, within `BufferLimits`. Pure: the caller passes the clock.
-    The TTL is the same for all, so messages expire in arrival order."""
-
-    def __init__(self, limits: BufferLimits):
-        self.limits = limits
-        self.messages: dict[int, EarlyMessage] = {}  # arrival order
-        self.by_trip: dict[str, list[int]] = {}
-        self.sender_bytes: Counter[PeerID] = Counter()
-        self.sender_count: Counter[PeerID] = Counter()
-        self.bytes = 0
-        self._next = 0
-
-    def check_room(self, sender: PeerID, size: int, now: float) -> None:
-        """Refuse (`overloaded`) a message of `size` bytes from `sender` that would break a bound."""
-        self.expire(now)
-        limits = self.limits
-        if self.sender_count[sender] >= limits.sender_count or self.sender_bytes[sender] + size > limits.sender_bytes:
-            raise WireError(ErrorCode.OVERLOADED, "too many K/V messages of unregistered trips from this sender")
-        if len(self.messages) >= limits.total_count or self.bytes + size > limits.total_bytes:
-            raise WireError(ErrorCode.OVERLOADED, "too many K/V messages of unregistered trips held")
-
-    def add(self, message: EarlyMessage, now: float) -> None:
-        self.check_room(message.sender, len(message.blob), now)
-        head = message.header
-        for held in self.held(head.trip_id):
-            same = (held.header.kind, held.header.layer, held.header.src) == (head.kind, head.layer, head.src)
-            if same and held.sender == message.sender:
-                raise WireError(ErrorCode.MALFORMED, f"a second {head.kind} message of layer {head.layer}")
-        message.expires = now + self.limits.ttl
-        key, self._next = self._next, self._next + 1
-        self.messages[key] = message
-        self.by_trip.setdefault(head.trip_id, []).append(key)
-        self._account(message, 1)
-
-    def held(self, trip_id: str) -> list[EarlyMessage]:
-        return [self.messages[key] for key in self.by_trip.get(trip_id, [])]
-
-    def take(self, trip_id: str, now: float) -> list[EarlyMessage]:
-        """Remove and return the live messages of `trip_id`."""
-        self.expire(now)
-        taken = [self.messages.pop(key) for key in self.by_trip.pop(trip_id, [])]
-        for message in taken:
-            self._account(message, -1)
-        return taken
-
-    def expire(self, now: float) -> None:
-        while self.messages:
-            key = next(iter(self.messages))
-            message = self.messages[key]
-            if message.expires > now:
-                return
-            del self.messages[key]
-            keys = self.by_trip[message.header.trip_id]
-            keys.remove(key)
-            if not keys:
-                del self.by_trip[message.header.trip_id]
-            self._account(message, -1)
-
-    def _account(self, message: EarlyMessage, sign: int) -> None:
-        size = len(message.blob)
-        self.bytes += sign * size
-        self.sender_bytes[message.sender] += sign * size
-        self.sender_count[message.sender] += sign
-        if not self.sender_count[message.sender]:
-            del self.sender_bytes[message.sender], self.sender_count[message.sender]
 
 
 def message_limit(codec: CPCodec, lane: int, mode: KVCompression) -> int:
@@ -258,6 +171,8 @@ class LaneExchange:
 
     async def _receive(self, kind: str, layer: int, timeout: float | None) -> dict[int, Payload]:
         key, expected = (kind, layer), _sources(kind, self.lane, len(self.group))
+        if self.closed:
+            raise WireError(ErrorCode.TIMEOUT, "trip closed here")
         if key in self.taken:
             raise ValueError(f"{kind} K/V of layer {layer} was received already")
         if expected:
@@ -289,7 +204,7 @@ class KVService:
         namespace: str,
         max_bytes: int,
         *,
-        limits: BufferLimits = BufferLimits(),
+        limits: BufferLimits | None = None,
         send_timeout: float = SEND_TIMEOUT,
         receive_timeout: float = RECEIVE_TIMEOUT,
         admit: Callable[[PeerID], ErrorCode | None] | None = None,
@@ -297,7 +212,7 @@ class KVService:
     ):
         self.p2p, self.namespace = p2p, f"{namespace}.kv"
         self.send_timeout, self.receive_timeout, self.clock = send_timeout, receive_timeout, clock
-        self.early = EarlyBuffer(limits)
+        self.early = EarlyBuffer(limits or BufferLimits())
         self.exchanges: dict[str, LaneExchange] = {}
         self.closed: dict[str, float] = {}  # trip id → until when its messages are refused
         self.codec: CPCodec | None = None
@@ -323,6 +238,9 @@ class KVService:
         default; the dense warm-up sends uncompressed ones). Open trips keep what they were opened with."""
         self.codec, self.lane = codec, lane
         self.mode = mode if mode is not None or codec is None else codec.spec.mode
+        if codec is not None:  # one message per layer from each other lane, each way
+            trip_count = 2 * len(codec.layers) * max(codec.spec.size - 1, 1)
+            self.early.limits = dataclasses.replace(self.early.limits, trip_count=trip_count)
 
     async def open(
         self, trip_id: str, group: Sequence[PeerID | str], mode: KVCompression | None = None
@@ -334,12 +252,16 @@ class KVService:
             raise ValueError(f"trip {trip_id!r} is open or was closed here: a retried trip needs a new id")
         exchange = LaneExchange(self, trip_id, group, self.lane, mode or self.mode)
         self.exchanges[trip_id] = exchange
-        for message in self.early.take(trip_id, self.clock()):
-            try:
-                await exchange.accept(message.header, message.blob, message.sender)
-            except WireError as exc:
-                self.dropped += 1
-                logger.debug("dropped an early K/V message of trip %s from %s: %s", trip_id, message.sender, exc)
+        try:
+            for message in self.early.take(trip_id, self.clock()):
+                try:
+                    await exchange.accept(message.header, message.blob, message.sender)
+                except WireError as exc:
+                    self.dropped += 1
+                    logger.debug("dropped an early K/V message of trip %s from %s: %s", trip_id, message.sender, exc)
+        except BaseException:  # cancelled while decoding: the trip is not left registered
+            exchange.close()
+            raise
         return exchange
 
     def forget(self, exchange: LaneExchange) -> None:
@@ -390,9 +312,11 @@ class KVService:
         if exchange is None:
             if self.closed.get(header.trip_id, 0.0) > self.clock():
                 raise WireError(ErrorCode.TIMEOUT, "trip closed here")
-            self.early.check_room(remote, len(blob), self.clock())
+            self.early.check_room(remote, header.trip_id, len(blob), self.clock())
             await asyncio.to_thread(decode_kv, blob, codec.expectation(header.kind, self.lane, mode))
-            exchange = self.exchanges.get(header.trip_id)  # it may have registered meanwhile
+            exchange = self.exchanges.get(header.trip_id)  # it may have registered, or even closed, meanwhile
+            if exchange is None and self.closed.get(header.trip_id, 0.0) > self.clock():
+                raise WireError(ErrorCode.TIMEOUT, "trip closed here")
             if exchange is None:
                 self.early.add(EarlyMessage(remote, header, blob), self.clock())
                 return

@@ -16,6 +16,7 @@ training step of a `CPDecoder` that way. Its parameter gradients equal `CPDecode
 from __future__ import annotations
 
 import json
+import math
 import struct
 from dataclasses import asdict, dataclass
 from typing import Literal
@@ -98,7 +99,9 @@ def _from_bytes(raw: bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> torch
 
 
 def encode_kv(header: KVHeader, z_k: torch.Tensor, z_v: torch.Tensor, theta: torch.Tensor | None) -> bytes:
-    """Refuses (ValueError / WireError) to send anything it would refuse to receive."""
+    """Refuses (ValueError / WireError) to send what a receiver would refuse: a wrong shape, a non-finite value,
+    a Z or a gradient of θ beyond its norm bound. A forward θ is not checked against θ_max (the header does not
+    carry it): the θ head makes it θ_max·tanh(·), within the bound whenever it is finite."""
     shapes = ((header.batch, header.chunk_len, header.width_k), (header.batch, header.chunk_len, header.width_v))
     if (tuple(z_k.shape), tuple(z_v.shape)) != shapes:
         raise ValueError(f"payload shapes {tuple(z_k.shape)}, {tuple(z_v.shape)} differ from the header's {shapes}")
@@ -108,6 +111,8 @@ def encode_kv(header: KVHeader, z_k: torch.Tensor, z_v: torch.Tensor, theta: tor
     with torch.no_grad():
         for name, z in (("Z_k", z_k), ("Z_v", z_v)):
             check_range(z.float(), bound, f"this chunk's {name}")
+        if header.n_theta:
+            _check_theta(theta.float(), math.inf if header.kind == "forward" else MAX_GRADIENT_NORM)
     head = json.dumps(asdict(header), separators=(",", ":")).encode()
     wire = WIRE_DTYPES[header.dtype]
     parts = [CP_MAGIC, struct.pack("<I", len(head)), head, _to_bytes(z_k, wire), _to_bytes(z_v, wire)]
@@ -199,12 +204,15 @@ def decode_kv(blob: bytes, expect: KVExpectation):
     theta = None
     if header.n_theta:
         theta = _from_bytes(blob[start + n_k + n_v :], torch.float32, (header.batch, header.n_theta))
-        if not torch.isfinite(theta).all():
-            raise WireError(ErrorCode.NOT_FINITE, "θ holds NaN or infinite values")
-        bound = expect.theta_max * (1 + THETA_SLACK) if forward else MAX_GRADIENT_NORM
-        if float(theta.abs().max()) > bound:
-            raise WireError(ErrorCode.OUT_OF_RANGE, f"|θ| {float(theta.abs().max()):.3g} exceeds {bound:.3g}")
+        _check_theta(theta, expect.theta_max * (1 + THETA_SLACK) if forward else MAX_GRADIENT_NORM)
     return header, z_k, z_v, theta
+
+
+def _check_theta(theta: torch.Tensor, bound: float) -> None:
+    if not torch.isfinite(theta).all():
+        raise WireError(ErrorCode.NOT_FINITE, "θ holds NaN or infinite values")
+    if float(theta.abs().max()) > bound:
+        raise WireError(ErrorCode.OUT_OF_RANGE, f"|θ| {float(theta.abs().max()):.3g} exceeds {bound:.3g}")
 
 
 class CPCodec:

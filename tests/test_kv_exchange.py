@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import dataclasses
+import time
 import tracemalloc
 import uuid
 
@@ -13,7 +14,8 @@ import pytest
 import torch
 from hivemind.p2p import P2P
 
-from peer.kv_exchange import BufferLimits, EarlyBuffer, EarlyMessage, KVService, message_limit
+from peer.kv_early import BufferLimits, EarlyBuffer, EarlyMessage
+from peer.kv_exchange import KVService, message_limit
 from swarm.context_parallel import ContextParallelSpec, CPBasis
 from swarm.cp_lane import LaneTrip
 from swarm.cp_model import CPDecoder
@@ -370,6 +372,25 @@ def test_close_leaves_nothing_behind(net):
             await net.lanes[1].open(trip, net.group)  # a retried trip takes a new id
         with pytest.raises(ValueError):
             await net.lanes[1].open(trip_id(), net.group[1:] + net.group[:1])  # its lane names another peer
+        started = time.monotonic()
+        with pytest.raises(WireError):
+            await lanes[2].receive_forward(1)  # a receive after the close fails at once, not after its timeout
+        assert time.monotonic() - started < 1.0
+
+    net.run(body())
+
+
+def test_an_open_cancelled_while_decoding_early_messages_leaves_no_trip(net):
+    async def body():
+        trip = trip_id()
+        await net.lanes[0].send(net.group[1], message(trip))  # held early at lane 1
+        assert net.lanes[1].early.held(trip)
+        opening = asyncio.ensure_future(net.lanes[1].open(trip, net.group))
+        await asyncio.sleep(0)  # registered, now decoding the early message off the loop
+        opening.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await opening
+        assert trip not in net.lanes[1].exchanges and not net.lanes[1].early.held(trip)
 
     net.run(body())
 
@@ -398,6 +419,14 @@ def test_early_buffer_bounds_duplicates_and_expiry():
     assert len(buffer.messages) == 1 and buffer.sender_count == {"a": 1}
     assert [m.header.layer for m in buffer.take("t1", now=11.9)] == [1]
     assert buffer.bytes == 0 and not buffer.messages and not buffer.by_trip and not buffer.sender_bytes
+
+    one_trip = EarlyBuffer(BufferLimits(100 * size, 100, 100 * size, 100, trip_count=2))
+    one_trip.add(early("a"), now=0.0)
+    one_trip.add(early("b"), now=0.0)
+    with pytest.raises(WireError) as caught:  # a third message for one unregistered trip id, from anyone
+        one_trip.add(early("c", layer=1), now=0.0)
+    assert caught.value.code == ErrorCode.OVERLOADED
+    one_trip.add(early("c", "t2"), now=0.0)  # another trip still has room
 
     by_bytes = EarlyBuffer(BufferLimits(3 * size, 100, sender_bytes=2 * size, sender_count=100))
     by_bytes.add(early("a"), now=0.0)

@@ -320,12 +320,14 @@ def main() -> int:
         rows.append(row)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
+    if args.app_relay:
+        print("\n| case | straight to B | through A's trip relay |\n|---|---|---|")
+        for r in rows:
+            trips = r.get("trips", {})
+            print(f"| {r['case']} | {trips.get('direct', r.get('last_error'))} | {trips.get('relay', '-')} |")
+        return 0
     print("\n| case | reached | first echo s | connection | echo Mbit/s |\n|---|---|---|---|---|")
     for r in rows:
-        if "trips" in r:
-            t = r["trips"]
-            print(f"| {r['case']} | direct {t['direct']} | relay {t['relay']} |")
-            continue
         print(f"| {r['case']} | {r['reached']} | {r.get('first_echo_s', '-')} | {r['kind']} "
               f"{' '.join(r.get('connection', []))} | {r.get('echo_mbit_s', '-')} |")
     return 0

@@ -372,7 +372,8 @@ class TripSender:
 
     async def send(self, peer_id: str, relay: str, blob: bytes, timeout: float, max_reply: int) -> bytes:
         peer = PeerID.from_base58(peer_id)
-        if not relay or await self.is_connected(peer_id):
+        # no relay named, we are its relay (it registered over a connection to us), or a connection is up: direct
+        if not relay or relay == self.p2p.peer_id.to_base58() or await self.is_connected(peer_id):
             try:
                 reply = await send_trip(self.p2p, peer, self.namespace, blob, timeout, max_reply)
                 self.direct += 1

@@ -30,6 +30,9 @@ audit trips compare an unverified peer's replies with a verified peer's (`peer/a
 a false sender to the target; the target admits only known upstream peers, so that buys the relay no more
 than a misbehaving upstream peer has. Refusals by a relay are counted against the target it was asked to
 reach (the sender cannot tell them apart), so a hostile relay can get its targets banned by their senders.
+Registration is open to any peer id (a NATed peer has no record yet when it registers): fresh identities can
+fill the `MAX_REGISTERED` slots for `REGISTRATION_TTL`, turning honest newcomers away from that relay (they
+try the next candidate); they gain no circuits by it, since circuits are budgeted per sender.
 """
 
 from __future__ import annotations

@@ -13,12 +13,12 @@ peer's progress (and a new epoch) up to `interval` later.
 Reads are bounded by time too. hivemind reads the stage's progress on a schedule of its estimate of
 the epoch's end (every 0.5 s with short epochs; `min_refresh_period`, which the peer sets to the
 report interval), even when the read finds no peer but this one, whose own progress it already
-knows. After a read that found nobody else the next one waits `ALONE_READ_INTERVAL`: a peer alone in
-its stage reads its stage's progress every 10 s, not every 2. The cost: a newcomer to the stage is
-seen up to 10 s later, so its first epochs' averaging may start without the old peer (the newcomer
-itself reads at once and follows the old peer's epoch). Each read and store asks as few DHT nodes as
-the stage records' do (`dhtio.records` `READ_BEAM`, `STORE_BEAM`): every node asked answers with
-every peer's signed progress record.
+knows. While the last read found nobody else, reads and reports are `ALONE_INTERVAL` apart: a peer
+alone in its stage reads and stores its progress every 10 s, not every 2. The cost: a newcomer to
+the stage is seen by the old peer up to 10 s later, and sees the old peer's progress up to 10 s old
+(its epoch comes with the state it downloads), so the first epochs' averaging may start without the
+old peer. Each read and store asks as few DHT nodes as the stage records' do (`dhtio.records`
+`READ_BEAM`, `STORE_BEAM`): every node asked answers with every peer's signed progress record.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from hivemind.utils import ValueWithExpiration, get_dht_time
 from dhtio.records import READ_BEAM, STORE_BEAM
 
 PROGRESS_INTERVAL = 2.0  # seconds between two progress records of one peer, at most one in between
-ALONE_READ_INTERVAL = 10.0  # seconds from a progress read that found no other peer to the next read
+ALONE_INTERVAL = 10.0  # seconds between progress reads, and between reports, while no other peer is seen
 
 
 class PacedEvent(threading.Event):
@@ -106,16 +106,20 @@ class PacedProgressTracker(ProgressTracker):
         dht,
         *args,
         report_interval: float = PROGRESS_INTERVAL,
-        alone_read_interval: float = ALONE_READ_INTERVAL,
+        alone_interval: float = ALONE_INTERVAL,
         **kwargs,
     ):
-        self._report_interval, self._alone_read_interval = report_interval, alone_read_interval
+        self._report_interval, self._alone_interval = report_interval, alone_interval
+        self._alone = True  # until a read finds another peer
         super().__init__(NarrowDHT(dht), *args, **kwargs)
+
+    def _current_report_interval(self) -> float:
+        return self._alone_interval if self._alone else self._report_interval
 
     def __setattr__(self, name, value):
         # hivemind creates the event in __init__ just before starting the reporter thread: swap it there
         if name == "should_report_progress":
-            value = PacedEvent(self._report_interval)
+            value = PacedEvent(self._current_report_interval())
         super().__setattr__(name, value)
 
     def _parse_swarm_progress_data(self, metadata):
@@ -124,7 +128,12 @@ class PacedProgressTracker(ProgressTracker):
         if isinstance(metadata, dict):
             own = ValueWithExpiration(self.local_progress.dict(), get_dht_time() + self.metadata_expiration)
             metadata = {**metadata, self._local_public_key: own}
-        return paced_read(super()._parse_swarm_progress_data(metadata), get_dht_time(), self._alone_read_interval)
+        progress = paced_read(super()._parse_swarm_progress_data(metadata), get_dht_time(), self._alone_interval)
+        self._alone = progress.num_peers <= 1
+        event = self.__dict__.get("should_report_progress")  # absent during hivemind's __init__ (its first read)
+        if isinstance(event, PacedEvent):
+            event.interval = self._current_report_interval()
+        return progress
 
     def shutdown(self, timeout: float | None = None):
         self.shutdown_triggered.set()

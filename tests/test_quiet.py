@@ -88,16 +88,26 @@ def test_a_peer_reads_only_the_stages_next_to_its_own_unless_u_moves():
 
 def test_paced_tracker_reports_through_a_paced_event_and_shuts_down_at_once():
     from hivemind.dht import DHT
-    from hivemind.utils import get_dht_time
+    from hivemind.optim.progress_tracker import LocalTrainingProgress
+    from hivemind.utils import ValueWithExpiration, get_dht_time
 
-    from peer.progress import ALONE_READ_INTERVAL, PacedProgressTracker
+    from peer.progress import ALONE_INTERVAL, PacedProgressTracker
 
     dht = DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     try:
         tracker = PacedProgressTracker(dht, "quiet", target_batch_size=64, report_interval=30.0, start=True)
         assert isinstance(tracker.should_report_progress, PacedEvent)
-        # its first read (through the narrow DHT view, as every read and store) found nobody: the next waits
-        assert tracker.global_progress.next_fetch_time - get_dht_time() > ALONE_READ_INTERVAL - 2.0
+        # its first read (through the narrow DHT view, as every read and store) found nobody: the next read and
+        # the reports wait the alone interval
+        assert tracker.global_progress.next_fetch_time - get_dht_time() > ALONE_INTERVAL - 2.0
+        assert tracker.should_report_progress.interval == ALONE_INTERVAL
+        # a read that finds another peer's record: reports every report interval, reads on hivemind's schedule
+        other = LocalTrainingProgress(peer_id=b"other", epoch=0, samples_accumulated=3, samples_per_second=1.0,
+                                      time=get_dht_time(), client_mode=False)
+        found = tracker._parse_swarm_progress_data({b"other": ValueWithExpiration(other.dict(), get_dht_time() + 60)})
+        assert found.num_peers == 2 and tracker.should_report_progress.interval == 30.0
+        assert tracker._parse_swarm_progress_data({}).num_peers == 1  # alone again
+        assert tracker.should_report_progress.interval == ALONE_INTERVAL
         for samples in range(1, 6):
             tracker.report_local_progress(0, samples)
         assert tracker.local_progress.samples_accumulated == 5  # local counters are never delayed

@@ -5,6 +5,11 @@ per stage in a namespace each, every peer host's link shaped with `tc`.
 kills whatever is left in its namespaces before deleting them) and measures a *cell*: after the
 link rate changes it waits for the pipeline to turn over, then measures over a window, from the
 driver's own signed counters (tokens, bytes in/out, loss) and the veths' byte counters.
+
+The bootstrap reads every stage's records (for the driver's counters) every `records_interval`
+seconds, by default as often as the tracker polls a real swarm (`tracker.summary.POLL_INTERVAL`):
+each read is answered by the peers' DHT nodes over their shaped uplinks, so a harness that read more
+often than any real reader would count its own traffic against the swarm's.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from pathlib import Path
 from benchmarks.netsim.net import Topology
 from launcher.supervisor import stop_process_groups
 from swarm.manifest import Manifest, save_manifest
+from tracker.summary import POLL_INTERVAL
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -69,8 +75,8 @@ class Child:
 
 class NetSwarm:
     def __init__(self, manifest: Manifest, workdir: Path, max_inflight: int = 4, trip_timeout: float = 300.0,
-                 tag: str | None = None, log=print):
-        self.manifest, self.workdir = manifest, workdir
+                 tag: str | None = None, log=print, records_interval: float = POLL_INTERVAL):
+        self.manifest, self.workdir, self.records_interval = manifest, workdir, records_interval
         self.max_inflight, self.trip_timeout = max_inflight, trip_timeout
         self.topology = Topology(manifest.num_stages + 1, tag=tag)  # host 0: bootstrap; host i+1: stage i
         self.children: list[Child] = []
@@ -100,7 +106,7 @@ class NetSwarm:
         bootstrap_host = self.topology.hosts[0]
         self._spawn("bootstrap", 0, [sys.executable, "-m", "benchmarks.netsim.bootstrap", "--manifest",
                                      str(self.manifest_path), "--host", bootstrap_host.address,
-                                     "--out", str(self.workdir), "--interval", "3"])
+                                     "--out", str(self.workdir), "--interval", str(self.records_interval)])
         maddrs_file = self.workdir / "maddrs.json"
         deadline = time.monotonic() + timeout
         while not maddrs_file.exists():

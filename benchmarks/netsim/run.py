@@ -27,6 +27,7 @@ from benchmarks.netsim.harness import NetSimError, NetSwarm, cell_dict, median_c
 from benchmarks.netsim.net import cleanup_leftovers
 from swarm.manifest import Manifest
 from swarm.presets import preset
+from tracker.summary import POLL_INTERVAL
 
 MODES = {"dense-bf16": ("none", "bf16"), "dense-int8": ("none", "int8"), "subspace": ("subspace", "bf16"),
          "boundary": ("boundary", "bf16")}  # boundary: same messages and bytes as subspace
@@ -109,7 +110,7 @@ def equivalent_rate_mbit(manifest: Manifest, cpu_flops: float) -> float:
 def run_mode(mode: str, args, rates: list[float | None], log) -> tuple[list, list]:
     manifest = manifest_for(mode, args.stages, args.k, args.seed, args.target_batch)
     workdir = Path(tempfile.mkdtemp(prefix=f"netsim-{mode}-"))
-    swarm = NetSwarm(manifest, workdir, max_inflight=args.max_inflight, log=log)
+    swarm = NetSwarm(manifest, workdir, max_inflight=args.max_inflight, log=log, records_interval=args.records_interval)
     cells = []
     try:
         log(f"{mode}: run {manifest.run_id}, starting {manifest.num_stages} peers in namespaces {swarm.topology.tag}-*")
@@ -162,6 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-window", type=float, default=150.0)
     parser.add_argument("--min-trips", type=int, default=6, help="minimum driver trips per cell")
     parser.add_argument("--warmup-trips", type=int, default=4)
+    parser.add_argument("--records-interval", type=float, default=POLL_INTERVAL,
+                        help="seconds between the bootstrap's reads of the stage records (default: the tracker's poll)")
     parser.add_argument("--repeats", type=int, default=1, help="sweeps per mode (the same swarm); median per cell")
     parser.add_argument("--out", default="benchmarks/netsim/results.json")
     parser.add_argument("--plot", help="PNG path for tokens/s vs link rate")
@@ -198,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     log(f"CPU: {cpu_flops / 1e9:.1f} GFLOP/s on one thread (fp32 matmul)")
     data = {"command": " ".join(["python -m benchmarks.netsim.run", *(argv or sys.argv[1:])]),
             "stages": args.stages, "k": args.k, "max_inflight": args.max_inflight, "repeats": args.repeats,
+            "records_interval": args.records_interval,
             "cpu_flops": cpu_flops, "cells": [], "loss_traces": {}, "manifests": {}, "code": code_version()}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

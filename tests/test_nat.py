@@ -280,3 +280,31 @@ def test_p2pd_accepts_the_relay_service_flags():
     args = asyncio.run(run())
     assert "-relayService=1" in args and f"-relayDataLimit={100 << 20}" in args and "-relayTimeLimit=60s" in args
     assert P2P._make_process_args("x", a=1) == ["x", "-a=1"]  # the patch is gone outside the block
+
+
+def test_via_relay_means_a_relay_holds_the_peer(caplog):
+    """The record's answer and its `relay` field follow the relay client: "via relay" only while one holds us."""
+    from peer.reachability import ReachabilityCheck
+    from peer.relay import RelayClient
+
+    async def nothing() -> list[str]:
+        return []
+
+    client = RelayClient(None, "ns", None, nothing)
+    check = ReachabilityCheck(None, nothing, "me", ["/ip4/0.0.0.0/tcp/31337"], lambda: "[me]", client)
+    assert (check.result, check.relay) == (UNKNOWN, "")
+    check.dialled = False
+    with caplog.at_level("INFO", logger="peer"):
+        check.report()
+        assert (check.result, check.relay) == (UNREACHABLE, "")
+        client.relay = "QmZ5dV2ukSB2jHZ2dfu9JmVqYLgz3UBGWvRzzTumj6HUjx"
+        check.report()
+        check.report()  # no change, no line
+        assert (check.result, check.relay) == (VIA_RELAY, client.relay)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2 and "UNREACHABLE" in lines[0] and "reachability: via relay j6HUjx" in lines[1]
+    check.dialled = True  # dialled back: direct, and no relay is named even if the client still holds one
+    assert (check.result, check.relay) == (DIRECT, "")
+    relays_off = ReachabilityCheck(None, nothing, "me", [], lambda: "[me]", None)
+    relays_off.dialled = False
+    assert (relays_off.result, relays_off.relay) == (UNREACHABLE, "")

@@ -176,6 +176,7 @@ class RelayService:
         self.open: Counter = Counter()  # sender -> circuits open
         self.circuits = self.bytes_forward = self.bytes_back = 0
         self.refused: Counter = Counter()
+        self.heading = 0
         self.logged = (0, 0)
 
     async def add_handlers(self) -> None:
@@ -199,11 +200,17 @@ class RelayService:
     async def _forward(self, info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         sender = info.peer_id
         with closing(writer):
+            if self.heading >= MAX_CIRCUITS:  # streams that have not named their target yet (HEADER_TIMEOUT each)
+                self.refused[ErrorCode.OVERLOADED.value] += 1
+                return
+            self.heading += 1
             try:
                 target = await read_id(reader)
             except WireError as exc:
                 self.refused[exc.code.value] += 1
                 return
+            finally:
+                self.heading -= 1
             now = time.monotonic()
             registered = self.registered.get(target.to_base58(), 0.0) > now
             refusal = admit_circuit(self.budget, self.open[sender], sum(self.open.values()), registered)

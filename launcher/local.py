@@ -77,6 +77,7 @@ def run_local(args: argparse.Namespace) -> dict:
                     bar.set_postfix(loss=f"{progress.loss_last:.3f}", tokens=progress.driver_tokens())
             epoch = max(epoch, new_epoch)
         progress.observe(swarm.poll())
+        kv_bytes = swarm.kv_bytes()
         tracker.probe()  # the page and the API once more at the end, with every peer still up
         supervise(swarm, args.no_restart)
         if not tracker.ok:
@@ -110,6 +111,11 @@ def run_local(args: argparse.Namespace) -> dict:
         "tokens_per_second": progress.tokens_per_second(),
         "wire_bytes_per_token": progress.wire_bytes_per_token(),
         "dense_wire_bytes_per_token": 2 * manifest.dense_bytes_per_token(),
+        # context parallelism: K/V bytes on the wire (both directions, every lane) per token per layer, as the
+        # peers' exchanges counted them; the simulator's cp_bytes_per_token forward + backward is the same measure
+        "cp_bytes_per_token_per_layer": (
+            kv_bytes / max(tokens, 1) / manifest.model.n_layers if manifest.lanes > 1 else None
+        ),
         "seconds": elapsed,
         "tracker": swarm.tracker_url,
         "tracker_ok": tracker.ok,
@@ -169,6 +175,8 @@ def cmd_local(args: argparse.Namespace) -> int:
             f"wire {summary['wire_bytes_per_token']:.1f} bytes/token per boundary "
             f"(dense would send {summary['dense_wire_bytes_per_token']})"
         )
+        if summary["cp_bytes_per_token_per_layer"] is not None:
+            print(f"context parallel K/V {summary['cp_bytes_per_token_per_layer']:.1f} bytes/token/layer on the wire")
         print(
             f"tracker {summary['tracker']}: page served {summary['tracker_page_fetches']} times, "
             f"/api/v1/swarm {summary['tracker_api_fetches']} times"
@@ -180,7 +188,7 @@ def cmd_local(args: argparse.Namespace) -> int:
 
 def add_local_parser(sub) -> None:
     local = sub.add_parser("local", help="run tracker, bootstrap and a peer per stage on this machine")
-    add_manifest_args(local, stages=3)  # a pipeline to watch, where the preset alone may have fewer stages
+    add_manifest_args(local, stages=3, context_parallel=True)  # a pipeline to watch (the preset may have fewer stages)
     local.add_argument("--peers-per-stage", type=int, default=1)
     local.add_argument("--steps", type=int, default=60, help="optimizer steps of the slowest stage")
     local.add_argument("--max-inflight", type=int, default=4, help="trips each driver keeps in flight")

@@ -16,7 +16,7 @@ def add_manifest_args(
 ) -> None:
     """The flags that choose a run's manifest, the same for every `protocol-swarm` command; `stages` is the
     default stage count (None: the preset's); `context_parallel` adds the flags that turn it on (the
-    commands that can run it: one process; a swarm cannot ship K/V between peers yet)."""
+    commands that can run it: the simulator, and a local swarm whose lanes ship K/V between peers)."""
     parser.add_argument("--preset", default="tiny", choices=PRESETS, help="named run shape")
     parser.add_argument("--manifest", help="a manifest JSON file instead of a preset")
     parser.add_argument("--compression", choices=tuple(MODES), help="override the compression mode")

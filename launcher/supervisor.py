@@ -8,6 +8,7 @@ multi-process tests (`tests/harness.py`) and the benchmarks.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
@@ -122,9 +123,11 @@ class LocalSwarm:
                 ],
             )
             self.tracker_url = f"http://127.0.0.1:{port}"
+        lanes = self.manifest.lanes  # with context parallelism, peers_per_stage peers on every lane of a stage
         for stage in range(self.manifest.num_stages):
-            for slot in range(self.peers_per_stage):
-                self.spawn_peer(f"stage{stage}-peer{slot}", str(stage))
+            for slot in range(self.peers_per_stage * lanes):
+                lane = ["--lane", str(slot % lanes)] if lanes > 1 else []
+                self.spawn_peer(f"stage{stage}-peer{slot}", str(stage), lane)
 
     @property
     def bootstrap(self) -> list[str]:
@@ -155,9 +158,25 @@ class LocalSwarm:
                 "--checkpoint-dir",
                 str(self.workdir / "checkpoints" / name),
                 *self.extra_peer_args,
+                *(["--heartbeat-file", str(self.heartbeat(name))] if self.manifest.lanes > 1 else []),
                 *(extra_args or []),
             ],
         )
+
+    def heartbeat(self, name: str) -> Path:
+        """The heartbeat file of peer `name` (context parallelism only: it carries the peer's K/V bytes)."""
+        return self.workdir / f"{name}.heartbeat.json"
+
+    def kv_bytes(self) -> int:
+        """K/V bytes the peers sent in the lane trips they completed, as their heartbeats (every 5 s) last said; a
+        restarted peer's count starts over."""
+        total = 0
+        for child in self.children:
+            try:
+                total += int(json.loads(self.heartbeat(child.name).read_text()).get("kv_bytes", 0))
+            except (OSError, ValueError):
+                continue  # the tracker, or a peer that has not written one yet
+        return total
 
     def check_children(self) -> None:
         """Any child that exits before the end fails the run: a dead peer stalls its stage, a dead

@@ -118,6 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-interval", type=float, default=5.0, help="seconds between progress log lines")
     add_log_level(parser)
     parser.add_argument("--fault-t-fixed-seed", type=int, help=argparse.SUPPRESS)  # fault injection for tests
+    parser.add_argument("--fault-cp-version", type=int, help=argparse.SUPPRESS)  # fault injection for tests
     return parser
 
 
@@ -149,12 +150,7 @@ def resolve(args: argparse.Namespace) -> tuple[Manifest, list[str]]:
         raise StartupError("no initial peers: pass --initial-peers, --tracker, or --new-swarm to start a run")
     if args.fault_t_fixed_seed is None:
         verify_hashes(manifest)
-    parse_lane(args.lane, manifest)  # a bad --lane is named even where the context-parallel refusal follows
-    if manifest.context_parallel is not None:  # a peer would compute every chunk itself and ship no K/V
-        raise StartupError(
-            "this run's manifest sets context_parallel; a peer cannot serve it yet (context parallelism runs in "
-            "`protocol-swarm simulate` only)"
-        )
+    parse_lane(args.lane, manifest)  # a bad --lane is named before anything starts
     if args.stage != "auto":
         try:
             stage = int(args.stage)
@@ -209,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
             rebalance_interval=float(args.rebalance_interval),
             log_interval=float(args.log_interval),
             fault_t_fixed_seed=args.fault_t_fixed_seed,
+            fault_cp_version=args.fault_cp_version,
             relay=args.relay,
             relay_service=args.relay_service == "on",
             relay_max_circuits=int(args.relay_max_circuits),

@@ -30,6 +30,8 @@ from hivemind.utils.timed_storage import get_dht_time
 from dhtio.records import fetch_stages
 from peer.announcer import Announcer, stage_record
 from peer.driver import Driver
+from peer.kv_exchange import KVService
+from peer.lane_trip import LaneHop, lane_codec, largest_kv_message
 from peer.lanes import Slot, allowed_slots, choose_slot, lane_loads, move_target
 from peer.options import PeerOptions
 from peer.placement import counts_for_placement, placement_wait
@@ -70,6 +72,8 @@ class PeerDaemon:
         self.state = "joining"
         self.lane = options.lane or 0  # the chunk of every sequence this peer holds (0 without context parallelism)
         self.lanes = manifest.lanes
+        self.kv: KVService | None = None  # K/V between the lanes of a trip (context parallelism only)
+        self.hop: Hop | None = None
         self.throughput = 0.0
         self.stopping = asyncio.Event()
         self.dht: DHT | None = None
@@ -136,7 +140,8 @@ class PeerDaemon:
         return await asyncio.to_thread(fetch_stages, self.dht, self.manifest, stages)
 
     async def _fetch_routed(self) -> dict:
-        return await self._fetch(routed_stages(self.manifest, self.index))
+        """With lanes, every stage: a driver picks a trip's group in each, stage 0 admits the other drivers."""
+        return await self._fetch(None if self.lanes > 1 else routed_stages(self.manifest, self.index))
 
     @property
     def pinned_stage(self) -> int | None:
@@ -232,6 +237,9 @@ class PeerDaemon:
                 raise StageMove(target)
             # lanes of a stage are replicas of its weights: changing lanes keeps them, only the record changes
             self.lane, self.online_since = target[1], time.monotonic()
+            if isinstance(self.hop, LaneHop):  # and what its K/V handler and its next trips take
+                self.hop.lane = self.lane
+                self.kv.serve(self.kv.codec, self.lane)
             await self.announcer.announce_now()
 
     async def log_loop(self) -> None:
@@ -262,17 +270,13 @@ class PeerDaemon:
         subspace = runtime.stage.subspace
         bounds = {s: plausible_throughput(self.manifest, s) for s in range(self.manifest.num_stages)}
         self.router = router = Router(subspace.t_fixed_sha256, self.peer_id, claim_bounds=bounds)
-        hop = Hop(
-            self.manifest,
-            index,
-            runtime,
-            router,
-            self._send,
-            self._fetch_routed,
-            self.stats,
-            self.label,
-            self.options.trip_timeout,
-        )
+        hop_args = (self.manifest, index, runtime, router, self._send, self._fetch_routed, self.stats, self.label,
+                    self.options.trip_timeout)
+        if self.kv is not None:
+            hop = LaneHop(*hop_args, lane=self.lane, kv=self.kv, peer_id=self.peer_id)
+        else:
+            hop = Hop(*hop_args)
+        self.hop = hop
         self.announcer = Announcer(self.dht, self.manifest, self.signer, self.record, lambda: self.label)
         self.throughput = await runtime.run(runtime.measure_throughput)
         self.server.set_throughput(self.throughput, hop.tokens_per_trip)
@@ -296,6 +300,10 @@ class PeerDaemon:
         elif not await runtime.run(runtime.load_checkpoint):
             logger.info("%s starting stage %d from the seed", self.label, index)
         router.update(stages)
+        if self.kv is not None:
+            if self.options.fault_cp_version is not None:  # fault injection: another CP basis version, same bytes
+                runtime.stage.cp_basis.version = self.options.fault_cp_version
+            self.kv.serve(lane_codec(self.manifest, runtime.stage), self.lane)
         self.server.hop = hop
         self.state = "online"
         self.online_since = time.monotonic()
@@ -345,7 +353,9 @@ class PeerDaemon:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        self.server.hop = None
+        self.server.hop = self.hop = None
+        if self.kv is not None:
+            self.kv.serve(None)
         runtime, self.runtime = self.runtime, None
         if runtime is not None:
             await runtime.run(runtime.save_checkpoint)  # queued behind any backward still running
@@ -362,7 +372,10 @@ class PeerDaemon:
 
     async def heartbeat_loop(self) -> None:
         def describe() -> dict:
-            return {"time": time.time(), "state": self.state, "stage": self.index, "peer_id": self.peer_id}
+            described = {"time": time.time(), "state": self.state, "stage": self.index, "peer_id": self.peer_id}
+            if self.lanes > 1:  # `protocol-swarm local` sums it into CP bytes per token
+                described.update(lane=self.lane, kv_bytes=self.stats.kv_bytes)
+            return described
 
         await write_heartbeats(
             Path(self.options.heartbeat_file), describe, lambda: self.label, min(self.options.log_interval, 30.0)
@@ -389,6 +402,9 @@ class PeerDaemon:
             self.relaying = Relaying(self.p2p, self.manifest.run_id, self.options, servicer.serve_stream, self._fetch,
                                      self.peer_id, max_bytes, lambda: self.label)
             await self.relaying.start()
+            if self.lanes > 1:
+                self.kv = KVService(self.p2p, self.manifest.run_id, largest_kv_message(self.manifest))
+                await self.kv.start()  # never removed, like the trip handler: p2pd stops with the DHT
             self.reachability = ReachabilityCheck(
                 self.p2p, self._fetch, self.peer_id, self.options.host_maddrs, lambda: self.label, self.relaying.client
             )

@@ -30,10 +30,12 @@ from dataclasses import dataclass
 
 import torch
 
-from peer.kv_exchange import KVService, LaneExchange
+from peer.kv_exchange import KVService, LaneExchange, message_limit
 from peer.lanes import EmptyLane, pick_group
 from peer.trip import Hop, HopResult, Reply
+from swarm.context_parallel import CPBasis
 from swarm.cp_lane import LaneTrip
+from swarm.cp_modes import DENSE_KV
 from swarm.cp_wire import CPCodec
 from swarm.manifest import Manifest
 from swarm.wire import ErrorCode, Header, WireError, expectation_for
@@ -42,6 +44,7 @@ logger = logging.getLogger("peer")
 
 MAX_PEER_ID = 128  # characters of one peer id in a claim (base58 ids are ~52)
 GROUP_ATTEMPTS = 3  # groups tried for one trip before it is dropped
+AVOID_SECONDS = 30.0  # the peers of a group whose trip failed are picked again only when their lane has no other
 
 
 @dataclass(frozen=True)
@@ -126,6 +129,14 @@ def lane_codec(manifest: Manifest, stage) -> CPCodec:
                    stage.index, layers)
 
 
+def largest_kv_message(manifest: Manifest) -> int:
+    """The transport's bound for K/V messages of this run: the larger of its compressed and dense (warm-up) ones."""
+    spec, shape, batch = manifest.context_parallel, manifest.model, manifest.batch
+    codec = CPCodec(spec, shape, batch.seq_len, batch.microbatch_size, manifest.run_id,
+                    CPBasis.for_spec(spec, shape, manifest.seed))
+    return max(message_limit(codec, 0, mode) for mode in (spec.mode, DENSE_KV))
+
+
 def blame(exc: BaseException, group: tuple[tuple[str, ...], ...], lane: int, local: bool) -> str | None:
     """The peer a failed lane points at: the refusal came `hops` hops down lane `lane` (from the driver's own
     lane hop, hop 1 is stage 1; from a chunk sent to stage 0, hop 1 is that stage-0 peer). None when the
@@ -148,6 +159,15 @@ async def _together(first, second):
         raise
 
 
+async def _own(exchanging) -> None:
+    """A failure of this lane's K/V exchange is this hop's (hops 0): `hops` counts along the lane's chain of
+    stages, and a refusal by a lane peer of the same stage is not one hop down it."""
+    try:
+        await exchanging
+    except WireError as exc:
+        raise WireError(exc.code, exc.message) from None
+
+
 async def _nothing() -> None:
     return None
 
@@ -161,7 +181,7 @@ class LaneHop(Hop):
         super().__init__(*args, **kwargs)
         self.lane, self.kv, self.peer_id = lane, kv, peer_id
         self.lanes = self.manifest.lanes
-        self.kv_bytes = 0  # K/V message bytes this peer sent and received in lane trips that completed here
+        self.avoid: dict[str, float] = {}  # peer → until when it is picked only as a last resort
 
     @property
     def tokens_per_trip(self) -> int:
@@ -189,8 +209,8 @@ class LaneHop(Hop):
         runtime = self.runtime
         exchange = await self.kv.open(trip_id, claim.group[self.index])
         try:
-            lane = await runtime.run(self._start, tokens, hidden, version)
-            await self._forward(lane, exchange)
+            lane = await runtime.run(self._start, claim.lane, tokens, hidden, version)
+            await _own(self._forward(lane, exchange))
             sent = received = 0
             residual = out_grad = None
             if runtime.stage.is_tail:
@@ -200,21 +220,21 @@ class LaneHop(Hop):
             else:
                 output, residual = await runtime.run(lane.output)
                 message = await runtime.run(self._encode, version, output, tokens, trip_id, claim)
-                reply = await self._ask_lane(claim.group[self.index + 1][self.lane], message)
+                reply = await self._ask_lane(claim.group[self.index + 1][claim.lane], message)
                 await runtime.run(lane.backward_output, reply.grad)
                 loss, versions, out_grad = reply.loss, reply.versions + [version], reply.grad
                 sent, received = len(message), reply.size
-            await self._backward(lane, exchange)
+            await _own(self._backward(lane, exchange))
             input_grad = await runtime.run(runtime.learn_lane, lane, tokens, residual, out_grad, version)
-            self.kv_bytes += exchange.bytes_in + exchange.bytes_out
+            self.stats.kv_bytes += exchange.bytes_out
             return HopResult(input_grad, loss, versions, sent, received)
         finally:
             exchange.close()
 
-    def _start(self, tokens: torch.Tensor, hidden: torch.Tensor | None, version: int) -> LaneTrip:
+    def _start(self, lane: int, tokens: torch.Tensor, hidden: torch.Tensor | None, version: int) -> LaneTrip:
         self.runtime.check_version(version)
         device = self.runtime.device
-        return LaneTrip(self.runtime.stage, self.lane, tokens.to(device), None if hidden is None else hidden.to(device))
+        return LaneTrip(self.runtime.stage, lane, tokens.to(device), None if hidden is None else hidden.to(device))
 
     async def _forward(self, lane: LaneTrip, exchange: LaneExchange) -> None:
         run = self.runtime.run
@@ -249,10 +269,11 @@ class LaneHop(Hop):
 
     def pick(self) -> tuple[tuple[str, ...], ...]:
         """One peer per lane of every stage, this peer at its own lane of stage 0; NO_PEER for an empty lane."""
-        groups = []
+        now, groups = time.monotonic(), []
+        self.avoid = {peer: until for peer, until in self.avoid.items() if until > now}
         for stage in range(self.manifest.num_stages):
             taken = {self.lane: self.peer_id} if stage == self.index else None
-            group = pick_group(self.router, stage, self.lanes, taken=taken)
+            group = pick_group(self.router, stage, self.lanes, now, taken, self.avoid)
             if isinstance(group, EmptyLane):
                 raise WireError(ErrorCode.NO_PEER, str(group))
             groups.append(group.peers)
@@ -290,11 +311,16 @@ class LaneHop(Hop):
         await asyncio.gather(*pending, return_exceptions=True)
         errors = {c: t.exception() for c, t in enumerate(tasks) if t in done and t.exception() is not None}
         if errors:
+            until = time.monotonic() + AVOID_SECONDS  # which lane peer stalled the others cannot always be told
+            self.avoid.update({peer: until for peers in group for peer in peers if peer != self.peer_id})
             for c, exc in errors.items():
                 suspect = blame(exc, group, c, c == self.lane)
                 if suspect is not None and suspect != self.peer_id:
                     self.router.ban(suspect)
-                    logger.warning("%s lane %d of a trip failed at %s (%s)", self.label, c, suspect[-6:], exc)
+                if isinstance(exc, WireError):
+                    self.stats.error(exc.code)
+                at = f" at {suspect[-6:]}" if suspect else ""
+                logger.warning("%s lane %d of trip %s failed%s: %s", self.label, c, trip_id[:8], at, exc)
             raise next(iter(errors.values()))
         results = [t.result() for t in tasks]
         self._count(results, tokens, version)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from peer.placement import Hysteresis, choose_stage, should_move
@@ -153,13 +153,16 @@ def pick_group(
     lanes: int,
     now: float | None = None,
     taken: Mapping[int, str] | None = None,
+    avoid: Collection[str] = (),
 ) -> LaneGroup | EmptyLane:
     """One peer per lane of `stage` for a trip, or the first empty lane. Lanes in `taken` are already held
     (the driver's own lane of stage 0); the others get the best of `router.candidates` (compatible, unbanned,
-    least expected wait on what this peer measured) among the peers claiming that lane."""
+    least expected wait on what this peer measured) among the peers claiming that lane, a peer in `avoid` (of
+    a group that just failed) only if its lane has no other."""
     now = time.monotonic() if now is None else now
     chosen: dict[int, str] = dict(taken or {})
-    for entry in router.candidates(stage, now):
+    candidates = router.candidates(stage, now)
+    for entry in sorted(candidates, key=lambda e: e.record.peer_id in avoid):  # stable: best first otherwise
         lane = entry.record.lane
         if valid_lane(entry.record, lanes) and lane not in chosen:
             chosen[lane] = entry.record.peer_id

@@ -27,6 +27,7 @@ class PeerOptions:
     drain_timeout: float = 30.0
     log_interval: float = 5.0
     fault_t_fixed_seed: int | None = None
+    fault_cp_version: int | None = None  # a peer that claims another CP basis version (its K/V are refused)
     checkpoint_every: int = 50
     heartbeat_file: str | None = None
     relay: str = "auto"  # peer/reachability.py `relay_options`

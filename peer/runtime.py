@@ -79,7 +79,9 @@ class StageRuntime:
         self.optimizer = StageOptimizer(
             dht=dht,
             run_id=f"{manifest.optimizer_prefix}_stage{index}",
-            target_batch_size=manifest.batch.target_batch_size,
+            # with context parallelism each of a stage's P lanes counts a trip's B sequences (of its chunk): an
+            # epoch of `target_batch_size` sequences is P times as many lane samples
+            target_batch_size=manifest.batch.target_batch_size * manifest.lanes,
             batch_size_per_step=manifest.batch.microbatch_size,
             optimizer=lambda params: make_optimizer(self.stage, params),
             params=parameter_groups(self.stage),

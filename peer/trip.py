@@ -57,6 +57,7 @@ class Stats:
     bytes_in: int = 0
     bytes_out: int = 0
     load: int = 0  # trips this peer is serving right now
+    kv_bytes: int = 0  # K/V message bytes this peer sent in the lane trips it completed (context parallelism)
     errors: Counter = field(default_factory=Counter)
     trip_versions: Counter = field(default_factory=Counter)  # drivers: completed trips per U version
     mixed_trips: int = 0
@@ -173,8 +174,9 @@ class Hop:
         self.stats.load += 1
         try:
             result = await self.turn(header, hidden, tokens, sender)
-            self.stats.trips += 1
-            self.stats.tokens += tokens.numel()
+            if self.index:  # stage 0 counts the trips it drives, not the chunks it serves another driver
+                self.stats.trips += 1
+                self.stats.tokens += tokens.numel()
             return runtime.codec.encode_backward(
                 result.input_grad,
                 header.trip_id,

@@ -172,7 +172,7 @@ def test_a_trip_over_two_stages_of_two_lanes_is_the_whole_sequence(swarm):
         for name, want in grads[stage].items():
             got = lanes[0][name] + lanes[1][name]
             assert float((got - want).abs().max()) <= 1e-4 * float(want.abs().max()) + 1e-7, name
-    assert all(hop.kv_bytes > 0 for hop in swarm.hops.values())
+    assert all(hop.stats.kv_bytes > 0 for hop in swarm.hops.values())
     assert all(not service.exchanges for service in swarm.services)  # every exchange closed
 
 

@@ -74,12 +74,6 @@ def test_manifest_hash_mismatch(tmp_path: Path):
     )
 
 
-def test_a_context_parallel_run_is_refused_until_peers_can_serve_it(tmp_path: Path):
-    path = tmp_path / "long.json"
-    save_manifest(preset("tiny-long"), path)
-    assert_one_line_error(run_peer("--new-swarm", "--manifest", str(path), "--stage", "0"), "context_parallel")
-
-
 def test_lane_out_of_range_or_without_context_parallelism(tmp_path: Path, manifest_file: Path):
     assert_one_line_error(
         run_peer("--new-swarm", "--manifest", str(manifest_file), "--lane", "1"), "--lane 1", "no context parallelism"

@@ -8,7 +8,8 @@ is one request/reply of bytes over one stream, so a peer can carry it for anothe
 
 - **The NATed peer** (`RelayClient`) registers with a directly reachable peer that offers `--relay-service`
   (`REGISTER`), over a connection it opened itself, and re-registers every `REGISTER_INTERVAL` so that
-  connection stays up. Its signed record names the relay (`StagePeerRecord.relay`).
+  connection stays up (moving to another relay when its own refuses or stops being listed as a candidate).
+  Its signed record names the relay (`StagePeerRecord.relay`).
 - **A sender** (`TripSender`) sends straight to the peer when it holds a connection to it or the peer names
   no relay; otherwise, or when the direct attempt finds no way through (`unreachable`), it opens `FORWARD`
   on the named relay: the target's peer id, then the trip's frames, unchanged.
@@ -342,16 +343,19 @@ class RelayClient:
             return False
 
     async def _hold(self, on_change: Callable[[str], None]) -> None:
+        """Re-register every REGISTER_INTERVAL; change relays when ours refuses, or when the records no longer
+        list it as a candidate while they list others (it turned out to be relayed or unreachable itself)."""
         while True:
-            if self.relay and not await self.register(self.relay):
+            try:
+                found = await self.candidates()
+            except Exception:  # noqa: BLE001 - no records this round: keep what we have, try again
+                found = []
+            unfit = bool(found) and self.relay not in found
+            if self.relay and (unfit or not await self.register(self.relay)):
                 self.relay = ""
                 self.changed.set()
                 on_change("")
             if not self.relay:
-                try:
-                    found = await self.candidates()
-                except Exception:  # noqa: BLE001 - no records this round: try again
-                    found = []
                 for candidate in found[:8]:
                     if await self.register(candidate):
                         self.relay = candidate

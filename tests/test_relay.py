@@ -12,7 +12,8 @@ from builders import stage_record
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
-from peer.relay import Budget, RelayClient, RelayService, TripSender, admit_circuit, relay_candidates, wire_bound
+from peer.relay import RelayClient, TripSender, relay_candidates
+from peer.relay_service import Budget, RelayService, admit_circuit, wire_bound
 from peer.transport import TripServicer
 from swarm.records import PeerEntry
 from swarm.wire import ErrorCode, WireError, raise_if_error

@@ -7,12 +7,15 @@ test_tracker_swarm.py).
 
 from __future__ import annotations
 
+import hashlib
 import math
 import socket
 
+import multihash
 import pytest
 from builders import stage_record
 from fastapi.testclient import TestClient
+from hivemind.p2p import PeerID
 from prometheus_client.parser import text_string_to_metric_families
 
 from swarm.manifest import save_manifest
@@ -402,6 +405,21 @@ def test_page_escapes_peer_names_and_forbids_inline_script(app_client):
     assert page.headers["x-content-type-options"] == "nosniff"
     assert client.get("/static/tracker.js").status_code == 200
     assert client.get("/static/tracker.css").status_code == 200
+
+
+def test_page_names_the_relay_of_a_relayed_peer(tmp_path):
+    relay = PeerID(multihash.encode(hashlib.sha256(b"a relay").digest(), "sha2-256")).to_base58()
+    stages = {i: [PeerEntry(record(i, f"s{i}"), NOW + 1e9, b"x")] for i in range(3)}
+    stages[1] = [PeerEntry(record(1, "home", reachability="via relay", relay=relay), NOW + 1e9, b"y")]
+    history = History(tmp_path / "h.sqlite")
+    monitor = SwarmMonitor(MANIFEST, history, lambda: stages, bootstrap=lambda: [])
+    monitor.poll_once()
+    with TestClient(create_app(monitor)) as client:
+        page = client.get("/").text
+        peer = client.get("/api/v1/swarm").json()["stages"][1]["peers"][0]
+    history.close()
+    assert f'title="through relay {relay}">via relay<' in page
+    assert (peer["reachability"], peer["relay"]) == ("via relay", relay)
 
 
 def test_page_shows_lanes_and_marks_empty_ones_only_with_context_parallelism(tmp_path, app_client):

@@ -91,7 +91,7 @@
         tr.append(el("td", {}, row.stage));
         if (s.lanes > 1) tr.append(el("td", { class: "lane" }, p.lane));
         tr.append(el("td", { class: "peer-name" }, p.public_name), idCell,
-          el("td", {}, p.state), el("td", { class: "reach" }, p.reachability || "?"), el("td", {}, num(p.throughput, 0)), el("td", {}, p.load),
+          el("td", {}, p.state), el("td", p.relay ? { class: "reach", title: "through relay " + p.relay } : { class: "reach" }, p.reachability || "?"), el("td", {}, num(p.throughput, 0)), el("td", {}, p.load),
           el("td", {}, "v" + p.u_version), el("td", {}, p.tokens), el("td", {}, num(p.seconds_since_seen, 0) + "s ago"));
         rows.push(tr);
       }

@@ -269,7 +269,9 @@ class PeerDaemon:
         self.runtime = runtime
         subspace = runtime.stage.subspace
         bounds = {s: plausible_throughput(self.manifest, s) for s in range(self.manifest.num_stages)}
-        self.router = router = Router(subspace.t_fixed_sha256, self.peer_id, claim_bounds=bounds)
+        self.router = router = Router(
+            subspace.t_fixed_sha256, self.peer_id, claim_bounds=bounds, lanes=self.manifest.lanes
+        )
         hop_args = (self.manifest, index, runtime, router, self._send, self._fetch_routed, self.stats, self.label,
                     self.options.trip_timeout)
         if self.kv is not None:

@@ -104,6 +104,7 @@ class Router:
     t_fixed_sha256: str
     own_peer_id: str
     claim_bounds: dict[int, float] = field(default_factory=dict)  # stage -> most tokens/s a claim may say
+    lanes: int = 1  # the run's P: a record claiming a lane the run does not have serves nothing
     prior_factor: float = 2.0  # an unmeasured peer's claim counts for at most this times the best measured
     ewma_alpha: float = 0.3
     base_ban: float = 5.0
@@ -168,7 +169,7 @@ class Router:
         return None if m is None or m.seconds_per_token is None else 1.0 / m.seconds_per_token
 
     def compatible(self, entry: PeerEntry) -> bool:
-        return usable_peer(entry.record, self.t_fixed_sha256, self.own_peer_id)
+        return entry.record.lane < self.lanes and usable_peer(entry.record, self.t_fixed_sha256, self.own_peer_id)
 
     def candidates(self, stage: int, now: float | None = None) -> list[PeerEntry]:
         """Compatible, unbanned peers of `stage`, best first."""

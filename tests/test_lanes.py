@@ -132,7 +132,7 @@ def test_moves_across_stages_to_the_swarms_bottleneck_lane():
 
 
 def router_of(*entries: PeerEntry) -> Router:
-    router = Router(t_fixed_sha256=CP2.t_fixed_sha256, own_peer_id="me", rng=random.Random(0))
+    router = Router(t_fixed_sha256=CP2.t_fixed_sha256, own_peer_id="me", lanes=CP2.lanes, rng=random.Random(0))
     router.update({1: list(entries)}, now=0.0)
     return router
 

@@ -32,6 +32,15 @@ def test_incompatible_peers_are_never_chosen():
     assert [e.record.peer_id for e in r.candidates(1)] == ["good"]
 
 
+def test_a_lane_the_run_does_not_have_serves_nothing():
+    lane_one = entry("lane-1", 1000)
+    lane_one = PeerEntry(lane_one.record.copy(update={"lane": 1}), 0.0, b"")
+    assert [e.record.peer_id for e in router(lane_one, entry("good", 1.0)).candidates(1)] == ["good"]
+    two_lanes = Router(t_fixed_sha256="a" * 64, own_peer_id="me", lanes=2)
+    two_lanes.update({1: [lane_one]})
+    assert [e.record.peer_id for e in two_lanes.candidates(1)] == ["lane-1"]
+
+
 def test_least_expected_queue_first():
     r = router(entry("slow", 100.0), entry("fast-busy", 1000.0, load=30), entry("fast", 1000.0, load=1))
     assert [e.record.peer_id for e in r.candidates(1)] == ["fast", "slow", "fast-busy"]

@@ -167,8 +167,8 @@ async def node(role: str, workdir: Path, options: dict) -> None:
     measures trips straight to B and through A (`_trips`)."""
     from hivemind.p2p import P2P, PeerID
 
+    from p2pio.relay_service import Budget, RelayService
     from peer.relay import RelayClient
-    from peer.relay_service import Budget, RelayService
     from peer.transport import TripServicer
 
     app = options.get("app_relay", False)

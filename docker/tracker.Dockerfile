@@ -18,6 +18,7 @@ COPY swarm ./swarm
 COPY peer ./peer
 COPY tracker ./tracker
 COPY dhtio ./dhtio
+COPY p2pio ./p2pio
 COPY launcher ./launcher
 RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 

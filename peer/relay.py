@@ -13,7 +13,7 @@ is one request/reply of bytes over one stream, so a peer can carry it for anothe
 - **A sender** (`TripSender`) sends straight to the peer when it holds a connection to it or the peer names
   no relay; otherwise, or when the direct attempt finds no way through (`unreachable`), it opens `FORWARD`
   on the named relay: the target's peer id, then the trip's frames, unchanged.
-- **The relay** (`peer.relay_service.RelayService`) opens `DELIVER` on the target over the target's own
+- **The relay** (`p2pio.relay_service.RelayService`) opens `DELIVER` on the target over the target's own
   connection, writes the sender's peer id (as libp2p authenticated it) and pipes the bytes both ways,
   `READ_PIECE` at a time: it buffers no more than one piece per direction, never a whole message. Budget,
   all refused with a coded error reply the sender's trip logic already handles: `--relay-max-circuits`
@@ -41,13 +41,12 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from contextlib import closing
 
 from hivemind.p2p import P2P, PeerID
 
-from peer.options import PeerOptions
-from peer.relay_service import (
+from p2pio.relay_service import (
     ACCEPTED,
     CONNECT_TIMEOUT,
     DELIVER,
@@ -59,6 +58,7 @@ from peer.relay_service import (
     handler,
     read_id,
 )
+from peer.options import PeerOptions
 from peer.transport import send_trip
 from swarm.records import PeerEntry
 from swarm.wire import ErrorCode, WireError
@@ -70,9 +70,10 @@ CONNECTED_CACHE_S = 2.0
 Serve = Callable[[PeerID, asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
 
-def relay_candidates(stages: dict[int, list[PeerEntry]], own_id: str) -> list[str]:
-    """Peers that may relay for us, best first: online peers found directly reachable, then online peers not
-    yet checked; never one that is itself relayed or unreachable (a relay must be dialable by every sender)."""
+def relay_candidates(stages: dict[int, list[PeerEntry]], own_id: str, bootstrap: Sequence[str] = ()) -> list[str]:
+    """Peers that may relay for us, best first: online peers found directly reachable, then the bootstrap nodes
+    (the tracker's node relays too, `tracker/relay.py`; it has no stage record), then online peers not yet
+    checked; never one that is itself relayed or unreachable (a relay must be dialable by every sender)."""
     direct, unchecked = set(), set()
     for entries in stages.values():
         for entry in entries:
@@ -83,7 +84,21 @@ def relay_candidates(stages: dict[int, list[PeerEntry]], own_id: str) -> list[st
                 direct.add(record.peer_id)
             elif record.reachability == "":
                 unchecked.add(record.peer_id)
-    return random.sample(sorted(direct), len(direct)) + random.sample(sorted(unchecked - direct), len(unchecked))
+    nodes = [peer for peer in dict.fromkeys(bootstrap) if peer != own_id and peer not in direct]
+    others = sorted(unchecked - direct - set(nodes))
+    return random.sample(sorted(direct), len(direct)) + nodes + random.sample(others, len(others))
+
+
+def bootstrap_ids(maddrs: Sequence[str]) -> list[str]:
+    """The peer ids named by `/p2p/<id>` at the end of bootstrap multiaddrs (the others are skipped)."""
+    found = []
+    for maddr in maddrs:
+        _, _, peer = str(maddr).rpartition("/p2p/")
+        try:
+            found.append(PeerID.from_base58(peer).to_base58())
+        except Exception:  # noqa: BLE001 - no id in this address, or not base58
+            continue
+    return found
 
 
 class RelayClient:
@@ -213,8 +228,10 @@ class Relaying:
         max_message: int,
         label: Callable[[], str],
     ):
+        bootstrap = bootstrap_ids(options.initial_peers)
+
         async def candidates() -> list[str]:
-            return relay_candidates(await fetch(), own_id)
+            return relay_candidates(await fetch(), own_id, bootstrap)
 
         o = self.options = options
         self.sender = TripSender(p2p, namespace)

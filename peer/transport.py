@@ -8,7 +8,7 @@ On the wire a stream is hivemind's protobuf streaming format, unchanged (peers o
 interoperate): a frame is a marker byte (0: a message, 1: an error or the end of the stream), an
 8-byte big-endian length, and that many bytes of protobuf (`ExpertRequest`/`ExpertResponse` with
 only `metadata` set, one chunk of the message). Both ends read those frames themselves, with
-`peer/framing.py` `Frames`, instead of through hivemind's `_add_protobuf_stream_handler`/`receive_protobuf`,
+`p2pio/framing.py` `Frames`, instead of through hivemind's `_add_protobuf_stream_handler`/`receive_protobuf`,
 because hivemind reads a frame's whole declared length into memory before anyone can look at it
 (`P2P.receive_raw_data`: `await reader.readexactly(content_length)`): a 256 MB frame cost a peer
 ~790 MB before the 28 KB limit applied. Here the length is checked first and a frame over the
@@ -60,15 +60,13 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
 from hivemind.proto import runtime_pb2
 
-from peer.framing import GRACE_S, MIN_RATE, READ_PIECE, Frames, receive_deadline, write_message
+from p2pio.framing import GRACE_S, LINGER_BYTES, LINGER_S, MIN_RATE, READ_PIECE, Frames, receive_deadline, write_message
 from swarm.wire import ErrorCode, WireError, encode_error
 
 logger = logging.getLogger(__name__)
 
 MAX_RECEIVING = 16
 MAX_PER_SENDER = 4
-LINGER_S = 1.0  # after a reply: how long the rest of a refused message is read and dropped (see `_linger`)
-LINGER_BYTES = 32 << 20
 MAX_LINGERING = 64
 EVICT_AFTER_S = 0.25  # a stream this young is never cut for a newcomer: an honest 28 KB trip needs < 0.25 s at 1 Mbit/s
 _HANDLE = "TripServicer.rpc_trip"  # the handler name hivemind's ServicerBase gave it: kept for compatibility

@@ -19,7 +19,7 @@ from pathlib import Path
 import tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("swarm", "peer", "tracker", "launcher", "dhtio")
+PACKAGES = ("swarm", "peer", "tracker", "launcher", "dhtio", "p2pio")
 
 
 def _normalise(name: str) -> str:

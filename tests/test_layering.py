@@ -5,7 +5,8 @@ starts processes, so the simulator, the tracker's pure summary and the tests can
 without a network. Record schemas need hivemind's *validators* (`hivemind.dht.schema`, `.crypto`,
 `.validation`, `.routing` for the key hash) and the `PeerID` datastructure: those build and check
 records and touch no network, so they are allowed; the DHT and P2P classes are not. Between the
-packages: `peer`, `tracker` and `launcher` never import one another, and nothing imports `launcher`.
+packages: `peer`, `tracker` and `launcher` never import one another, nothing imports `launcher`, and the
+shared `dhtio` and `p2pio` import none of them.
 """
 
 from __future__ import annotations
@@ -68,8 +69,9 @@ def test_swarm_has_no_networking_or_process_imports():
 
 def test_packages_import_only_downwards():
     may_not_import = {
-        "swarm": ("peer", "tracker", "launcher", "dhtio"),
+        "swarm": ("peer", "tracker", "launcher", "dhtio", "p2pio"),
         "dhtio": ("peer", "tracker", "launcher"),
+        "p2pio": ("peer", "tracker", "launcher"),
         "peer": ("tracker", "launcher"),
         "tracker": ("peer", "launcher"),
         "launcher": ("peer", "tracker"),

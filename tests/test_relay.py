@@ -12,8 +12,8 @@ from builders import stage_record
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
-from peer.relay import RelayClient, TripSender, relay_candidates
-from peer.relay_service import Budget, RelayService, admit_circuit, wire_bound
+from p2pio.relay_service import Budget, RelayService, admit_circuit, wire_bound
+from peer.relay import RelayClient, TripSender, bootstrap_ids, relay_candidates
 from peer.transport import TripServicer
 from swarm.records import PeerEntry
 from swarm.wire import ErrorCode, WireError, raise_if_error
@@ -42,6 +42,11 @@ def test_relay_candidates_are_direct_first_and_never_relayed():
     }
     found = relay_candidates(stages, "me")
     assert found == ["d1", "u1"]
+    tracker = "QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"
+    bootstrap = bootstrap_ids([f"/ip4/10.0.0.1/tcp/31337/p2p/{tracker}", "/ip4/10.0.0.2/tcp/1", "/p2p/not-base58!"])
+    assert bootstrap == [tracker]
+    # the tracker's node (no stage record) after the peers found direct, before the unchecked ones
+    assert relay_candidates(stages, "me", bootstrap + ["d1", "me"]) == ["d1", tracker, "u1"]
 
 
 async def _p2p(*peers: P2P) -> P2P:

@@ -20,7 +20,7 @@ if str(REPO) not in sys.path:  # benchmarks/ is not an installed package
     sys.path.insert(0, str(REPO))
 
 from benchmarks import attack_clients as ac  # noqa: E402
-from peer.framing import CHUNK_BYTES, GRACE_S, receive_deadline  # noqa: E402
+from p2pio.framing import CHUNK_BYTES, GRACE_S, receive_deadline  # noqa: E402
 from peer.transport import TripServicer, send_trip  # noqa: E402
 from swarm.wire import ErrorCode, WireError, raise_if_error  # noqa: E402
 

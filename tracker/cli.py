@@ -67,6 +67,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_STALE_AFTER,
         help=f"warn about a peer whose record is not refreshed for this long ({DEFAULT_STALE_AFTER:g}s)",
     )
+    p.add_argument(
+        "--relay-service",
+        choices=("on", "off"),
+        default="on",
+        help="relay trips for peers behind NAT that register with this node (tracker/relay.py; default on)",
+    )
+    p.add_argument("--relay-max-circuits", type=int, default=16, help="relayed trips per sending peer at once")
+    p.add_argument("--relay-data-limit-mib", type=int, default=4096, help="MiB relayed each way per trip at most")
+    p.add_argument("--relay-time-limit", type=int, default=1800, help="seconds a relayed trip lasts at most")
     add_log_level(p)
     return p
 
@@ -103,8 +112,10 @@ def _raise_exit(signum, frame) -> None:
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from p2pio.relay_service import Budget
     from tracker.app import create_app
     from tracker.history import History
+    from tracker.relay import TrackerRelay
     from tracker.service import SwarmMonitor, dht_fetch, start_dht
 
     try:
@@ -118,6 +129,8 @@ def run(args: argparse.Namespace) -> int:
         )
     if args.poll_interval <= 0 or args.stale_after <= 0:
         return refuse_start(PROG, "--poll-interval and --stale-after must be positive")
+    if min(args.relay_max_circuits, args.relay_data_limit_mib, args.relay_time_limit) < 1:
+        return refuse_start(PROG, "--relay-max-circuits, --relay-data-limit-mib and --relay-time-limit must be > 0")
     try:
         sock = _listen(args.host, args.port)
     except OSError as exc:
@@ -129,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
     elif os.path.dirname(os.path.abspath(args.identity)):
         os.makedirs(os.path.dirname(os.path.abspath(args.identity)), exist_ok=True)
 
-    dht = history = monitor = None
+    dht = history = monitor = relay = None
     signal.signal(signal.SIGTERM, _raise_exit)  # so a SIGTERM still runs the cleanup below
     try:
         history = History(args.db)
@@ -147,6 +160,13 @@ def run(args: argparse.Namespace) -> int:
             return refuse_start(PROG, f"cannot start the DHT node: {type(exc).__name__}: {exc}", status=1)
         maddrs = [str(a) for a in dht.get_visible_maddrs()]
         logger.info("DHT node %s listening on %s", dht.peer_id, " ".join(maddrs))
+        if args.relay_service == "on":
+            budget = Budget(args.relay_max_circuits, args.relay_data_limit_mib << 20, float(args.relay_time_limit))
+            relay = TrackerRelay(dht, manifest, budget)
+            try:
+                relay.start()
+            except Exception as exc:
+                return refuse_start(PROG, f"cannot start the trip relay: {type(exc).__name__}: {exc}", status=1)
         monitor = SwarmMonitor(
             manifest,
             history,
@@ -188,6 +208,8 @@ def run(args: argparse.Namespace) -> int:
         stopping = time.monotonic()
         if monitor is not None:
             monitor.stop()
+        if relay is not None:
+            relay.stop()
         if dht is not None:
             dht.shutdown()
         if history is not None:

@@ -1,4 +1,5 @@
-"""The relay's side of the trip relay (`peer/relay.py` says why it exists and how a trip crosses it).
+"""The relay's side of the trip relay (`peer/relay.py` says why it exists and how a trip crosses it;
+the tracker's node runs it too, `tracker/relay.py`).
 
 A directly reachable peer with `--relay-service on` carries trips for NATed peers that registered with it:
 `RelayService` opens `DELIVER` on the target over the target's own connection, names the sender (as libp2p
@@ -21,8 +22,7 @@ from dataclasses import dataclass
 from hivemind.p2p import P2P, PeerID
 from hivemind.proto import runtime_pb2
 
-from peer.framing import CHUNK_BYTES, FRAME_HEADER, FRAME_OVERHEAD, READ_PIECE, write_message
-from peer.transport import LINGER_BYTES, LINGER_S
+from p2pio.framing import CHUNK_BYTES, FRAME_HEADER, FRAME_OVERHEAD, LINGER_BYTES, LINGER_S, READ_PIECE, write_message
 from swarm.wire import ErrorCode, WireError, encode_error
 
 logger = logging.getLogger("peer")

@@ -4,7 +4,8 @@ A frame is a marker byte (0: a message, 1: an error or the end of the stream), a
 length, and that many bytes of protobuf (`ExpertRequest`/`ExpertResponse` with only `metadata` set,
 one chunk of the message). `Frames` checks a frame's length before reading its body (hivemind's own
 reader reads the whole declared length first); the bounds themselves are explained in
-`peer/transport.py`, which uses this module for both directions.
+`peer/transport.py`, which uses this module for both directions (and the trip relay,
+`p2pio/relay_service.py`, to size and refuse what it carries).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from hivemind.proto.p2pd_pb2 import RPCError
 
 from swarm.wire import ErrorCode, WireError
 
+LINGER_S = 1.0  # after a reply: how long the rest of a refused message is read and dropped (see `_linger`)
+LINGER_BYTES = 32 << 20
 CHUNK_BYTES = 1 << 20
 FRAME_OVERHEAD = 8  # an ExpertRequest/Response with one `metadata` of <= 1 MiB: a tag byte and a 3-byte varint
 MAX_END_FRAME = 1 << 12  # the end-of-stream frame (an empty RPCError; an error message from hivemind's handler)

@@ -115,7 +115,7 @@ def test_stalled_streams_of_16_fresh_identities_do_not_delay_a_known_sender():
         async def serve(blob, remote):
             return b"ok:%d" % len(blob)
 
-        server.hop.serve = lambda blob, refuse: serve(blob, None)
+        server.hop.serve = lambda blob, refuse, sender="": serve(blob, None)
         await servicer.add_p2p_handlers(receiver, namespace=ac.NAMESPACE)
         try:
             latencies, replies = await ac.stalled_vs_honest(

@@ -26,6 +26,7 @@ import asyncio
 import logging
 import time
 import uuid
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -44,7 +45,6 @@ logger = logging.getLogger("peer")
 
 MAX_PEER_ID = 128  # characters of one peer id in a claim (base58 ids are ~52)
 GROUP_ATTEMPTS = 3  # groups tried for one trip before it is dropped
-AVOID_SECONDS = 30.0  # the peers of a group whose trip failed are picked again only when their lane has no other
 
 
 @dataclass(frozen=True)
@@ -137,16 +137,6 @@ def largest_kv_message(manifest: Manifest) -> int:
     return max(message_limit(codec, 0, mode) for mode in (spec.mode, DENSE_KV))
 
 
-def blame(exc: BaseException, group: tuple[tuple[str, ...], ...], lane: int, local: bool) -> str | None:
-    """The peer a failed lane points at: the refusal came `hops` hops down lane `lane` (from the driver's own
-    lane hop, hop 1 is stage 1; from a chunk sent to stage 0, hop 1 is that stage-0 peer). None when the
-    lane failed in its own K/V exchange or compute: the lane that stalled it fails on its own chain."""
-    if not isinstance(exc, WireError) or exc.hops == 0:
-        return None
-    stage = exc.hops if local else exc.hops - 1
-    return group[stage][lane] if stage < len(group) else None
-
-
 async def _together(first, second):
     """Run two awaitables at once; the first failure cancels the other (no orphan keeps a K/V exchange busy)."""
     tasks = [asyncio.ensure_future(first), asyncio.ensure_future(second)]
@@ -181,7 +171,7 @@ class LaneHop(Hop):
         super().__init__(*args, **kwargs)
         self.lane, self.kv, self.peer_id = lane, kv, peer_id
         self.lanes = self.manifest.lanes
-        self.avoid: dict[str, float] = {}  # peer → until when it is picked only as a last resort
+        self.strikes: Counter[str] = Counter()  # peer → trips of its groups that failed since its last good one
 
     @property
     def tokens_per_trip(self) -> int:
@@ -270,18 +260,19 @@ class LaneHop(Hop):
     def pick(self) -> tuple[tuple[str, ...], ...]:
         """One peer per lane of every stage, this peer at its own lane of stage 0; NO_PEER for an empty lane."""
         now, groups = time.monotonic(), []
-        self.avoid = {peer: until for peer, until in self.avoid.items() if until > now}
+        listed = {e.record.peer_id for entries in self.router.stages.values() for e in entries}
+        self.strikes = Counter({peer: n for peer, n in self.strikes.items() if peer in listed})  # bounded
         for stage in range(self.manifest.num_stages):
             taken = {self.lane: self.peer_id} if stage == self.index else None
-            group = pick_group(self.router, stage, self.lanes, now, taken, self.avoid)
+            group = pick_group(self.router, stage, self.lanes, now, taken, self.strikes)
             if isinstance(group, EmptyLane):
                 raise WireError(ErrorCode.NO_PEER, str(group))
             groups.append(group.peers)
         return tuple(groups)
 
     async def drive(self, tokens: torch.Tensor) -> None:
-        """Stage 0: one microbatch as P lane trips, run again with another group (the blamed peers banned) while
-        a lane fails; the trip's loss is the sum of the lanes' losses."""
+        """Stage 0: one microbatch as P lane trips, run again with another group (`pick` prefers peers with fewer
+        strikes) while a lane fails; the trip's loss is the sum of the lanes' losses."""
         failure: BaseException | None = None
         for _ in range(GROUP_ATTEMPTS):
             try:
@@ -296,8 +287,8 @@ class LaneHop(Hop):
         raise failure if failure is not None else WireError(ErrorCode.NO_PEER, "no group")
 
     async def drive_group(self, tokens: torch.Tensor, group: tuple[tuple[str, ...], ...]) -> None:
-        """One trip over `group`; on any lane's failure the other lanes are cancelled (their exchanges close) and
-        the peers the failures point at are banned (`blame`), then the first failure is raised."""
+        """One trip over `group`; on any lane's failure the other lanes are cancelled (their exchanges close), the
+        group's peers get a strike each, and the first failure is raised."""
         version, trip_id = self.runtime.stage.subspace.version, uuid.uuid4().hex
         tasks = []
         for claim, chunk in split_claims(tokens, group):
@@ -311,18 +302,19 @@ class LaneHop(Hop):
         await asyncio.gather(*pending, return_exceptions=True)
         errors = {c: t.exception() for c, t in enumerate(tasks) if t in done and t.exception() is not None}
         if errors:
-            until = time.monotonic() + AVOID_SECONDS  # which lane peer stalled the others cannot always be told
-            self.avoid.update({peer: until for peers in group for peer in peers if peer != self.peer_id})
+            # which peer stalled the others cannot always be told (a lane peer that refuses or vanishes fails the
+            # lanes that exchange K/V with it, and their refusals name them): every peer of the group gets a strike,
+            # and an honest one loses it at its next good trip
+            self.strikes.update(peer for peers in group for peer in peers if peer != self.peer_id)
             for c, exc in errors.items():
-                suspect = blame(exc, group, c, c == self.lane)
-                if suspect is not None and suspect != self.peer_id:
-                    self.router.ban(suspect)
                 if isinstance(exc, WireError):
                     self.stats.error(exc.code)
-                at = f" at {suspect[-6:]}" if suspect else ""
-                logger.warning("%s lane %d of trip %s failed%s: %s", self.label, c, trip_id[:8], at, exc)
+                logger.warning("%s lane %d of trip %s failed: %s", self.label, c, trip_id[:8], exc)
             raise next(iter(errors.values()))
         results = [t.result() for t in tasks]
+        for peers in group:
+            for peer in peers:
+                self.strikes.pop(peer, None)
         self._count(results, tokens, version)
 
     async def _remote(self, claim: LaneClaim, chunk: torch.Tensor, trip_id: str) -> HopResult:

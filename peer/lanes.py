@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from peer.placement import Hysteresis, choose_stage, should_move
@@ -153,16 +153,17 @@ def pick_group(
     lanes: int,
     now: float | None = None,
     taken: Mapping[int, str] | None = None,
-    avoid: Collection[str] = (),
+    strikes: Mapping[str, int] | None = None,
 ) -> LaneGroup | EmptyLane:
     """One peer per lane of `stage` for a trip, or the first empty lane. Lanes in `taken` are already held
-    (the driver's own lane of stage 0); the others get the best of `router.candidates` (compatible, unbanned,
-    least expected wait on what this peer measured) among the peers claiming that lane, a peer in `avoid` (of
-    a group that just failed) only if its lane has no other."""
+    (the driver's own lane of stage 0); the others get, among the peers claiming that lane, the one with the
+    fewest `strikes` (failed trips since its last good one, as the driver counts them) and of those the best
+    of `router.candidates` (compatible, unbanned, least expected wait on what this peer measured)."""
     now = time.monotonic() if now is None else now
     chosen: dict[int, str] = dict(taken or {})
+    strikes = strikes or {}
     candidates = router.candidates(stage, now)
-    for entry in sorted(candidates, key=lambda e: e.record.peer_id in avoid):  # stable: best first otherwise
+    for entry in sorted(candidates, key=lambda e: strikes.get(e.record.peer_id, 0)):  # stable: best first on ties
         lane = entry.record.lane
         if valid_lane(entry.record, lanes) and lane not in chosen:
             chosen[lane] = entry.record.peer_id

@@ -8,15 +8,18 @@ import asyncio
 
 import pytest
 import torch
-from builders import tiny_manifest
+from builders import stage_record, tiny_manifest
 from hivemind.dht import DHT
+from hivemind.utils.timed_storage import get_dht_time
 
 from peer.kv_exchange import KVService, message_limit
 from peer.lane_trip import LaneClaim, LaneHop, lane_codec, read_claim, split_claims
+from peer.lanes import pick_group
 from peer.routing import Router
 from peer.runtime import StageRuntime
 from peer.trip import Stats
 from swarm.model import build_stages, next_token_loss
+from swarm.records import RECORD_TTL, PeerEntry
 from swarm.wire import ErrorCode, WireError, encode_error
 
 CP = {"size": 2, "compression": "subspace", "wire_dtype": "fp32"}
@@ -65,6 +68,18 @@ def test_split_claims_hand_each_lane_the_next_chunks_first_token():
     (first, chunk0), (last, chunk1) = split_claims(batch, GROUP)
     assert torch.equal(torch.cat([chunk0, chunk1], dim=1), batch)
     assert first.next_tokens == tuple(int(t) for t in batch[:, 16]) and last.next_tokens is None
+
+
+def test_a_lane_peer_with_strikes_is_picked_only_where_its_lane_has_no_other():
+    entries = [PeerEntry(record=stage_record(1, name, MANIFEST, lane=lane), expiration=get_dht_time() + RECORD_TTL,
+                         owner=b"") for name, lane in (("stale", 1), ("good", 1), ("only0", 0))]
+    router = Router(MANIFEST.t_fixed_sha256, "me", lanes=2)
+    router.update({1: entries})
+    stale, good, only0 = (e.record.peer_id for e in entries)
+    router.observe(stale, seconds=0.1, tokens=100)  # measured the fastest of its lane
+    router.observe(good, seconds=10.0, tokens=100)
+    assert pick_group(router, 1, 2).peers == (only0, stale)
+    assert pick_group(router, 1, 2, strikes={stale: 1, only0: 1}).peers == (only0, good)
 
 
 class Swarm:

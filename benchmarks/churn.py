@@ -32,10 +32,10 @@ import httpx
 from hivemind.utils.timed_storage import get_dht_time
 
 from launcher.supervisor import LocalSwarm
+from peer.placement import LIVENESS_WINDOW  # a record refreshed this recently belongs to a live peer
 from swarm.presets import preset
 from swarm.records import RECORD_TTL
 
-LIVE_WITHIN = 10.0  # seconds: a record refreshed this recently belongs to a live peer (announces every 5 s)
 MOVE = re.compile(r"rebalancing: moving to stage")
 
 
@@ -56,12 +56,12 @@ def proc_table() -> dict[int, tuple[int, float]]:
 
 
 def live_by_stage(stages: dict, now: float) -> dict[int, dict[str, str]]:
-    """{stage: {peer id: public name}} of online records refreshed within LIVE_WITHIN."""
+    """{stage: {peer id: public name}} of online records refreshed within LIVENESS_WINDOW."""
     return {
         stage: {
             e.record.peer_id: e.record.public_name
             for e in entries
-            if e.record.state == "online" and e.expiration - RECORD_TTL >= now - LIVE_WITHIN
+            if e.record.state == "online" and e.expiration - RECORD_TTL >= now - LIVENESS_WINDOW
         }
         for stage, entries in stages.items()
     }

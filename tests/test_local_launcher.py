@@ -16,6 +16,7 @@ from hivemind.utils.timed_storage import get_dht_time
 
 from launcher.progress import TrackerProbe
 from launcher.supervisor import ChildFailed, LocalSwarm, with_stage
+from peer.placement import LIVENESS_WINDOW
 from swarm.presets import preset
 from swarm.records import RECORD_TTL
 
@@ -99,13 +100,13 @@ def test_with_stage_replaces_only_the_stage_flag():
 
 
 def _fresh_online(swarm: LocalSwarm) -> dict[str, tuple[int, str]]:
-    """{public name: (stage, peer id)} of the online records refreshed within the last 10 s."""
+    """{public name: (stage, peer id)} of the online records refreshed within placement's liveness window."""
     now = get_dht_time()
     return {
         e.record.public_name: (stage, e.record.peer_id)
         for stage, entries in swarm.poll().items()
         for e in entries
-        if e.record.state == "online" and e.expiration - RECORD_TTL >= now - 10
+        if e.record.state == "online" and e.expiration - RECORD_TTL >= now - LIVENESS_WINDOW
     }
 
 

@@ -77,7 +77,7 @@ def run_local(args: argparse.Namespace) -> dict:
                     bar.set_postfix(loss=f"{progress.loss_last:.3f}", tokens=progress.driver_tokens())
             epoch = max(epoch, new_epoch)
         progress.observe(swarm.poll())
-        kv_bytes = swarm.kv_bytes()
+        cp_bytes = swarm.cp_bytes_per_token() if manifest.lanes > 1 else None
         tracker.probe()  # the page and the API once more at the end, with every peer still up
         supervise(swarm, args.no_restart)
         if not tracker.ok:
@@ -113,9 +113,7 @@ def run_local(args: argparse.Namespace) -> dict:
         "dense_wire_bytes_per_token": 2 * manifest.dense_bytes_per_token(),
         # context parallelism: K/V bytes on the wire (both directions, every lane) per token per layer, as the
         # peers' exchanges counted them; the simulator's cp_bytes_per_token forward + backward is the same measure
-        "cp_bytes_per_token_per_layer": (
-            kv_bytes / max(tokens, 1) / manifest.model.n_layers if manifest.lanes > 1 else None
-        ),
+        "cp_bytes_per_token_per_layer": cp_bytes / manifest.model.n_layers if cp_bytes is not None else None,
         "seconds": elapsed,
         "tracker": swarm.tracker_url,
         "tracker_ok": tracker.ok,

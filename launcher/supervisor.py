@@ -167,16 +167,18 @@ class LocalSwarm:
         """The heartbeat file of peer `name` (context parallelism only: it carries the peer's K/V bytes)."""
         return self.workdir / f"{name}.heartbeat.json"
 
-    def kv_bytes(self) -> int:
-        """K/V bytes the peers sent in the lane trips they completed, as their heartbeats (every 5 s) last said; a
-        restarted peer's count starts over."""
-        total = 0
+    def cp_bytes_per_token(self) -> float:
+        """K/V bytes the peers sent in the lane trips they completed per token their drivers completed, as their
+        heartbeats (every 5 s, so both counts are as fresh) last said; a restarted peer's counts start over."""
+        kv = tokens = 0
         for child in self.children:
             try:
-                total += int(json.loads(self.heartbeat(child.name).read_text()).get("kv_bytes", 0))
-            except (OSError, ValueError):
+                beat = json.loads(self.heartbeat(child.name).read_text())
+                kv += int(beat.get("kv_bytes", 0))
+                tokens += int(beat.get("tokens", 0)) if beat.get("stage") == 0 else 0
+            except (OSError, ValueError, TypeError):
                 continue  # the tracker, or a peer that has not written one yet
-        return total
+        return kv / max(tokens, 1)
 
     def check_children(self) -> None:
         """Any child that exits before the end fails the run: a dead peer stalls its stage, a dead

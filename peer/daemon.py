@@ -376,7 +376,7 @@ class PeerDaemon:
         def describe() -> dict:
             described = {"time": time.time(), "state": self.state, "stage": self.index, "peer_id": self.peer_id}
             if self.lanes > 1:  # `protocol-swarm local` sums it into CP bytes per token
-                described.update(lane=self.lane, kv_bytes=self.stats.kv_bytes)
+                described.update(lane=self.lane, kv_bytes=self.stats.kv_bytes, tokens=self.stats.tokens)
             return described
 
         await write_heartbeats(

@@ -24,10 +24,11 @@ import time
 from pathlib import Path
 
 from hivemind.dht import DHT
-from hivemind.p2p import P2P
+from hivemind.p2p import P2P, PeerID
 from hivemind.utils.timed_storage import get_dht_time
 
 from dhtio.records import fetch_stages
+from peer.admission import UpstreamIds
 from peer.announcer import Announcer, stage_record
 from peer.driver import Driver
 from peer.kv_exchange import KVService
@@ -48,7 +49,7 @@ from peer.trip import Hop, Stats
 from peer.trip_server import TripServer
 from swarm.manifest import Manifest
 from swarm.records import StagePeerRecord, load_identity_key, make_validators, plausible_throughput
-from swarm.wire import expectation_for
+from swarm.wire import ErrorCode, expectation_for
 
 logger = logging.getLogger("peer")
 
@@ -73,6 +74,7 @@ class PeerDaemon:
         self.lane = options.lane or 0  # the chunk of every sequence this peer holds (0 without context parallelism)
         self.lanes = manifest.lanes
         self.kv: KVService | None = None  # K/V between the lanes of a trip (context parallelism only)
+        self.lane_peers, self.lane_peers_stage = UpstreamIds(), -1  # who may send us K/V (`_admit_lane_peer`)
         self.hop: Hop | None = None
         self.throughput = 0.0
         self.stopping = asyncio.Event()
@@ -138,6 +140,18 @@ class PeerDaemon:
     async def _fetch(self, stages: list[int] | None = None) -> dict:
         """The records of `stages` (None: every stage; placement and rebalancing compare them all)."""
         return await asyncio.to_thread(fetch_stages, self.dht, self.manifest, stages)
+
+    def _admit_lane_peer(self, peer: PeerID) -> ErrorCode | None:
+        """K/V messages come only from peers with a live record at this peer's stage (the other lanes of its
+        trips), asked before a stream is read: ids merged from the router's reads and kept until their records
+        expire (`peer/admission.py`), so strangers, fresh identities included, get no receive slot."""
+        hop, now = self.hop, get_dht_time()
+        if hop is None:
+            return ErrorCode.LEAVING
+        if self.lane_peers_stage != hop.index:
+            self.lane_peers, self.lane_peers_stage = UpstreamIds(), hop.index
+        self.lane_peers.merge(((e.record.peer_id, e.expiration) for e in hop.router.stages.get(hop.index, [])), now)
+        return None if self.lane_peers.known(peer.to_base58(), now) else ErrorCode.UNKNOWN_SENDER
 
     async def _fetch_routed(self) -> dict:
         """With lanes, every stage: a driver picks a trip's group in each, stage 0 admits the other drivers."""
@@ -405,7 +419,9 @@ class PeerDaemon:
                                      self.peer_id, max_bytes, lambda: self.label)
             await self.relaying.start()
             if self.lanes > 1:
-                self.kv = KVService(self.p2p, self.manifest.run_id, largest_kv_message(self.manifest))
+                self.kv = KVService(
+                    self.p2p, self.manifest.run_id, largest_kv_message(self.manifest), admit=self._admit_lane_peer
+                )
                 await self.kv.start()  # never removed, like the trip handler: p2pd stops with the DHT
             self.reachability = ReachabilityCheck(
                 self.p2p, self._fetch, self.peer_id, self.options.host_maddrs, lambda: self.label, self.relaying.client

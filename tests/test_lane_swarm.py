@@ -20,6 +20,7 @@ from builders import tiny_manifest
 from launcher.progress import Progress
 from launcher.supervisor import Child, LocalSwarm
 from swarm.manifest import BatchSpec, save_manifest
+from swarm.records import ANNOUNCE_INTERVAL
 
 STEPS = 30
 # seq 64 over 2 lanes of 32 tokens; d=64, 2 layers, k=4; 8 sequences per optimizer step
@@ -64,12 +65,25 @@ def train(swarm: LocalSwarm, progress: Progress, until: int, seconds: float) -> 
     return epoch
 
 
+def train_until_fresh_loss(swarm: LocalSwarm, progress: Progress) -> int:
+    """A record's loss is the mean of the driver's trips since its last announce (10 s apart), so on an idle
+    machine the epoch can run well ahead of the last loss seen: watch until both stage-0 peers announced a
+    new one, and return the epoch reached then, so that the loss and the simulator's steps match."""
+    seen, deadline = len(progress.loss_history), time.monotonic() + 4 * ANNOUNCE_INTERVAL
+    while len(progress.loss_history) < seen + 2 and time.monotonic() < deadline:
+        swarm.check_children()
+        time.sleep(1.0)
+        progress.observe(swarm.poll())
+    return progress.slowest_epoch(swarm.poll(), MANIFEST.num_stages)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_two_stages_of_two_lanes_train_like_the_simulator_and_refuse_a_stale_cp_basis(tmp_path: Path):
     progress = Progress()
     with lane_swarm(tmp_path, "stale-cp", ["--fault-cp-version", "1"]) as (swarm, stale):
-        epoch = train(swarm, progress, STEPS, 480)
+        train(swarm, progress, STEPS, 480)
+        epoch = train_until_fresh_loss(swarm, progress)
         records = {e.record.public_name: e.record for entries in swarm.poll().values() for e in entries}
     # hivemind overshoots the target batch (peers learn each other's progress every few seconds), so the swarm's
     # steps hold more sequences than the manifest's 8: the simulator runs as many steps of as many sequences, and

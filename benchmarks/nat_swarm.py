@@ -1,9 +1,9 @@
 """A real swarm on the emulated internet with its middle stage behind a home router (issue 15).
 
-The tracker (whose DHT node is the bootstrap) and a stage-2 peer sit on public addresses of `benchmarks/nat.py`'s
-`Internet`; the stage-0 driver sits behind a symmetric NAT of its own (`driver_nat`, None: public), so it can
-never dial a NATed peer and no trip to one arrives over a connection that peer opened; each stage-1 peer sits
-behind its own router, in one of three ways (`HOME_MODES`):
+The tracker (whose DHT node is the bootstrap; its trip relay off here) and a stage-2 peer sit on public addresses of
+`benchmarks/nat.py`'s `Internet`; the stage-0 driver sits behind a symmetric NAT of its own (`driver_nat`, None:
+public), so it can never dial a NATed peer and no trip to one arrives over a connection that peer opened; each
+stage-1 peer sits behind its own router, in one of three ways (`HOME_MODES`):
 
 - `relay`: MASQUERADE, no port forward, `--relay auto` (the default): the swarm should report "via relay", and
   every trip to it goes through the stage-2 peer's trip relay (peer/relay.py; its counters: `relay_counters`).
@@ -101,6 +101,8 @@ class NatSwarm:
                 f"/ip4/{self.tracker_address}/tcp/31337",
                 "--poll-interval",
                 "2",
+                "--relay-service",  # the stage-2 peer is the relay measured here (tests/test_tracker_relay.py: the
+                "off",  # tracker's own); with both on, a NATed peer may pick either, and only one is counted
             ],
         )
         deadline = time.monotonic() + timeout

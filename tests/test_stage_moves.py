@@ -4,7 +4,6 @@ threads and child processes bounded, lets every stage it left be collected, and 
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import subprocess
@@ -45,12 +44,11 @@ def test_five_moves_release_every_stage(tmp_path: Path):
     assert "Task was destroyed but it is pending" not in text
     assert all(r["runtimes_alive"] == 0 for r in moves)  # every stage left was collected
     first, last = moves[0], moves[-1]
-    # A leaked stage grows memory at every move (before the fix: 493 -> 673 MiB over 5 moves, ~45 MiB each). The
-    # allocator also rises now and then in one step and stays (CI: 404 MiB after move 1, 462 after move 2, flat
-    # after; a loaded run: +50 MiB once between moves 2 and 5), so the check allows one such step, not a trend:
-    # after move 2 (the peer has held both stages), at most one move may add more than 10 MiB.
+    # A leaked stage grows memory at every move (before the fix: 493 -> 673 MiB over 5 moves, ~45 MiB each, so
+    # ~135 MiB from move 2 to move 5). The allocator also moves by itself, up and down (CI: +58 MiB once at move 2;
+    # a loaded run: +50 MiB once between moves 2 and 5; another: two rises of >10 MiB and dips, +12 MiB net), so
+    # the check is the net growth after move 2 (the peer has held both stages), against two leaked moves' worth.
     rss = [r["rss_mib"] for r in moves]
-    rises = [after - before for before, after in itertools.pairwise(rss[1:])]
-    assert sum(rise > 10 for rise in rises) <= 1 and last["rss_mib"] <= 1.25 * rss[1], moves
+    assert rss[-1] - rss[1] <= 90, moves
     assert last["children"] == first["children"] and last["threads"] <= first["threads"] + 1, moves
     assert last["tasks"] <= first["tasks"], moves

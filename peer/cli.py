@@ -12,6 +12,7 @@ import os
 import sys
 import traceback
 
+from p2pio.framing import MIN_RATE
 from peer.daemon import PeerDaemon
 from peer.lanes import lane_refusal
 from peer.options import PeerOptions
@@ -103,6 +104,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--data", help="text file or directory for drivers (default: the manifest's dataset)")
     parser.add_argument("--trip-timeout", type=float, default=60.0, help="seconds to wait for the next hop")
     parser.add_argument(
+        "--min-stream-kbit",
+        type=float,
+        default=MIN_RATE * 8 / 1000,
+        help="the rate (kbit/s) every incoming trip or K/V stream must keep, or it is cut (a stalled sender holds "
+        "no receive slot); lower it on links slower than this, where dense messages would be cut",
+    )
+    parser.add_argument(
         "--rebalance-interval", type=float, default=60.0, help="seconds between placement re-checks with --stage auto"
     )
     parser.add_argument(
@@ -160,6 +168,8 @@ def resolve(args: argparse.Namespace) -> tuple[Manifest, list[str]]:
             raise StartupError(f"--stage {stage} is out of range: the run has stages 0..{manifest.num_stages - 1}")
     if args.max_inflight < 1:
         raise StartupError("--max-inflight must be at least 1")
+    if not args.min_stream_kbit > 0:
+        raise StartupError(f"--min-stream-kbit must be positive, got {args.min_stream_kbit}")
     if min(args.relay_max_circuits, args.relay_data_limit_mib, args.relay_time_limit) < 1:
         raise StartupError("--relay-max-circuits, --relay-data-limit-mib and --relay-time-limit must be positive")
     return manifest, initial_peers
@@ -201,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
             max_inflight=int(args.max_inflight),
             data=args.data,
             trip_timeout=float(args.trip_timeout),
+            min_stream_rate=args.min_stream_kbit * 1000 / 8,
             placement_delay=float(args.placement_delay),
             rebalance_interval=float(args.rebalance_interval),
             log_interval=float(args.log_interval),

@@ -413,6 +413,7 @@ class PeerDaemon:
                 # a refusal before the message is read is noted for the aggregated log line like any other
                 on_refused_from=lambda code, peer: self.refusal_log.note(peer.to_base58(), code.value),
                 admit=self.server.admit_stream,  # only known upstream peers get a receive slot
+                min_rate=self.options.min_stream_rate,
             )
             await servicer.add_p2p_handlers(self.p2p, namespace=self.manifest.run_id)
             self.relaying = Relaying(self.p2p, self.manifest.run_id, self.options, servicer.serve_stream, self._fetch,
@@ -420,7 +421,12 @@ class PeerDaemon:
             await self.relaying.start()
             if self.lanes > 1:
                 self.kv = KVService(
-                    self.p2p, self.manifest.run_id, largest_kv_message(self.manifest), admit=self._admit_lane_peer
+                    self.p2p,
+                    self.manifest.run_id,
+                    largest_kv_message(self.manifest),
+                    admit=self._admit_lane_peer,
+                    min_rate=self.options.min_stream_rate,
+                    receive_timeout=self.options.trip_timeout,
                 )
                 await self.kv.start()  # never removed, like the trip handler: p2pd stops with the DHT
             self.reachability = ReachabilityCheck(

@@ -42,8 +42,9 @@ from collections.abc import Callable, Sequence
 import torch
 from hivemind.p2p import P2P, PeerID
 
+from p2pio.framing import GRACE_S, MIN_RATE, receive_deadline
 from peer.kv_early import BufferLimits, EarlyBuffer, EarlyMessage
-from peer.transport import TripServicer, send_trip
+from peer.transport import MAX_PER_SENDER, TripServicer, send_trip
 from swarm.cp_modes import KVCompression
 from swarm.cp_wire import CPCodec, Kind, KVExpectation, KVHeader, decode_kv, encode_kv, parse_kv_header
 from swarm.wire import ErrorCode, WireError, encode_error, raise_if_error
@@ -53,8 +54,7 @@ logger = logging.getLogger(__name__)
 ACK = b"KVOK"
 MAX_REPLY = 4096  # an ACK or a refusal (at most ~1 KB of JSON)
 KINDS: tuple[Kind, ...] = ("forward", "backward")
-SEND_TIMEOUT = 10.0
-RECEIVE_TIMEOUT = 30.0
+RECEIVE_TIMEOUT = 60.0  # a lane waiting for an earlier lane's K/V of one layer (the peer passes its trip timeout)
 MAX_CLOSED = 4096  # trip ids remembered as closed, for `BufferLimits.ttl`
 
 Payload = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]  # Z_k, Z_v, θ (or their gradients)
@@ -196,7 +196,9 @@ class KVService:
 
     `serve(codec, lane, mode)` says what the peer serves (None: nothing; every message is then refused
     `leaving`); `admit(peer)`, if given, is asked before a stream is read (e.g. only known lane peers of
-    the stage), as the trip handler's admission is."""
+    the stage), as the trip handler's admission is. `min_rate` (bytes/s, the peer's `--min-stream-kbit`) is the
+    rate a K/V stream must keep, received (`TripServicer`) and sent (a send may take as long as it allows);
+    `receive_timeout` is how long a lane waits for another lane's K/V of one layer (the peer's trip timeout)."""
 
     def __init__(
         self,
@@ -205,15 +207,17 @@ class KVService:
         max_bytes: int,
         *,
         limits: BufferLimits | None = None,
-        send_timeout: float = SEND_TIMEOUT,
+        min_rate: float = MIN_RATE,
         receive_timeout: float = RECEIVE_TIMEOUT,
         admit: Callable[[PeerID], ErrorCode | None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ):
         self.p2p, self.namespace = p2p, f"{namespace}.kv"
-        self.send_timeout, self.receive_timeout, self.clock = send_timeout, receive_timeout, clock
+        self.min_rate, self.receive_timeout, self.clock = min_rate, receive_timeout, clock
         self.early = EarlyBuffer(limits or BufferLimits())
         self.exchanges: dict[str, LaneExchange] = {}
+        self.sending: dict[PeerID, asyncio.Semaphore] = {}  # per destination: its receive slots for one sender
+        self.senders: Counter[PeerID] = Counter()  # sends waiting or running, per destination
         self.closed: dict[str, float] = {}  # trip id → until when its messages are refused
         self.codec: CPCodec | None = None
         self.mode: KVCompression | None = None
@@ -222,7 +226,9 @@ class KVService:
         self.refused: Counter[str] = Counter()
         self.dropped = 0  # early messages dropped at registration (sender not in the group, or stale)
         self.admit = admit
-        self.servicer = TripServicer(self._on_message, max_bytes, on_refused=self._count, admit=self._admit)
+        self.servicer = TripServicer(
+            self._on_message, max_bytes, on_refused=self._count, admit=self._admit, min_rate=min_rate
+        )
 
     async def start(self) -> None:
         await self.servicer.add_p2p_handlers(self.p2p, namespace=self.namespace)
@@ -275,9 +281,23 @@ class KVService:
         self.early.take(exchange.trip_id, now)
 
     async def send(self, peer: PeerID, blob: bytes) -> None:
-        """One message to `peer`, answered with ACK; anything else is a WireError."""
+        """One message to `peer`, answered with ACK; anything else is a WireError.
+
+        At most `MAX_PER_SENDER` streams go to one peer at once, the receive slots a receiver gives one sender
+        (`peer.transport.TripServicer`): further sends wait here instead of being refused `overloaded` there
+        after its grace (on a slow uplink, trips in flight × layers of K/V outnumber the slots). Once sending,
+        a message may take as long as a receiver at this peer's minimum stream rate would allow it."""
         self.bytes_out += len(blob)
-        reply = await send_trip(self.p2p, peer, self.namespace, blob, self.send_timeout, MAX_REPLY)
+        slots = self.sending.setdefault(peer, asyncio.Semaphore(MAX_PER_SENDER))
+        self.senders[peer] += 1
+        timeout = receive_deadline(len(blob), self.min_rate) + GRACE_S  # + the reply's own grace
+        try:
+            async with slots:
+                reply = await send_trip(self.p2p, peer, self.namespace, blob, timeout, MAX_REPLY)
+        finally:
+            self.senders[peer] -= 1
+            if not self.senders[peer]:  # kept only while a send to `peer` is waiting or running
+                del self.senders[peer], self.sending[peer]
         raise_if_error(reply)
         if reply != ACK:
             raise WireError(ErrorCode.MALFORMED, f"{peer} answered a K/V message with {reply[:16]!r}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from p2pio.framing import MIN_RATE
 from peer.placement import Hysteresis
 
 
@@ -21,6 +22,7 @@ class PeerOptions:
     max_inflight: int = 4
     data: str | None = None
     trip_timeout: float = 60.0
+    min_stream_rate: float = MIN_RATE  # bytes/s every incoming trip or K/V stream must keep (p2pio/framing.py)
     placement_delay: float = 3.0
     rebalance_interval: float = 60.0
     hysteresis: Hysteresis = field(default_factory=Hysteresis)

@@ -87,6 +87,13 @@ def test_lane_out_of_range_or_without_context_parallelism(tmp_path: Path, manife
     )
 
 
+def test_min_stream_rate_must_be_positive(manifest_file: Path):
+    for value in ("0", "-5", "nan"):
+        assert_one_line_error(
+            run_peer("--new-swarm", "--manifest", str(manifest_file), "--min-stream-kbit", value), "--min-stream-kbit"
+        )
+
+
 def test_needs_a_way_in(manifest_file: Path):
     assert_one_line_error(run_peer("--manifest", str(manifest_file)), "initial peers")
     assert_one_line_error(run_peer(), "--tracker")

@@ -1,10 +1,13 @@
 """Real peers on an emulated internet: a bootstrap DHT node in one namespace, one `protocol-peer`
-per stage in a namespace each, every peer host's link shaped with `tc`.
+per stage (with context parallelism, per stage and lane) in a namespace each, every peer host's link
+shaped with `tc`.
 
 `NetSwarm` starts and stops the processes (process groups inside the namespaces; the topology
 kills whatever is left in its namespaces before deleting them) and measures a *cell*: after the
 link rate changes it waits for the pipeline to turn over, then measures over a window, from the
-driver's own signed counters (tokens, bytes in/out, loss) and the veths' byte counters.
+driver's own signed counters (tokens, bytes in/out, loss) and the veths' byte counters. With lanes
+every stage-0 peer drives trips: the swarm's tokens/s is the sum of the drivers' rates, each over its
+own announcements, and the K/V bytes come from the peers' heartbeat files.
 
 The bootstrap reads every stage's records (for the driver's counters) every `records_interval`
 seconds, by default as often as the tracker polls a real swarm (`tracker.summary.POLL_INTERVAL`):
@@ -64,6 +67,7 @@ class Cell:
     upload_kbit_s: list[float] = field(default_factory=list)  # per peer host, mean over the window
     unwedged: int = 0  # stalled shaped queues restarted during settle + window (Topology.unwedge)
     errors: int = 0
+    kv_bytes_per_token: float | None = None  # K/V messages sent by every lane (heartbeats) per driver token
 
 
 @dataclass
@@ -75,12 +79,16 @@ class Child:
 
 class NetSwarm:
     def __init__(self, manifest: Manifest, workdir: Path, max_inflight: int = 4, trip_timeout: float = 300.0,
-                 tag: str | None = None, log=print, records_interval: float = POLL_INTERVAL):
+                 tag: str | None = None, log=print, records_interval: float = POLL_INTERVAL,
+                 peer_args: tuple[str, ...] = ()):
         self.manifest, self.workdir, self.records_interval = manifest, workdir, records_interval
-        self.max_inflight, self.trip_timeout = max_inflight, trip_timeout
-        self.topology = Topology(manifest.num_stages + 1, tag=tag)  # host 0: bootstrap; host i+1: stage i
+        self.max_inflight, self.trip_timeout, self.peer_args = max_inflight, trip_timeout, list(peer_args)
+        self.lanes = manifest.lanes
+        # host 0: the bootstrap; host 1 + stage * lanes + lane: that stage's lane
+        self.topology = Topology(manifest.num_stages * self.lanes + 1, tag=tag)
         self.children: list[Child] = []
-        self.samples: list[Sample] = []
+        self.series: dict[str, list[Sample]] = {}  # per driver (stage-0 peer id)
+        self.drivers: set[str] = set()  # stage-0 peers online at the last poll
         self.records: list[dict] = []
         self.log = log
         self.manifest_path = workdir / "manifest.json"
@@ -116,14 +124,37 @@ class NetSwarm:
             time.sleep(0.2)
         maddrs = json.loads(maddrs_file.read_text())
         peer = [sys.executable, "-m", "peer.cli"]  # this checkout's code (PYTHONPATH), not whatever is installed
-        for stage in range(self.manifest.num_stages):
-            host = self.topology.hosts[stage + 1]
-            self._spawn(f"stage{stage}", stage + 1, [
+        for index, (stage, lane) in enumerate(self.slots(), start=1):
+            host, name = self.topology.hosts[index], self.peer_name(stage, lane)
+            lanes = ["--lane", str(lane), "--heartbeat-file", str(self.heartbeat(name))] if self.lanes > 1 else []
+            self._spawn(name, index, [
                 *peer, "--manifest", str(self.manifest_path), "--initial-peers", *maddrs, "--stage", str(stage),
-                "--host-maddrs", f"/ip4/{host.address}/tcp/0", "--device", "cpu",
-                "--public-name", f"netsim-stage{stage}", "--max-inflight", str(self.max_inflight),
+                *lanes, "--host-maddrs", f"/ip4/{host.address}/tcp/0", "--device", "cpu",
+                "--public-name", f"netsim-{name}", "--max-inflight", str(self.max_inflight),
                 "--trip-timeout", str(self.trip_timeout), "--log-interval", "10",
-                "--checkpoint-every", "1000000"])
+                "--checkpoint-every", "1000000", *self.peer_args])
+
+    def slots(self) -> list[tuple[int, int]]:
+        """(stage, lane) of peer hosts 1, 2, ... in order."""
+        return [(stage, lane) for stage in range(self.manifest.num_stages) for lane in range(self.lanes)]
+
+    def peer_name(self, stage: int, lane: int) -> str:
+        return f"stage{stage}" if self.lanes == 1 else f"stage{stage}-lane{lane}"
+
+    def heartbeat(self, name: str) -> Path:
+        return self.workdir / f"{name}.heartbeat.json"
+
+    def kv_counts(self) -> tuple[int, int]:
+        """(K/V bytes every peer sent, tokens its stage-0 peers drove), as their heartbeat files last said."""
+        kv = tokens = 0
+        for stage, lane in self.slots():
+            try:
+                beat = json.loads(self.heartbeat(self.peer_name(stage, lane)).read_text())
+            except (OSError, ValueError):
+                continue  # not written yet
+            kv += int(beat.get("kv_bytes", 0))
+            tokens += int(beat.get("tokens", 0)) if stage == 0 else 0
+        return kv, tokens
 
     def check_children(self) -> None:
         for child in self.children:
@@ -154,31 +185,40 @@ class NetSwarm:
         except (FileNotFoundError, json.JSONDecodeError):
             return self.records
         self.records = data["records"]
+        self.drivers = set()
         for record in self.records:
             if record["stage"] == 0 and record["state"] == "online":
-                if not self.samples or record["announced_at"] > self.samples[-1].at + 1e-3:
-                    self.samples.append(Sample(record["announced_at"], record["tokens"], record["trips"],
-                                               record["bytes_in"], record["bytes_out"], record["loss"],
-                                               record["optimizer_epoch"]))
+                self.drivers.add(record["peer_id"])
+                series = self.series.setdefault(record["peer_id"], [])
+                if not series or record["announced_at"] > series[-1].at + 1e-3:
+                    series.append(Sample(record["announced_at"], record["tokens"], record["trips"],
+                                         record["bytes_in"], record["bytes_out"], record["loss"],
+                                         record["optimizer_epoch"]))
         return self.records
 
+    def latest(self) -> dict[str, Sample]:
+        """Each online driver's last announced counters."""
+        return {peer: self.series[peer][-1] for peer in self.drivers if self.series.get(peer)}
+
     def wait_training(self, timeout: float = 240.0, trips: int = 1) -> None:
-        """Until every stage is online and the driver has finished `trips` trips."""
+        """Until every stage's lanes are online and the drivers have finished `trips` trips."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             records = self.poll()
-            online = {r["stage"] for r in records if r["state"] == "online"}
-            if len(online) == self.manifest.num_stages and self.samples and self.samples[-1].trips >= trips:
+            online = {(r["stage"], r.get("lane", 0)) for r in records if r["state"] == "online"}
+            if online >= set(self.slots()) and sum(s.trips for s in self.latest().values()) >= trips:
                 return
             time.sleep(1.0)
         raise NetSimError(f"the swarm did not start training within {timeout:.0f}s; logs in {self.workdir}")
 
-    def _wait_sample_after(self, when: float, timeout: float) -> Sample:
+    def _wait_fresh(self, when: float, timeout: float) -> dict[str, Sample]:
+        """The drivers' latest counters once every online driver has announced after `when`."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             self.poll()
-            if self.samples and self.samples[-1].at > when:
-                return self.samples[-1]
+            latest = self.latest()
+            if latest and all(sample.at > when for sample in latest.values()):
+                return latest
             time.sleep(0.5)
         raise NetSimError("the driver stopped announcing")
 
@@ -189,37 +229,46 @@ class NetSwarm:
         self.topology.shape(rate_mbit, self.topology.hosts[1:])
         shaped_at, unwedged = time.time(), self.topology.unwedged
         settle_trips = self.max_inflight if settle_trips is None else settle_trips
-        first = self._wait_sample_after(shaped_at, 30.0)
+        announce = 30.0 + 2 * self.records_interval  # a driver announces every 10 s; the bootstrap reads at its pace
+        first = self._wait_fresh(shaped_at, announce)
         while time.time() - shaped_at < settle_max:  # trips sent before the change have drained
-            last = self._wait_sample_after(self.samples[-1].at, 30.0)
-            if last.trips - first.trips >= settle_trips:
+            last = self._wait_fresh(_newest(self.latest()), announce)
+            if _delta(first, last, "trips") >= settle_trips:
                 break
-        start = self.samples[-1]
+        start, kv_start = self.latest(), self.kv_counts()
         counters_start, wall_start = self.topology.counters(), time.time()
         while True:
-            end = self._wait_sample_after(self.samples[-1].at, 30.0)
-            elapsed = end.at - start.at
-            if (elapsed >= min_window and end.trips - start.trips >= min_trips) or elapsed >= max_window:
+            end = self._wait_fresh(_newest(self.latest()), announce)
+            both = [peer for peer in start if peer in end]
+            elapsed = min((end[peer].at - start[peer].at for peer in both), default=0.0)
+            trips = _delta(start, end, "trips")
+            if (elapsed >= min_window and trips >= min_trips) or elapsed >= max_window:
                 break
-        counters_end, wall_end = self.topology.counters(), time.time()
-        tokens = end.tokens - start.tokens
-        seconds = end.at - start.at
-        rate = tokens / seconds if seconds > 0 else 0.0
+        counters_end, wall_end, kv_end = self.topology.counters(), time.time(), self.kv_counts()
+        tokens = _delta(start, end, "tokens")
+        seconds = statistics.mean(end[peer].at - start[peer].at for peer in both) if both else 0.0
+        # each driver's tokens over its own announcements: their announce times differ by up to 10 s
+        rate = sum((end[p].tokens - start[p].tokens) / (end[p].at - start[p].at) for p in both
+                   if end[p].at > start[p].at)
+        kv_tokens = kv_end[1] - kv_start[1]
         upload = sum(counters_end[i][0] - counters_start[i][0] for i in range(1, len(self.topology.hosts)))
         wire_tokens = rate * (wall_end - wall_start)
         epochs = [max((r["optimizer_epoch"] for r in self.records if r["stage"] == s), default=0)
                   for s in range(self.manifest.num_stages)]
+        totals = [end[peer] for peer in both]
         cell = Cell(
             mode=mode, rate_mbit=rate_mbit, repeat=repeat, tokens_per_s=rate, window_s=seconds, tokens=tokens,
-            trips=end.trips - start.trips,
+            trips=_delta(start, end, "trips"),
             # cumulative: a window's delta counts messages of trips still in flight against finished tokens
-            app_bytes_per_token=(end.bytes_in + end.bytes_out) / max(end.tokens, 1),
+            app_bytes_per_token=sum(s.bytes_in + s.bytes_out for s in totals) / max(sum(s.tokens for s in totals), 1),
             veth_bytes_per_token=upload / wire_tokens if wire_tokens > 0 else float("nan"),
-            loss_start=start.loss, loss_end=end.loss, tokens_total=end.tokens, epochs=epochs,
+            loss_start=_mean_loss(start.values()), loss_end=_mean_loss(totals),
+            tokens_total=sum(s.tokens for s in totals), epochs=epochs,
             errors=sum(r["errors"] for r in self.records),
             upload_kbit_s=[8e-3 * (counters_end[i][0] - counters_start[i][0]) / max(wall_end - wall_start, 1e-9)
                            for i in range(1, len(self.topology.hosts))],
             unwedged=self.topology.unwedged - unwedged,
+            kv_bytes_per_token=(kv_end[0] - kv_start[0]) / kv_tokens if self.lanes > 1 and kv_tokens > 0 else None,
         )
         self.log(f"  {mode:<10} {_rate_label(rate_mbit):>9}: {rate:8.1f} tokens/s over {seconds:.0f}s "
                  f"({cell.trips} trips), {cell.app_bytes_per_token:.1f} B/token at the driver, "
@@ -228,7 +277,29 @@ class NetSwarm:
         return cell
 
     def loss_trace(self) -> list[tuple[int, float]]:
-        return [(s.tokens, s.loss) for s in self.samples if s.loss is not None]
+        """(tokens all drivers had announced, the loss one of them announced), in announcement order."""
+        tokens: dict[str, int] = {}
+        trace = []
+        announced = [(peer, sample) for peer, series in self.series.items() for sample in series]
+        for peer, sample in sorted(announced, key=lambda item: item[1].at):
+            tokens[peer] = sample.tokens
+            if sample.loss is not None:
+                trace.append((sum(tokens.values()), sample.loss))
+        return trace
+
+
+def _newest(latest: dict[str, Sample]) -> float:
+    return max((sample.at for sample in latest.values()), default=0.0)
+
+
+def _delta(start: dict[str, Sample], end: dict[str, Sample], counter: str) -> int:
+    """How far `counter` went from `start` to `end`, summed over the drivers in both."""
+    return sum(getattr(end[peer], counter) - getattr(start[peer], counter) for peer in start if peer in end)
+
+
+def _mean_loss(samples) -> float | None:
+    losses = [s.loss for s in samples if s.loss is not None]
+    return statistics.mean(losses) if losses else None
 
 
 def _rate_label(rate_mbit: float | None) -> str:

@@ -107,25 +107,28 @@ def equivalent_rate_mbit(manifest: Manifest, cpu_flops: float) -> float:
         * (cpu_flops / H100_FLOPS)
 
 
-def run_mode(mode: str, args, rates: list[float | None], log) -> tuple[list, list]:
-    manifest = manifest_for(mode, args.stages, args.k, args.seed, args.target_batch)
+def sweep(mode: str, manifest: Manifest, args, rates: list[float | None], log, extend: bool,
+          peer_args: tuple[str, ...] = ()) -> tuple[list, list]:
+    """One swarm of `manifest` measured at every rate (`args.repeats` times); with `extend` (the baseline) the
+    rates are halved past the list until this mode runs `args.target_slowdown` times slower than unshaped."""
     workdir = Path(tempfile.mkdtemp(prefix=f"netsim-{mode}-"))
-    swarm = NetSwarm(manifest, workdir, max_inflight=args.max_inflight, log=log, records_interval=args.records_interval)
+    swarm = NetSwarm(manifest, workdir, max_inflight=args.max_inflight, log=log, records_interval=args.records_interval,
+                     peer_args=peer_args)
     cells = []
     try:
-        log(f"{mode}: run {manifest.run_id}, starting {manifest.num_stages} peers in namespaces {swarm.topology.tag}-*")
+        log(f"{mode}: run {manifest.run_id}, starting {len(swarm.slots())} peers in namespaces {swarm.topology.tag}-*")
         swarm.start()
         swarm.wait_training(trips=args.warmup_trips)
         for repeat in range(args.repeats):
             for rate in rates:
                 cells.append(swarm.measure(mode, rate, repeat, min_window=args.window, max_window=args.max_window,
                                            min_trips=args.min_trips))
-                if mode == "dense-bf16" and repeat == 0 and rate == rates[-1] and args.extend:
+                if extend and repeat == 0 and rate == rates[-1]:
                     unshaped = next(c.tokens_per_s for c in cells if c.rate_mbit is None)
                     while (cells[-1].tokens_per_s * args.target_slowdown > unshaped
                            and rates[-1] is not None and rates[-1] / 2 >= args.min_rate):
                         rates.append(rates[-1] / 2)
-                        log(f"  dense is only {unshaped / max(cells[-1].tokens_per_s, 1e-9):.1f}x slower: "
+                        log(f"  {mode} is only {unshaped / max(cells[-1].tokens_per_s, 1e-9):.1f}x slower: "
                             f"adding {rates[-1]:g} Mbit/s")
                         cells.append(swarm.measure(mode, rates[-1], repeat, min_window=args.window,
                                                    max_window=args.max_window, min_trips=args.min_trips))
@@ -215,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
                                        "per_direction_bytes": manifest.compressed_bytes_per_token(),
                                        "flops_per_token_stage": stage_flops_per_token(manifest),
                                        "equivalent_rate_mbit": equivalent_rate_mbit(manifest, cpu_flops)}
-            cells, trace = run_mode(mode, args, rates, log)
+            cells, trace = sweep(mode, manifest, args, rates, log, extend=args.extend and mode == "dense-bf16")
             data["cells"] += [cell_dict(c) for c in cells]
             data["loss_traces"][mode] = trace
             data["rates"] = rates

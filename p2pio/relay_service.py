@@ -17,11 +17,11 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from contextlib import closing, suppress
-from dataclasses import dataclass
 
 from hivemind.p2p import P2P, PeerID
 from hivemind.proto import runtime_pb2
 
+from p2pio.budget import Budget
 from p2pio.framing import CHUNK_BYTES, FRAME_HEADER, FRAME_OVERHEAD, LINGER_BYTES, LINGER_S, READ_PIECE, write_message
 from swarm.wire import ErrorCode, WireError, encode_error
 
@@ -46,15 +46,6 @@ def wire_bound(max_message: int) -> int:
     """Bytes of stream a message of at most `max_message` bytes takes, frames included (as `Frames` reads it)."""
     chunks = -(-max_message // CHUNK_BYTES) + 1
     return max_message + chunks * (FRAME_HEADER + FRAME_OVERHEAD) + FRAME_HEADER
-
-
-@dataclass(frozen=True)
-class Budget:
-    """What a relay carries for others (the `--relay-*` flags)."""
-
-    circuits_per_peer: int
-    bytes_per_circuit: int  # each way
-    seconds_per_circuit: float
 
 
 def admit_circuit(

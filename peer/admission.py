@@ -1,4 +1,5 @@
-"""Who is upstream of this peer, remembered across DHT reads: pure bookkeeping for `peer/trip_server.py`.
+"""Who may send this peer messages, remembered across DHT reads: pure bookkeeping for `peer/trip_server.py`
+(trips: the stage before) and `peer/lane_trip.py` (K/V: the other lanes of this stage).
 
 A receive slot is given only to a sender this peer already knows to be upstream (a live record of
 the stage before, or a driver for stage 1). The set is built from successive DHT reads by *merging*:
@@ -61,3 +62,22 @@ class RefreshGate:
             return False
         self.last = now
         return True
+
+
+@dataclass
+class StagePeers:
+    """The ids of one stage's live peers for the stage this peer serves (`serving`): merged read after read
+    (`UpstreamIds`), forgotten when this peer starts serving another stage, whose neighbours are others."""
+
+    ids: UpstreamIds = field(default_factory=UpstreamIds)
+    serving: int | None = None
+
+    def merge(self, serving: int, entries: Iterable, now: float) -> None:
+        """Add the router entries (`record.peer_id`, `expiration`) of one read made while serving `serving`."""
+        if serving != self.serving:
+            self.ids.clear()
+            self.serving = serving
+        self.ids.merge(((e.record.peer_id, e.expiration) for e in entries), now)
+
+    def known(self, peer_id: str, now: float) -> bool:
+        return self.ids.known(peer_id, now)

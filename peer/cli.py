@@ -12,6 +12,7 @@ import os
 import sys
 import traceback
 
+from p2pio.budget import add_budget_flags, budget_from_flags
 from p2pio.framing import MIN_RATE
 from peer.daemon import PeerDaemon
 from peer.lanes import lane_refusal
@@ -84,11 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("on", "off"),
         help="relay trips for peers behind NAT that register with this one (worth it on a public address)",
     )
-    parser.add_argument("--relay-max-circuits", type=int, default=16, help="relayed trips per sending peer at once")
-    parser.add_argument(
-        "--relay-data-limit-mib", type=int, default=4096, help="MiB relayed each way per trip at most"
-    )
-    parser.add_argument("--relay-time-limit", type=int, default=1800, help="seconds a relayed trip lasts at most")
+    add_budget_flags(parser)
     parser.add_argument(
         "--identity",
         help="file with this peer's private key; created if missing, keeps the "
@@ -145,7 +142,8 @@ def _from_tracker(url: str) -> tuple[Manifest, list[str]]:
     return manifest, list(bootstrap.get("initial_peers", []))
 
 
-def resolve(args: argparse.Namespace) -> tuple[Manifest, list[str]]:
+def resolve(args: argparse.Namespace) -> tuple[Manifest, PeerOptions]:
+    """The run's manifest and this peer's options from its flags, every flag checked before anything starts."""
     initial_peers = list(args.initial_peers)
     if args.tracker:
         manifest, from_tracker = _from_tracker(args.tracker)
@@ -158,7 +156,6 @@ def resolve(args: argparse.Namespace) -> tuple[Manifest, list[str]]:
         raise StartupError("no initial peers: pass --initial-peers, --tracker, or --new-swarm to start a run")
     if args.fault_t_fixed_seed is None:
         verify_hashes(manifest)
-    parse_lane(args.lane, manifest)  # a bad --lane is named before anything starts
     if args.stage != "auto":
         try:
             stage = int(args.stage)
@@ -170,9 +167,35 @@ def resolve(args: argparse.Namespace) -> tuple[Manifest, list[str]]:
         raise StartupError("--max-inflight must be at least 1")
     if not args.min_stream_kbit > 0:
         raise StartupError(f"--min-stream-kbit must be positive, got {args.min_stream_kbit}")
-    if min(args.relay_max_circuits, args.relay_data_limit_mib, args.relay_time_limit) < 1:
-        raise StartupError("--relay-max-circuits, --relay-data-limit-mib and --relay-time-limit must be positive")
-    return manifest, initial_peers
+    try:
+        budget = budget_from_flags(args)
+    except ValueError as exc:
+        raise StartupError(str(exc)) from None
+    return manifest, PeerOptions(
+        stage=str(args.stage),
+        lane=parse_lane(args.lane, manifest),
+        initial_peers=initial_peers,
+        host_maddrs=args.host_maddrs,
+        announce_maddrs=args.announce_maddrs,
+        identity=args.identity,
+        device=args.device,
+        public_name=args.public_name,
+        checkpoint_dir=args.checkpoint_dir,
+        checkpoint_every=int(args.checkpoint_every),
+        heartbeat_file=args.heartbeat_file,
+        max_inflight=int(args.max_inflight),
+        data=args.data,
+        trip_timeout=float(args.trip_timeout),
+        min_stream_rate=args.min_stream_kbit * 1000 / 8,
+        placement_delay=float(args.placement_delay),
+        rebalance_interval=float(args.rebalance_interval),
+        log_interval=float(args.log_interval),
+        fault_t_fixed_seed=args.fault_t_fixed_seed,
+        fault_cp_version=args.fault_cp_version,
+        relay=args.relay,
+        relay_service=args.relay_service == "on",
+        relay_budget=budget,
+    )
 
 
 def parse_lane(value: str, manifest: Manifest) -> int | None:
@@ -195,40 +218,13 @@ def main(argv: list[str] | None = None) -> int:
     for noisy in ("hivemind", "asyncio"):
         logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLogger().level))
     try:
-        manifest, initial_peers = resolve(args)
-        options = PeerOptions(
-            stage=str(args.stage),
-            lane=parse_lane(args.lane, manifest),
-            initial_peers=initial_peers,
-            host_maddrs=args.host_maddrs,
-            announce_maddrs=args.announce_maddrs,
-            identity=args.identity,
-            device=args.device,
-            public_name=args.public_name,
-            checkpoint_dir=args.checkpoint_dir,
-            checkpoint_every=int(args.checkpoint_every),
-            heartbeat_file=args.heartbeat_file,
-            max_inflight=int(args.max_inflight),
-            data=args.data,
-            trip_timeout=float(args.trip_timeout),
-            min_stream_rate=args.min_stream_kbit * 1000 / 8,
-            placement_delay=float(args.placement_delay),
-            rebalance_interval=float(args.rebalance_interval),
-            log_interval=float(args.log_interval),
-            fault_t_fixed_seed=args.fault_t_fixed_seed,
-            fault_cp_version=args.fault_cp_version,
-            relay=args.relay,
-            relay_service=args.relay_service == "on",
-            relay_max_circuits=int(args.relay_max_circuits),
-            relay_data_limit_mib=int(args.relay_data_limit_mib),
-            relay_time_limit=int(args.relay_time_limit),
-        )
+        manifest, options = resolve(args)
         daemon = PeerDaemon(manifest, options)
         try:
             daemon.start_dht()
         except Exception as exc:  # noqa: BLE001 - hivemind raises bare errors for unreachable peers
             raise StartupError(
-                f"could not join the DHT via {' '.join(initial_peers) or 'a new swarm'}: "
+                f"could not join the DHT via {' '.join(options.initial_peers) or 'a new swarm'}: "
                 f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
             ) from None
     except (StartupError, ManifestError) as exc:

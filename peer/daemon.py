@@ -25,19 +25,17 @@ from pathlib import Path
 
 from hivemind.dht import DHT
 from hivemind.p2p import P2P, PeerID
-from hivemind.utils.timed_storage import get_dht_time
 
 from dhtio.records import fetch_stages
-from peer.admission import UpstreamIds
 from peer.announcer import Announcer, stage_record
 from peer.driver import Driver
 from peer.kv_exchange import KVService
 from peer.lane_trip import LaneHop, lane_codec, largest_kv_message
-from peer.lanes import Slot, allowed_slots, choose_slot, lane_loads, move_target
+from peer.lanes import Slot
 from peer.options import PeerOptions
-from peer.placement import counts_for_placement, placement_wait
 from peer.processes import StopSignals, stop_dht_and_children, stop_signals_ignored_by_children
 from peer.reachability import ReachabilityCheck, daemon_flags, relay_options, relay_service_flags, route_source
+from peer.rebalance import Placement, StageMove
 from peer.refusals import RefusalLog
 from peer.relay import Relaying
 from peer.routing import REFRESH_INTERVAL, Router, routed_stages
@@ -58,12 +56,6 @@ SIGNAL_DRAIN_TIMEOUT = 15.0  # stopped by a signal: trips in flight get at most 
 HARD_EXIT_AFTER = 25.0  # stopped by a signal: whatever still hangs after this, the process exits (within 30 s)
 
 
-class StageMove(Exception):
-    def __init__(self, target: Slot):
-        super().__init__(f"moving to stage {target[0]} lane {target[1]}")
-        self.target = target
-
-
 class PeerDaemon:
     def __init__(self, manifest: Manifest, options: PeerOptions):
         self.manifest, self.options = manifest, options
@@ -74,7 +66,6 @@ class PeerDaemon:
         self.lane = options.lane or 0  # the chunk of every sequence this peer holds (0 without context parallelism)
         self.lanes = manifest.lanes
         self.kv: KVService | None = None  # K/V between the lanes of a trip (context parallelism only)
-        self.lane_peers, self.lane_peers_stage = UpstreamIds(), -1  # who may send us K/V (`_admit_lane_peer`)
         self.hop: Hop | None = None
         self.throughput = 0.0
         self.stopping = asyncio.Event()
@@ -85,6 +76,7 @@ class PeerDaemon:
         self.reachability: ReachabilityCheck | None = None
         self.relaying: Relaying | None = None
         self.rng = random.Random()
+        self.placement = Placement(manifest, options, self._fetch, lambda: self.peer_id, lambda: self.label, self.rng)
         self.refusal_log = RefusalLog(interval=max(6 * options.log_interval, 10.0), started=time.monotonic())
         self.server = TripServer(
             self.stats, self._fetch_routed, lambda: self.state, self.overload_cap, self.refusal_log, lambda: self.label
@@ -133,7 +125,7 @@ class PeerDaemon:
             kwargs["announce_maddrs"] = self.options.announce_maddrs
         o = self.options  # relays: peer/reachability.py
         kwargs.update(relay_options(o.relay, o.announce_maddrs, o.host_maddrs, route_source()))
-        flags = relay_service_flags(o.relay_service, o.relay_max_circuits, o.relay_data_limit_mib, o.relay_time_limit)
+        flags = relay_service_flags(o.relay_service, o.relay_budget)
         with stop_signals_ignored_by_children(), daemon_flags(flags):
             self.dht = DHT(**kwargs)
 
@@ -141,49 +133,12 @@ class PeerDaemon:
         """The records of `stages` (None: every stage; placement and rebalancing compare them all)."""
         return await asyncio.to_thread(fetch_stages, self.dht, self.manifest, stages)
 
-    def _admit_lane_peer(self, peer: PeerID) -> ErrorCode | None:
-        """K/V messages come only from peers with a live record at this peer's stage (the other lanes of its
-        trips), asked before a stream is read: ids merged from the router's reads and kept until their records
-        expire (`peer/admission.py`), so strangers, fresh identities included, get no receive slot."""
-        hop, now = self.hop, get_dht_time()
-        if hop is None:
-            return ErrorCode.LEAVING
-        if self.lane_peers_stage != hop.index:
-            self.lane_peers, self.lane_peers_stage = UpstreamIds(), hop.index
-        self.lane_peers.merge(((e.record.peer_id, e.expiration) for e in hop.router.stages.get(hop.index, [])), now)
-        return None if self.lane_peers.known(peer.to_base58(), now) else ErrorCode.UNKNOWN_SENDER
+    def _admit_kv_sender(self, peer: PeerID) -> ErrorCode | None:
+        return self.hop.admit_kv_sender(peer) if isinstance(self.hop, LaneHop) else ErrorCode.LEAVING
 
     async def _fetch_routed(self) -> dict:
         """With lanes, every stage: a driver picks a trip's group in each, stage 0 admits the other drivers."""
         return await self._fetch(None if self.lanes > 1 else routed_stages(self.manifest, self.index))
-
-    @property
-    def pinned_stage(self) -> int | None:
-        return None if self.options.stage == "auto" else int(self.options.stage)
-
-    @property
-    def pinned_lane(self) -> int | None:
-        return 0 if self.lanes == 1 else self.options.lane
-
-    async def pick_stage(self) -> Slot:
-        """Wait until every record we would count was refreshed after we came up (`placement_wait`), plus a
-        random delay against a herd of newcomers, then join the stage (and lane) that needs us most."""
-        stage, lane = self.pinned_stage, self.pinned_lane
-        if stage is not None and lane is not None:
-            return stage, lane
-        wait = placement_wait(time.monotonic() - self.started) + self.rng.uniform(0, self.options.placement_delay)
-        await asyncio.sleep(wait)
-        loads = await self._lane_loads(self.manifest.t_fixed_sha256, frozenset())
-        slot = choose_slot(loads, self.manifest.num_stages, self.lanes, self.rng, stage, lane)
-        logger.info("%s placement: live lane totals %s -> stage %d lane %d", self.label, _rounded(loads), *slot)
-        return slot
-
-    async def _lane_loads(self, t_fixed_sha256: str, unreachable: set[str] | frozenset) -> dict:
-        """Every stage's live peers' throughputs per lane (`peer/lanes.py`); raises if the DHT cannot be read."""
-        stages, now = await self._fetch(), get_dht_time()
-        return lane_loads(
-            stages, self.manifest, lambda e: counts_for_placement(e, now, t_fixed_sha256, self.peer_id, unreachable)
-        )
 
     # --- what the peer announces -----------------------------------------------------------------
 
@@ -218,43 +173,19 @@ class PeerDaemon:
             await asyncio.sleep(REFRESH_INTERVAL)
 
     async def move_target(self) -> Slot | None:
-        """The (stage, lane) a move would raise the bottleneck enough for (`peer/lanes.py` `move_target`), among
-        those --stage / --lane leave open, counting only live peers we can reach; None to stay (also when the
-        DHT cannot be read)."""
-        try:
-            loads = await self._lane_loads(self.runtime.stage.subspace.t_fixed_sha256, self.router.unreachable())
-        except Exception as exc:  # noqa: BLE001 - try again next round
-            logger.warning("%s could not read the DHT for rebalancing: %s", self.label, exc)
-            return None
-        loads.setdefault(self.index, {}).setdefault(self.lane, []).append(self.throughput)
-        slots = allowed_slots(self.manifest.num_stages, self.lanes, self.pinned_stage, self.pinned_lane)
-        served_for = time.monotonic() - self.online_since
-        return move_target(loads, slots, (self.index, self.lane), self.throughput, self.options.hysteresis, served_for)
+        """Where a move would pay (`peer/rebalance.py`); None to stay."""
+        here, t_fixed = (self.index, self.lane), self.runtime.stage.subspace.t_fixed_sha256
+        return await self.placement.move_target(here, self.throughput, t_fixed, self.router.unreachable(),
+                                                self.online_since)
 
-    async def rebalance_loop(self) -> None:
-        """Every ~`rebalance_interval`: if a move would pay, wait a random part of `recheck_delay` and look
-        again; move only if it still pays (another peer may have taken the hole meanwhile)."""
-        while True:
-            await asyncio.sleep(self.options.rebalance_interval * self.rng.uniform(0.8, 1.2))
-            target = await self.move_target()
-            if target is None:
-                continue
-            delay = self.options.hysteresis.recheck_delay * self.rng.uniform(0.2, 1.0)
-            where = f"stage {target[0]} lane {target[1]}"
-            logger.info("%s rebalancing: %s needs help, checking again in %.0fs", self.label, where, delay)
-            await asyncio.sleep(delay)
-            if await self.move_target() != target:
-                logger.info("%s rebalancing: %s no longer needs us, staying", self.label, where)
-                continue
-            logger.info("%s rebalancing: moving to %s", self.label, where)
-            if target[0] != self.index:
-                raise StageMove(target)
-            # lanes of a stage are replicas of its weights: changing lanes keeps them, only the record changes
-            self.lane, self.online_since = target[1], time.monotonic()
-            if isinstance(self.hop, LaneHop):  # and what its K/V handler and its next trips take
-                self.hop.lane = self.lane
-                self.kv.serve(self.kv.codec, self.lane)
-            await self.announcer.announce_now()
+    async def switch_lane(self, lane: int) -> None:
+        """Lanes of a stage are replicas of its weights: changing lanes keeps them, only the record changes, and
+        what the K/V handler and the next trips take."""
+        self.lane, self.online_since = lane, time.monotonic()
+        if isinstance(self.hop, LaneHop):
+            self.hop.lane = self.lane
+            self.kv.serve(self.kv.codec, self.lane)
+        await self.announcer.announce_now()
 
     async def log_loop(self) -> None:
         await log_progress(
@@ -331,8 +262,9 @@ class PeerDaemon:
             list(self.manifest.layers_of(index)),
         )
         tasks = [asyncio.create_task(coro) for coro in (self.announcer.run(), self.refresh_loop(), self.log_loop())]
-        if self.pinned_stage is None or self.pinned_lane is None:
-            tasks.append(asyncio.create_task(self.rebalance_loop()))
+        if not self.placement.pinned:
+            moves = self.placement.run(self.move_target, lambda: self.index, self.switch_lane)
+            tasks.append(asyncio.create_task(moves))
         if sync is not None:
             tasks.append(asyncio.create_task(sync.run()))
         driver = None
@@ -424,7 +356,7 @@ class PeerDaemon:
                     self.p2p,
                     self.manifest.run_id,
                     largest_kv_message(self.manifest),
-                    admit=self._admit_lane_peer,
+                    admit=self._admit_kv_sender,
                     min_rate=self.options.min_stream_rate,
                     receive_timeout=self.options.trip_timeout,
                 )
@@ -453,7 +385,7 @@ class PeerDaemon:
             await asyncio.to_thread(self.stop_processes)
 
     async def pick_stage_or_stop(self) -> Slot | None:
-        pick = asyncio.create_task(self.pick_stage())
+        pick = asyncio.create_task(self.placement.first_slot(time.monotonic() - self.started))
         stop = asyncio.create_task(self.stopping.wait())
         await asyncio.wait([pick, stop], return_when=asyncio.FIRST_COMPLETED)
         stopped = not pick.done()
@@ -469,7 +401,3 @@ class PeerDaemon:
         if self._temp_identity is not None:
             shutil.rmtree(self._temp_identity, ignore_errors=True)
 
-
-def _rounded(loads: dict) -> dict:
-    """Lane totals for a log line."""
-    return {stage: {lane: round(sum(v), 1) for lane, v in lanes.items()} for stage, lanes in loads.items()}

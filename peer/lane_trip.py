@@ -30,7 +30,10 @@ from collections import Counter
 from dataclasses import dataclass
 
 import torch
+from hivemind.p2p import PeerID
+from hivemind.utils.timed_storage import get_dht_time
 
+from peer.admission import StagePeers
 from peer.kv_exchange import KVService, LaneExchange, message_limit
 from peer.lanes import EmptyLane, pick_group
 from peer.trip import Hop, HopResult, Reply
@@ -172,12 +175,21 @@ class LaneHop(Hop):
         self.lane, self.kv, self.peer_id = lane, kv, peer_id
         self.lanes = self.manifest.lanes
         self.strikes: Counter[str] = Counter()  # peer → trips of its groups that failed since its last good one
+        self.stage_peers = StagePeers()  # who may send this lane K/V (`admit_kv_sender`)
 
     @property
     def tokens_per_trip(self) -> int:
         return self.manifest.batch.microbatch_size * self.manifest.batch.seq_len // self.lanes
 
     # --- serving one lane -----------------------------------------------------------------------------
+
+    def admit_kv_sender(self, peer: PeerID) -> ErrorCode | None:
+        """K/V messages come only from peers with a live record at this stage (the other lanes of its trips),
+        asked before a stream is read: ids merged from the router's reads and kept until their records expire
+        (`peer/admission.py`), so strangers, fresh identities included, get no receive slot."""
+        now = get_dht_time()
+        self.stage_peers.merge(self.index, self.router.stages.get(self.index, []), now)
+        return None if self.stage_peers.known(peer.to_base58(), now) else ErrorCode.UNKNOWN_SENDER
 
     async def turn(self, header: Header, hidden: torch.Tensor, tokens: torch.Tensor, sender: str) -> HopResult:
         """A chunk's forward message (from the group's previous stage of this lane, or from the driver on stage 0):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from p2pio.budget import Budget
 from p2pio.framing import MIN_RATE
 from peer.placement import Hysteresis
 
@@ -33,7 +34,5 @@ class PeerOptions:
     checkpoint_every: int = 50
     heartbeat_file: str | None = None
     relay: str = "auto"  # peer/reachability.py `relay_options`
-    relay_service: bool = True  # carry circuits for NATed peers, within the limits below (p2pd's per-circuit budget)
-    relay_max_circuits: int = 16
-    relay_data_limit_mib: int = 4096
-    relay_time_limit: int = 1800
+    relay_service: bool = True  # carry circuits for NATed peers, within `relay_budget`
+    relay_budget: Budget = field(default_factory=Budget)  # what --relay-service carries (p2pd's per-circuit budget)

@@ -43,6 +43,8 @@ from collections.abc import Awaitable, Callable, Iterator, Sequence
 
 from hivemind.p2p import P2P, PeerID
 
+from p2pio.budget import Budget
+
 logger = logging.getLogger("peer")
 
 DIRECT, VIA_RELAY, UNREACHABLE, UNKNOWN = "direct", "via relay", "unreachable", ""
@@ -98,7 +100,7 @@ def relay_options(
     return options
 
 
-def relay_service_flags(enabled: bool, max_circuits: int, data_limit_mib: int, time_limit_s: int) -> dict:
+def relay_service_flags(enabled: bool, budget: Budget) -> dict:
     """p2pd's flags for carrying circuits for others, which hivemind 1.1.12's `P2P.create` does not forward.
     The budget p2pd supports is per relayed connection (bytes each way, duration) and per peer (open
     circuits); it has no total bandwidth cap. Reservations per peer stay at p2pd's default (128)."""
@@ -106,9 +108,9 @@ def relay_service_flags(enabled: bool, max_circuits: int, data_limit_mib: int, t
         return {"relayService": 0}
     return {
         "relayService": 1,
-        "relayMaxCircuits": max_circuits,
-        "relayDataLimit": data_limit_mib << 20,
-        "relayTimeLimit": f"{time_limit_s}s",
+        "relayMaxCircuits": budget.circuits_per_peer,
+        "relayDataLimit": budget.bytes_per_circuit,
+        "relayTimeLimit": f"{budget.seconds_per_circuit:.0f}s",
     }
 
 

@@ -53,7 +53,6 @@ from p2pio.relay_service import (
     FORWARD,
     HEADER_TIMEOUT,
     REGISTER,
-    Budget,
     RelayService,
     handler,
     read_id,
@@ -236,8 +235,7 @@ class Relaying:
         o = self.options = options
         self.sender = TripSender(p2p, namespace)
         self.client = RelayClient(p2p, namespace, serve, candidates) if o.relay != "off" else None
-        budget = Budget(o.relay_max_circuits, o.relay_data_limit_mib << 20, float(o.relay_time_limit))
-        self.service = RelayService(p2p, namespace, budget, max_message) if o.relay_service else None
+        self.service = RelayService(p2p, namespace, o.relay_budget, max_message) if o.relay_service else None
         self.label = label
         self.log_task: asyncio.Task | None = None
 

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from hivemind.p2p import PeerID
 from hivemind.utils.timed_storage import get_dht_time
 
-from peer.admission import RefreshGate, UpstreamIds
+from peer.admission import RefreshGate, StagePeers
 from peer.refusals import RefusalLog, SenderLimits
 from peer.trip import Fetch, Hop, Stats
 from swarm.wire import ErrorCode, encode_error
@@ -52,8 +52,7 @@ class TripServer:
         self.refusal_log = refusal_log
         self.sender_limits = self._sender_limits()
         self.hop: Hop | None = None
-        self.upstream = UpstreamIds()
-        self._upstream_stage: int | None = None
+        self.upstream = StagePeers()
         self._refresh_gate = RefreshGate(SENDER_REFRESH_INTERVAL)
         self._refresh_task: asyncio.Task | None = None  # referenced so it is not collected while running
 
@@ -104,11 +103,7 @@ class TripServer:
         hop, now = self.hop, get_dht_time()
         if hop is None or not (hop.index or self._lanes(hop)):
             return False
-        if self._upstream_stage != hop.index:
-            self.upstream.clear()
-            self._upstream_stage = hop.index
-        entries = hop.router.stages.get(self._upstream_of(hop), [])
-        self.upstream.merge(((e.record.peer_id, e.expiration) for e in entries), now)
+        self.upstream.merge(hop.index, hop.router.stages.get(self._upstream_of(hop), []), now)
         return self.upstream.known(sender, now)
 
     @staticmethod
@@ -137,8 +132,7 @@ class TripServer:
             logger.warning("%s could not read the DHT for a sender check: %s", self.label(), exc)
             return
         if hop is not None and hop is self.hop and (hop.index or self._lanes(hop)):
-            entries = stages.get(self._upstream_of(hop), [])
-            self.upstream.merge(((e.record.peer_id, e.expiration) for e in entries), get_dht_time())
+            self.upstream.merge(hop.index, stages.get(self._upstream_of(hop), []), get_dht_time())
 
     def _not_admitted(self, sender: str) -> tuple[ErrorCode, str] | None:
         """None if `sender` may be given a receive slot now, else the refusal (code, message). Pure lookups:

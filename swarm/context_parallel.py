@@ -141,6 +141,12 @@ class ContextParallelSpec:
         """Values per token per message for K and V: the ranks, or d_kv when dense."""
         return self.mode.widths(self.r_k, self.r_v, kv_width(shape))
 
+    def message_widths(self, mode: KVCompression, d_kv: int) -> tuple[int, int, int]:
+        """Values per token of a K/V message's K and V parts in `mode` (a layer's own, which may differ from the
+        spec's), and θ values per sequence."""
+        width_k, width_v = mode.widths(self.r_k, self.r_v, d_kv)
+        return width_k, width_v, self.n_theta if mode.compressed else 0
+
     def payload_bytes_per_token(self, shape, seq_len: int, batch: int = 1) -> dict:
         """Formula: payload bytes per token per layer, forward (backward is the same size): each
         chunk's message goes to the P−1−c later chunks, so a token crosses (P−1)/2 times on average."""

@@ -291,10 +291,8 @@ class LaneTrip:
     # -------------------------------------------------------------- checks
 
     def _widths(self, layer: int) -> tuple[int, int, int]:
-        """Values per token of a message's K and V parts, θ values per sequence (as swarm.cp_wire.CPCodec)."""
-        attn, mode = self.attns[layer][1], self.modes[layer]
-        width_k, width_v = mode.widths(self.spec.r_k, self.spec.r_v, attn.d_kv)
-        return width_k, width_v, self.spec.n_theta if mode.compressed else 0
+        """Values per token of a message's K and V parts, θ values per sequence."""
+        return self.spec.message_widths(self.modes[layer], self.attns[layer][1].d_kv)
 
     def _check(self, messages: dict[int, KV], lanes: range, widths, kind: str, layer: int) -> None:
         """The messages of `layer` are exactly one per lane of `lanes`, each of the run's shapes."""

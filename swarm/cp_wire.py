@@ -236,8 +236,7 @@ class CPCodec:
 
     def widths(self, mode: KVCompression) -> tuple[int, int, int]:
         """Values per token of K and V, and θ values per sequence, of a message in `mode`."""
-        width_k, width_v = mode.widths(self.spec.r_k, self.spec.r_v, kv_width(self.shape))
-        return width_k, width_v, self.spec.n_theta if mode.compressed else 0
+        return self.spec.message_widths(mode, kv_width(self.shape))
 
     def header(
         self,

@@ -20,6 +20,7 @@ import pydantic.v1 as pydantic
 import pytest
 from builders import stage_record
 
+from p2pio.budget import Budget
 from peer.reachability import (
     DIRECT,
     GREETING,
@@ -51,8 +52,9 @@ def test_relay_policy():
     assert relay_options("off", [], ["/ip4/0.0.0.0/tcp/0"], "192.168.1.20") == {"use_auto_relay": False}
     with pytest.raises(ValueError):
         relay_options("sometimes", [], [], None)
-    assert relay_service_flags(False, 16, 4096, 1800) == {"relayService": 0}
-    assert relay_service_flags(True, 4, 100, 60)["relayDataLimit"] == 100 << 20
+    assert relay_service_flags(False, Budget()) == {"relayService": 0}
+    assert relay_service_flags(True, Budget(4, 100 << 20, 60.0)) == {
+        "relayService": 1, "relayMaxCircuits": 4, "relayDataLimit": 100 << 20, "relayTimeLimit": "60s"}
 
 
 def test_classify_and_targets():
@@ -270,7 +272,7 @@ def test_p2pd_accepts_the_relay_service_flags():
     from peer.reachability import daemon_flags
 
     async def run() -> list[str]:
-        with daemon_flags(relay_service_flags(True, 4, 100, 60)):
+        with daemon_flags(relay_service_flags(True, Budget(4, 100 << 20, 60.0))):
             p2p = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
         try:
             return Path(f"/proc/{p2p._child.pid}/cmdline").read_bytes().decode().split("\0")

@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Sequence
 
+from p2pio.budget import add_budget_flags, budget_from_flags
 from swarm.flags import EnvDefaultsParser, add_log_level, refuse_start
 from swarm.manifest import ManifestError, load_manifest
 from tracker.summary import DEFAULT_STALE_AFTER, POLL_INTERVAL
@@ -73,9 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="on",
         help="relay trips for peers behind NAT that register with this node (tracker/relay.py; default on)",
     )
-    p.add_argument("--relay-max-circuits", type=int, default=16, help="relayed trips per sending peer at once")
-    p.add_argument("--relay-data-limit-mib", type=int, default=4096, help="MiB relayed each way per trip at most")
-    p.add_argument("--relay-time-limit", type=int, default=1800, help="seconds a relayed trip lasts at most")
+    add_budget_flags(p)
     add_log_level(p)
     return p
 
@@ -112,7 +111,6 @@ def _raise_exit(signum, frame) -> None:
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from p2pio.relay_service import Budget
     from tracker.app import create_app
     from tracker.history import History
     from tracker.relay import TrackerRelay
@@ -129,8 +127,10 @@ def run(args: argparse.Namespace) -> int:
         )
     if args.poll_interval <= 0 or args.stale_after <= 0:
         return refuse_start(PROG, "--poll-interval and --stale-after must be positive")
-    if min(args.relay_max_circuits, args.relay_data_limit_mib, args.relay_time_limit) < 1:
-        return refuse_start(PROG, "--relay-max-circuits, --relay-data-limit-mib and --relay-time-limit must be > 0")
+    try:
+        budget = budget_from_flags(args)
+    except ValueError as exc:
+        return refuse_start(PROG, str(exc))
     try:
         sock = _listen(args.host, args.port)
     except OSError as exc:
@@ -161,7 +161,6 @@ def run(args: argparse.Namespace) -> int:
         maddrs = [str(a) for a in dht.get_visible_maddrs()]
         logger.info("DHT node %s listening on %s", dht.peer_id, " ".join(maddrs))
         if args.relay_service == "on":
-            budget = Budget(args.relay_max_circuits, args.relay_data_limit_mib << 20, float(args.relay_time_limit))
             relay = TrackerRelay(dht, manifest, budget)
             try:
                 relay.start()

@@ -88,7 +88,10 @@ class PeerDaemon:
 
     @property
     def overload_cap(self) -> int:
-        return 4 * max(self.options.max_inflight, 1) * self.manifest.num_stages
+        """Trips in flight here at most. Every driver's trips pass through every lane: with P lanes a peer
+        carries P times the trips of a pipeline without lanes (measured: 4 lanes refused each other's
+        chunks `overloaded` until their trips collapsed on an 8 Mbit/s link)."""
+        return 4 * max(self.options.max_inflight, 1) * self.manifest.num_stages * self.lanes
 
     # --- identity and logging -------------------------------------------------------------------
 

@@ -88,3 +88,25 @@ def test_two_hosts_train_over_a_shaped_link_and_leave_nothing(tmp_path):
     assert not [n for n in namespaces() if n.startswith(tag)]
     assert all(child.process.poll() is not None for child in swarm.children)
     assert _session_members(sids) == []
+
+
+@needs_netns
+def test_lanes_exchange_dense_kv_over_links_slower_than_the_default_stream_rate(tmp_path):
+    """1 stage x 2 lanes, one host each, dense K/V (1 KB per token on each uplink) at 2 Mbit/s per host: with
+    several K/V streams sharing a link each runs below the default 1 Mbit/s minimum stream rate, so the peers
+    take --min-stream-kbit 16; trips finish, every driver is counted, and the K/V bytes match the formula."""
+    manifest = preset("tiny", stages=1, context_parallel={"size": 2, "compression": "none"})
+    swarm = NetSwarm(manifest, tmp_path, max_inflight=2, log=lambda line: None,
+                     peer_args=("--min-stream-kbit", "16"))
+    try:
+        swarm.start()
+        swarm.wait_training(timeout=180, trips=2)
+        cell = swarm.measure("cp-dense", 2.0, min_window=10, max_window=90, min_trips=2, settle_trips=1,
+                             settle_max=60)
+    finally:
+        swarm.stop()
+    assert len(swarm.drivers) == 2 and cell.trips >= 2 and cell.tokens_per_s > 0
+    # 4 layers x (K + V: 2 x 128 bf16 values) x 1/2 crossing per token, forward and backward: 2048 B per token
+    assert cell.kv_bytes_per_token is not None and 2048 <= cell.kv_bytes_per_token <= 2048 * 1.08, cell
+    assert len(cell.upload_kbit_s) == 2 and max(cell.upload_kbit_s) <= 2000 * 1.1
+    assert not [n for n in namespaces() if n.startswith(swarm.topology.tag)]

@@ -120,7 +120,7 @@ def sweep(mode: str, manifest: Manifest, args, rates: list[float | None], log, e
         swarm.start()
         swarm.wait_training(trips=args.warmup_trips)
         for repeat in range(args.repeats):
-            for rate in rates:
+            for rate in list(rates):  # the baseline's extension appends to `rates`: measured there, once
                 cells.append(swarm.measure(mode, rate, repeat, min_window=args.window, max_window=args.max_window,
                                            min_trips=args.min_trips))
                 if extend and repeat == 0 and rate == rates[-1]:

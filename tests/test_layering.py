@@ -12,6 +12,9 @@ shared `dhtio` and `p2pio` import none of them.
 from __future__ import annotations
 
 import ast
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -41,7 +44,15 @@ ALLOWED_HIVEMIND = (
 
 
 def _imports(package: str) -> list[tuple[str, list[str], str]]:
-    """(module, imported names, where) for every absolute import under `package/`."""
+    """(module, imported names, where) for every absolute import under `package/`, read in a fresh interpreter:
+    CPython 3.11.7's `ast` conversion keeps its recursion count in state shared by the process, and a parse in
+    a thread an earlier test left running (seen after tests/test_tracker_relay.py) makes ours raise "AST
+    constructor recursion depth mismatch" (fixed in 3.11.8)."""
+    done = subprocess.run([sys.executable, __file__, package], capture_output=True, text=True, check=True)
+    return [tuple(item) for item in json.loads(done.stdout)]
+
+
+def _read_imports(package: str) -> list[tuple[str, list[str], str]]:
     found = []
     for path in sorted((ROOT / package).rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
@@ -83,3 +94,7 @@ def test_packages_import_only_downwards():
         if module.split(".")[0] in forbidden
     ]
     assert not offending, "an import against the layering:\n" + "\n".join(offending)
+
+
+if __name__ == "__main__":
+    print(json.dumps(_read_imports(sys.argv[1])))

@@ -31,6 +31,8 @@ class StageMove(Exception):
 
 
 class Placement:
+    """This peer's placement policy, with what it reads: the manifest, --stage / --lane, and the DHT (`fetch`)."""
+
     def __init__(
         self,
         manifest: Manifest,

@@ -45,9 +45,9 @@ ALLOWED_HIVEMIND = (
 
 def _imports(package: str) -> list[tuple[str, list[str], str]]:
     """(module, imported names, where) for every absolute import under `package/`, read in a fresh interpreter:
-    CPython 3.11.7's `ast` conversion keeps its recursion count in state shared by the process, and a parse in
-    a thread an earlier test left running (seen after tests/test_tracker_relay.py) makes ours raise "AST
-    constructor recursion depth mismatch" (fixed in 3.11.8)."""
+    on CPython 3.11.7, after tests/test_tracker_relay.py has run in the same process, `ast.parse` raises
+    "AST constructor recursion depth mismatch" (cause not established; a later parse by pytest itself can still
+    fail in that order, which is not the suite's order)."""
     done = subprocess.run([sys.executable, __file__, package], capture_output=True, text=True, check=True)
     return [tuple(item) for item in json.loads(done.stdout)]
 

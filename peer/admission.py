@@ -1,4 +1,4 @@
-"""Who may send this peer messages, remembered across DHT reads: pure bookkeeping for `peer/trip_server.py`
+"""Who may send this peer messages, remembered across DHT reads: the bookkeeping for `peer/trip_server.py`
 (trips: the stage before) and `peer/lane_trip.py` (K/V: the other lanes of this stage).
 
 A receive slot is given only to a sender this peer already knows to be upstream (a live record of
@@ -8,17 +8,28 @@ an id stays known until its own record expires, so a failed, partial or empty re
 sender is not refused `unknown_sender` for a moment because one read went wrong.
 
 An unknown sender is refused at once, before a byte of its stream is read; the refusal only *asks*
-for a re-read (`RefreshGate`), at most once per interval for all unknown senders together, so a
-peer that joined seconds ago is served on its retry while a flood of fresh identities costs one DHT
-read per interval and no receive slot.
+for a re-read (`StagePeers.refresh_soon`, gated by `RefreshGate`), at most once per interval for all
+unknown senders together, so a peer that joined seconds ago is served on its retry while a flood of
+fresh identities costs one DHT read per interval and no receive slot. A newcomer needs this as much: the
+peers it reads at its join may not all have announced yet (a lane peer that knew none of its lane
+partners refused their K/V until its next routine read, 10 s later, and its first trips failed).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 
+from hivemind.utils.timed_storage import get_dht_time
+
+logger = logging.getLogger("peer")
+
 MAX_KNOWN = 65536  # ids remembered at most; expired ones are dropped first (records are signed, so this is a guard)
+REFRESH_INTERVAL = 2.0  # at most one DHT read per this many seconds on behalf of unknown senders
+REFRESH_TIMEOUT = 5.0  # such a read that takes longer is abandoned (the next miss reads again)
 
 
 @dataclass
@@ -67,10 +78,13 @@ class RefreshGate:
 @dataclass
 class StagePeers:
     """The ids of one stage's live peers for the stage this peer serves (`serving`): merged read after read
-    (`UpstreamIds`), forgotten when this peer starts serving another stage, whose neighbours are others."""
+    (`UpstreamIds`), forgotten when this peer starts serving another stage, whose neighbours are others.
+    A miss asks for a background re-read (`refresh_soon`)."""
 
     ids: UpstreamIds = field(default_factory=UpstreamIds)
     serving: int | None = None
+    gate: RefreshGate = field(default_factory=lambda: RefreshGate(REFRESH_INTERVAL))
+    reading: asyncio.Task | None = None  # referenced so it is not collected while running
 
     def merge(self, serving: int, entries: Iterable, now: float) -> None:
         """Add the router entries (`record.peer_id`, `expiration`) of one read made while serving `serving`."""
@@ -81,3 +95,20 @@ class StagePeers:
 
     def known(self, peer_id: str, now: float) -> bool:
         return self.ids.known(peer_id, now)
+
+    def refresh_soon(self, fetch: Callable[[], Awaitable[dict]], serving: int, stage: int, label: str) -> None:
+        """After an unknown sender was refused: read the DHT in the background and merge `stage`'s records if this
+        peer still serves `serving` then; at most one read per `REFRESH_INTERVAL`. The refused sender is not kept
+        waiting, and a peer that joined a moment ago is known by the time it retries."""
+        if not self.gate.due(time.monotonic()):
+            return
+        self.reading = asyncio.get_running_loop().create_task(self._read(fetch, serving, stage, label))
+
+    async def _read(self, fetch: Callable[[], Awaitable[dict]], serving: int, stage: int, label: str) -> None:
+        try:
+            stages = await asyncio.wait_for(fetch(), REFRESH_TIMEOUT)
+        except Exception as exc:  # noqa: BLE001 - the sender was refused already; the next miss reads again
+            logger.warning("%s could not read the DHT for a sender check: %s", label, exc)
+            return
+        if self.serving == serving:
+            self.merge(serving, stages.get(stage, []), get_dht_time())

@@ -26,7 +26,6 @@ import asyncio
 import logging
 import time
 import uuid
-from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -35,7 +34,7 @@ from hivemind.utils.timed_storage import get_dht_time
 
 from peer.admission import StagePeers
 from peer.kv_exchange import KVService, LaneExchange, message_limit
-from peer.lanes import EmptyLane, pick_group
+from peer.lanes import EmptyLane, Strikes, pick_group
 from peer.trip import Hop, HopResult, Reply
 from swarm.context_parallel import CPBasis
 from swarm.cp_lane import LaneTrip
@@ -174,7 +173,7 @@ class LaneHop(Hop):
         super().__init__(*args, **kwargs)
         self.lane, self.kv, self.peer_id = lane, kv, peer_id
         self.lanes = self.manifest.lanes
-        self.strikes: Counter[str] = Counter()  # peer → trips of its groups that failed since its last good one
+        self.strikes = Strikes()  # groups that failed, per peer: `pick` prefers peers with fewer
         self.stage_peers = StagePeers()  # who may send this lane K/V (`admit_kv_sender`)
 
     @property
@@ -186,10 +185,14 @@ class LaneHop(Hop):
     def admit_kv_sender(self, peer: PeerID) -> ErrorCode | None:
         """K/V messages come only from peers with a live record at this stage (the other lanes of its trips),
         asked before a stream is read: ids merged from the router's reads and kept until their records expire
-        (`peer/admission.py`), so strangers, fresh identities included, get no receive slot."""
+        (`peer/admission.py`), so strangers, fresh identities included, get no receive slot. A miss asks for a
+        re-read, so a lane partner that announced after this peer's last read is admitted on its next trip."""
         now = get_dht_time()
         self.stage_peers.merge(self.index, self.router.stages.get(self.index, []), now)
-        return None if self.stage_peers.known(peer.to_base58(), now) else ErrorCode.UNKNOWN_SENDER
+        if self.stage_peers.known(peer.to_base58(), now):
+            return None
+        self.stage_peers.refresh_soon(self.fetch, self.index, self.index, self.label)
+        return ErrorCode.UNKNOWN_SENDER
 
     async def turn(self, header: Header, hidden: torch.Tensor, tokens: torch.Tensor, sender: str) -> HopResult:
         """A chunk's forward message (from the group's previous stage of this lane, or from the driver on stage 0):
@@ -273,10 +276,10 @@ class LaneHop(Hop):
         """One peer per lane of every stage, this peer at its own lane of stage 0; NO_PEER for an empty lane."""
         now, groups = time.monotonic(), []
         listed = {e.record.peer_id for entries in self.router.stages.values() for e in entries}
-        self.strikes = Counter({peer: n for peer, n in self.strikes.items() if peer in listed})  # bounded
+        strikes = self.strikes.current(listed, now)
         for stage in range(self.manifest.num_stages):
             taken = {self.lane: self.peer_id} if stage == self.index else None
-            group = pick_group(self.router, stage, self.lanes, now, taken, self.strikes)
+            group = pick_group(self.router, stage, self.lanes, now, taken, strikes)
             if isinstance(group, EmptyLane):
                 raise WireError(ErrorCode.NO_PEER, str(group))
             groups.append(group.peers)
@@ -315,18 +318,15 @@ class LaneHop(Hop):
         errors = {c: t.exception() for c, t in enumerate(tasks) if t in done and t.exception() is not None}
         if errors:
             # which peer stalled the others cannot always be told (a lane peer that refuses or vanishes fails the
-            # lanes that exchange K/V with it, and their refusals name them): every peer of the group gets a strike,
-            # and an honest one loses it at its next good trip
-            self.strikes.update(peer for peers in group for peer in peers if peer != self.peer_id)
+            # lanes that exchange K/V with it, and their refusals name them): every peer of the group gets a strike
+            self.strikes.strike((peer for peers in group for peer in peers if peer != self.peer_id), time.monotonic())
             for c, exc in errors.items():
                 if isinstance(exc, WireError):
                     self.stats.error(exc.code)
                 logger.warning("%s lane %d of trip %s failed: %s", self.label, c, trip_id[:8], exc)
             raise next(iter(errors.values()))
         results = [t.result() for t in tasks]
-        for peers in group:
-            for peer in peers:
-                self.strikes.pop(peer, None)
+        self.strikes.clear(peer for peers in group for peer in peers)
         self._count(results, tokens, version)
 
     async def _remote(self, claim: LaneClaim, chunk: torch.Tensor, trip_id: str) -> HopResult:

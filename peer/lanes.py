@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Container, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 from peer.placement import Hysteresis, choose_stage, should_move
 from peer.routing import Router
@@ -145,6 +145,40 @@ class EmptyLane:
 
     def __str__(self) -> str:
         return f"lane {self.lane} of stage {self.stage} is empty"
+
+
+STRIKE_MEMORY = 30.0  # seconds after its last strike that a peer's strikes are forgotten
+
+
+@dataclass
+class Strikes:
+    """Failed trips of a peer's groups since its last good one, as one driver counts them (`pick_group` prefers
+    fewer). Which lane peer made a group fail cannot always be told, so every peer of the group gets one and an
+    honest one loses them at its next good trip. A peer that is never picked has no good trip to clear them,
+    so they are forgotten `memory` seconds after the last: a peer struck for a passing cause (a lane partner
+    that had not announced yet when it checked) is tried again, and one with a standing fault costs each driver
+    one failed group per `memory` seconds rather than being tried on every trip."""
+
+    memory: float = STRIKE_MEMORY
+    counts: dict[str, int] = field(default_factory=dict)
+    last: dict[str, float] = field(default_factory=dict)
+
+    def strike(self, peers: Iterable[str], now: float) -> None:
+        for peer in peers:
+            self.counts[peer] = self.counts.get(peer, 0) + 1
+            self.last[peer] = now
+
+    def clear(self, peers: Iterable[str]) -> None:
+        for peer in peers:
+            self.counts.pop(peer, None)
+            self.last.pop(peer, None)
+
+    def current(self, listed: Container[str], now: float) -> dict[str, int]:
+        """The strikes that count now, forgetting those of unlisted peers and those older than `memory`."""
+        keep = {p for p, t in self.last.items() if p in listed and now - t < self.memory}
+        self.counts = {p: n for p, n in self.counts.items() if p in keep}
+        self.last = {p: t for p, t in self.last.items() if p in keep}
+        return dict(self.counts)
 
 
 def pick_group(

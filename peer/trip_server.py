@@ -14,7 +14,6 @@ accepts too: the chunks a trip's driver, itself a stage-0 peer, hands the other 
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Callable
@@ -22,14 +21,12 @@ from collections.abc import Callable
 from hivemind.p2p import PeerID
 from hivemind.utils.timed_storage import get_dht_time
 
-from peer.admission import RefreshGate, StagePeers
+from peer.admission import StagePeers
 from peer.refusals import RefusalLog, SenderLimits
 from peer.trip import Fetch, Hop, Stats
 from swarm.wire import ErrorCode, encode_error
 
 logger = logging.getLogger("peer")
-
-SENDER_REFRESH_INTERVAL = 2.0  # at most one DHT read per this many seconds on behalf of unknown senders
 
 
 class TripServer:
@@ -53,8 +50,6 @@ class TripServer:
         self.sender_limits = self._sender_limits()
         self.hop: Hop | None = None
         self.upstream = StagePeers()
-        self._refresh_gate = RefreshGate(SENDER_REFRESH_INTERVAL)
-        self._refresh_task: asyncio.Task | None = None  # referenced so it is not collected while running
 
     def _sender_limits(self) -> SenderLimits:
         """Per-sender limits, sized so honest traffic never meets them.
@@ -115,35 +110,16 @@ class TripServer:
         """The stage whose peers may send this stage trips."""
         return hop.index - 1 if hop.index else 0
 
-    def _kick_refresh(self) -> None:
-        """Start a background DHT read for unknown senders, at most once per SENDER_REFRESH_INTERVAL for all of
-        them together: the refused sender is not kept waiting, and a peer that joined a moment ago is known
-        by the time it retries."""
-        if not self._refresh_gate.due(time.monotonic()):
-            return
-        task = asyncio.get_running_loop().create_task(self._refresh())
-        self._refresh_task = task
-
-    async def _refresh(self) -> None:
-        hop = self.hop
-        try:
-            stages = await asyncio.wait_for(self.fetch(), 5.0)
-        except Exception as exc:  # noqa: BLE001 - the sender was refused already; the next miss reads again
-            logger.warning("%s could not read the DHT for a sender check: %s", self.label(), exc)
-            return
-        if hop is not None and hop is self.hop and (hop.index or self._lanes(hop)):
-            self.upstream.merge(hop.index, stages.get(self._upstream_of(hop), []), get_dht_time())
-
     def _not_admitted(self, sender: str) -> tuple[ErrorCode, str] | None:
         """None if `sender` may be given a receive slot now, else the refusal (code, message). Pure lookups:
-        an unknown sender is refused at once and a background re-read kicked (`_kick_refresh`)."""
+        an unknown sender is refused at once and a background re-read kicked (`StagePeers.refresh_soon`)."""
         hop, state = self.hop, self.state()
         if hop is None or state != "online":
             return ErrorCode.LEAVING, f"peer is {state}, not serving"
         if hop.runtime.stage.is_head and not self._lanes(hop):
             return ErrorCode.WRONG_STAGE, "stage 0 drives trips and accepts none"
         if not self._upstream_known(sender):
-            self._kick_refresh()
+            self.upstream.refresh_soon(self.fetch, hop.index, self._upstream_of(hop), self.label())
             return ErrorCode.UNKNOWN_SENDER, f"no live record of stage {self._upstream_of(hop)} for this peer id"
         return None
 

@@ -14,7 +14,7 @@ from hivemind.utils.timed_storage import get_dht_time
 
 from peer.kv_exchange import KVService, message_limit
 from peer.lane_trip import LaneClaim, LaneHop, lane_codec, read_claim, split_claims
-from peer.lanes import pick_group
+from peer.lanes import Strikes, pick_group
 from peer.routing import Router
 from peer.runtime import StageRuntime
 from peer.trip import Stats
@@ -80,6 +80,18 @@ def test_a_lane_peer_with_strikes_is_picked_only_where_its_lane_has_no_other():
     router.observe(good, seconds=10.0, tokens=100)
     assert pick_group(router, 1, 2).peers == (only0, stale)
     assert pick_group(router, 1, 2, strikes={stale: 1, only0: 1}).peers == (only0, good)
+
+
+def test_strikes_are_cleared_by_a_good_trip_and_forgotten_a_while_after_the_last():
+    strikes = Strikes(memory=30.0)
+    strikes.strike(["stale", "good"], now=0.0)
+    strikes.strike(["stale"], now=10.0)
+    strikes.clear(["good"])  # its next group came back
+    listed = {"stale", "good"}
+    assert strikes.current(listed, now=39.0) == {"stale": 2}  # 29 s after its last strike: still avoided
+    assert strikes.current(listed, now=40.0) == {}  # tried again: it may have failed for a passing cause
+    strikes.strike(["gone"], now=41.0)
+    assert strikes.current(listed, now=41.0) == {}  # a peer whose record is gone is forgotten at once
 
 
 class Swarm:

@@ -37,7 +37,10 @@ Receiving is bounded, so that no sender can hold a peer's memory, CPU or receive
   peer's `TripServer.admit_stream`) refuses a sender that is not a known upstream peer, so a stranger
   never holds a slot at all;
 - after a refusal the rest of the message is read and dropped for up to 1 s before the stream is
-  closed (`_linger`), so the refusal reaches the sender instead of being overtaken by a stream reset.
+  closed (`_linger`), so the refusal reaches the sender instead of being overtaken by a stream reset;
+- a sender that hangs up while its message is being handled gets its handler cancelled (`_answer`):
+  a trip abandoned upstream (a timeout there, or a lane of the same trip failed) holds no activations
+  or admission slot here for its remaining timeouts.
 
 hivemind's own protobuf stream handlers in the same process (the averager's) keep hivemind's reader;
 `TripServicer.add_p2p_handlers` also bounds its frames (`limit_hivemind_frames`, 16 MiB) and turns
@@ -146,6 +149,7 @@ class TripServicer:
         self.receiving = asyncio.Semaphore(max_receiving)
         self.senders: dict[PeerID, _Sender] = {}
         self.served = 0
+        self.abandoned = 0  # messages whose sender hung up before the reply (`_answer`)
         self.lingering = 0
 
     @staticmethod
@@ -185,18 +189,39 @@ class TripServicer:
                     reply = encode_error(exc.code, exc.message)
                 else:
                     try:
-                        reply = await self.on_trip(blob, remote)
+                        reply = await self._answer(blob, remote, reader)
                     except WireError as exc:
                         reply = encode_error(exc.code, exc.message)
                     except Exception as exc:  # noqa: BLE001 - a bug in the handler, not the sender's doing
                         logger.exception("trip handler failed on a message from %s", remote)
                         reply = encode_error(ErrorCode.INTERNAL, f"{type(exc).__name__}")
                     self.served += 1
+                    if reply is None:
+                        self.abandoned += 1
+                        return
                 await self._send(writer, reply, remote)
                 if not complete:
                     await self._linger(reader)
             except Exception as exc:  # noqa: BLE001 - a broken stream must not reach asyncio's error log
                 logger.debug("trip stream from %s ended: %s: %s", remote, type(exc).__name__, exc)
+
+    async def _answer(self, blob: bytes, remote: PeerID, reader: asyncio.StreamReader) -> bytes | None:
+        """`on_trip`'s reply, or None if the sender hung up first: its message ended with the end frame, so the
+        stream has nothing more to say until the sender closes it (it gave up: a timeout, or its own trip was
+        cancelled). The handler is then cancelled at once rather than holding the trip's activations and its
+        admission slot until its own timeouts. A byte after the end frame counts as hanging up too."""
+        handling = asyncio.ensure_future(self.on_trip(blob, remote))
+        hang_up = asyncio.ensure_future(reader.read(1))
+        try:
+            await asyncio.wait({handling, hang_up}, return_when=asyncio.FIRST_COMPLETED)
+            if handling.done():
+                return handling.result()
+            logger.debug("the sender %s hung up: its trip is dropped here", remote)
+            return None
+        finally:
+            for task in (handling, hang_up):
+                task.cancel()
+            await asyncio.gather(handling, hang_up, return_exceptions=True)
 
     async def _receive(self, remote: PeerID, reader: asyncio.StreamReader) -> bytes:
         if self.admit is not None and (code := self.admit(remote)) is not None:

@@ -226,6 +226,38 @@ def test_honest_messages_of_every_size_pass_the_bounds():
     asyncio.run(run())
 
 
+def test_a_sender_that_hangs_up_gets_its_handler_cancelled_at_once():
+    async def run():
+        server, client = await _pair()
+        started, cancelled = asyncio.Event(), asyncio.Event()
+
+        async def slow(blob: bytes, remote) -> bytes:  # a trip waiting on its next hop, holding activations
+            started.set()
+            try:
+                await asyncio.sleep(60)
+            except asyncio.CancelledError:
+                cancelled.set()
+                raise
+            return b"late"
+
+        try:
+            servicer = TripServicer(slow, max_bytes=1 << 20)
+            await servicer.add_p2p_handlers(server, namespace="ns")
+            with pytest.raises(WireError) as caught:  # the sender gives up after 1 s and closes its stream
+                await send_trip(client, server.peer_id, "ns", b"x" * 50_000, timeout=1.0, max_reply=1 << 10)
+            assert caught.value.code == ErrorCode.TIMEOUT and started.is_set()
+            await asyncio.wait_for(cancelled.wait(), 5.0)  # not after the handler's 60 s
+            assert servicer.abandoned == 1
+            # a sender that waits gets its reply: the watch on the stream does not cut honest trips
+            servicer.on_trip = Echo()
+            assert await send_trip(client, server.peer_id, "ns", b"y", timeout=10, max_reply=1 << 10) == b"echo:y"
+        finally:
+            await client.shutdown()
+            await server.shutdown()
+
+    asyncio.run(run())
+
+
 class TripServicerOfHivemind(ServicerBase):
     """The previous transport's server: hivemind's protobuf streaming (same handle name)."""
 

@@ -194,6 +194,13 @@ class RelayService:
                 if not reply.done() and isinstance(request.exception(), WireError):
                     reply.cancel()  # the sender's message broke the budget: refuse it here, before the target does
                     exc = request.exception()
+                elif not reply.done():
+                    # the sender's stream ended before the target's: a sender keeps it open until it has its
+                    # reply, so either the reply has come (it is read to its last chunk, before the target closes)
+                    # or the sender hung up. Closing the circuit passes a hang-up on: the target stops the trip at
+                    # once (`TripServicer._answer`) instead of computing a reply nobody reads
+                    exc = None
+                    self.circuits += back > 0
                 else:
                     exc = None
                     await reply

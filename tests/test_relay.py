@@ -61,11 +61,18 @@ def test_a_trip_through_the_relay():
         sender = await _p2p(relay)
         try:
             seen: list[PeerID] = []
+            hung_up = asyncio.Event()
 
             async def echo(blob: bytes, remote: PeerID) -> bytes:
                 seen.append(remote)
                 if blob == b"slow":
                     await asyncio.sleep(1.0)
+                if blob == b"hang":  # a trip whose sender gives up long before it could end
+                    try:
+                        await asyncio.sleep(60.0)
+                    except asyncio.CancelledError:
+                        hung_up.set()
+                        raise
                 return b"echo:" + blob
 
             servicer = TripServicer(echo, max_bytes=2 << 20)
@@ -109,6 +116,14 @@ def test_a_trip_through_the_relay():
             assert caught.value.code is ErrorCode.OVERLOADED
             assert await slow == b"echo:slow"
 
+            # a sender that hangs up: the relay closes the circuit, so the target stops the trip at once, and the
+            # sender's one circuit is free again
+            with pytest.raises(WireError) as caught:
+                await trip.via_relay(target_id, relay_id, b"hang", 1.0, 1 << 20)
+            assert caught.value.code is ErrorCode.TIMEOUT
+            await asyncio.wait_for(hung_up.wait(), 5.0)
+            assert servicer.abandoned == 1
+
             # past the transport's bound on a message: cut with `too_large`, the relay buffering one piece at most
             with pytest.raises(WireError) as caught:
                 raise_if_error(await trip.via_relay(target_id, relay_id, b"y" * (3 << 20), 20.0, 1 << 20))
@@ -122,7 +137,7 @@ def test_a_trip_through_the_relay():
                 writer.write(b"\x05hello")
                 await writer.drain()
                 assert await asyncio.wait_for(reader.read(), 10) == b""
-                assert client.delivered == 3  # the slow trip and the cut one; the stranger's is not counted
+                assert client.delivered == 4  # the slow, hung-up and cut trips; the stranger's is not counted
             finally:
                 await stranger.shutdown()
             # `send` goes straight to a peer it holds a connection to (p2pd's own discovery connects these on

@@ -200,7 +200,8 @@ class RelayService:
                     # or the sender hung up. Closing the circuit passes a hang-up on: the target stops the trip at
                     # once (`TripServicer._answer`) instead of computing a reply nobody reads
                     exc = None
-                    self.circuits += back > 0
+                    if back:  # the reply was carried
+                        self.circuits += 1
                 else:
                     exc = None
                     await reply

@@ -31,6 +31,8 @@ MAX_KNOWN = 65536  # ids remembered at most; expired ones are dropped first (rec
 REFRESH_INTERVAL = 2.0  # at most one DHT read per this many seconds on behalf of unknown senders
 REFRESH_TIMEOUT = 5.0  # such a read that takes longer is abandoned (the next miss reads again)
 
+ReadStages = Callable[[], Awaitable[dict]]  # a DHT read: stage → its peers' entries
+
 
 @dataclass
 class UpstreamIds:
@@ -79,7 +81,7 @@ class RefreshGate:
 class StagePeers:
     """The ids of one stage's live peers for the stage this peer serves (`serving`): merged read after read
     (`UpstreamIds`), forgotten when this peer starts serving another stage, whose neighbours are others.
-    A miss asks for a background re-read (`refresh_soon`)."""
+    `admits` is the check both admissions make; a miss asks for a background re-read (`refresh_soon`)."""
 
     ids: UpstreamIds = field(default_factory=UpstreamIds)
     serving: int | None = None
@@ -96,7 +98,18 @@ class StagePeers:
     def known(self, peer_id: str, now: float) -> bool:
         return self.ids.known(peer_id, now)
 
-    def refresh_soon(self, fetch: Callable[[], Awaitable[dict]], serving: int, stage: int, label: str) -> None:
+    def admits(self, serving: int, stage: int, entries: Iterable, peer_id: str, fetch: ReadStages, label: str) -> bool:
+        """Whether `peer_id` has a live record of `stage`, after merging `entries` (the router's latest read of it,
+        never replacing what earlier reads showed). A miss kicks a background re-read (`refresh_soon`), so a
+        peer that announced after this peer's last read is admitted on its retry."""
+        now = get_dht_time()
+        self.merge(serving, entries, now)
+        if self.known(peer_id, now):
+            return True
+        self.refresh_soon(fetch, serving, stage, label)
+        return False
+
+    def refresh_soon(self, fetch: ReadStages, serving: int, stage: int, label: str) -> None:
         """After an unknown sender was refused: read the DHT in the background and merge `stage`'s records if this
         peer still serves `serving` then; at most one read per `REFRESH_INTERVAL`. The refused sender is not kept
         waiting, and a peer that joined a moment ago is known by the time it retries."""
@@ -104,7 +117,7 @@ class StagePeers:
             return
         self.reading = asyncio.get_running_loop().create_task(self._read(fetch, serving, stage, label))
 
-    async def _read(self, fetch: Callable[[], Awaitable[dict]], serving: int, stage: int, label: str) -> None:
+    async def _read(self, fetch: ReadStages, serving: int, stage: int, label: str) -> None:
         try:
             stages = await asyncio.wait_for(fetch(), REFRESH_TIMEOUT)
         except Exception as exc:  # noqa: BLE001 - the sender was refused already; the next miss reads again

@@ -30,7 +30,6 @@ from dataclasses import dataclass
 
 import torch
 from hivemind.p2p import PeerID
-from hivemind.utils.timed_storage import get_dht_time
 
 from peer.admission import StagePeers
 from peer.kv_exchange import KVService, LaneExchange, message_limit
@@ -187,11 +186,9 @@ class LaneHop(Hop):
         asked before a stream is read: ids merged from the router's reads and kept until their records expire
         (`peer/admission.py`), so strangers, fresh identities included, get no receive slot. A miss asks for a
         re-read, so a lane partner that announced after this peer's last read is admitted on its next trip."""
-        now = get_dht_time()
-        self.stage_peers.merge(self.index, self.router.stages.get(self.index, []), now)
-        if self.stage_peers.known(peer.to_base58(), now):
+        entries = self.router.stages.get(self.index, [])
+        if self.stage_peers.admits(self.index, self.index, entries, peer.to_base58(), self.fetch, self.label):
             return None
-        self.stage_peers.refresh_soon(self.fetch, self.index, self.index, self.label)
         return ErrorCode.UNKNOWN_SENDER
 
     async def turn(self, header: Header, hidden: torch.Tensor, tokens: torch.Tensor, sender: str) -> HopResult:

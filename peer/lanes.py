@@ -160,25 +160,20 @@ class Strikes:
     one failed group per `memory` seconds rather than being tried on every trip."""
 
     memory: float = STRIKE_MEMORY
-    counts: dict[str, int] = field(default_factory=dict)
-    last: dict[str, float] = field(default_factory=dict)
+    struck: dict[str, tuple[int, float]] = field(default_factory=dict)  # peer → (strikes, when the last came)
 
     def strike(self, peers: Iterable[str], now: float) -> None:
         for peer in peers:
-            self.counts[peer] = self.counts.get(peer, 0) + 1
-            self.last[peer] = now
+            self.struck[peer] = (self.struck.get(peer, (0, now))[0] + 1, now)
 
     def clear(self, peers: Iterable[str]) -> None:
         for peer in peers:
-            self.counts.pop(peer, None)
-            self.last.pop(peer, None)
+            self.struck.pop(peer, None)
 
     def current(self, listed: Container[str], now: float) -> dict[str, int]:
         """The strikes that count now, forgetting those of unlisted peers and those older than `memory`."""
-        keep = {p for p, t in self.last.items() if p in listed and now - t < self.memory}
-        self.counts = {p: n for p, n in self.counts.items() if p in keep}
-        self.last = {p: t for p, t in self.last.items() if p in keep}
-        return dict(self.counts)
+        self.struck = {p: (n, t) for p, (n, t) in self.struck.items() if p in listed and now - t < self.memory}
+        return {p: n for p, (n, _) in self.struck.items()}
 
 
 def pick_group(

@@ -19,7 +19,6 @@ import time
 from collections.abc import Callable
 
 from hivemind.p2p import PeerID
-from hivemind.utils.timed_storage import get_dht_time
 
 from peer.admission import StagePeers
 from peer.refusals import RefusalLog, SenderLimits
@@ -90,17 +89,6 @@ class TripServer:
             self.refusal_log.note(sender, code.value)
         return encode_error(code, message, hops)
 
-    def _upstream_known(self, sender: str) -> bool:
-        """Whether `sender` has a live record of the stage before ours (for stage 1: is a driver).
-
-        The router's latest read is merged into `upstream`, never replacing it (see `peer/admission.py`):
-        an id stays known until its own record expires, whatever later reads return."""
-        hop, now = self.hop, get_dht_time()
-        if hop is None or not (hop.index or self._lanes(hop)):
-            return False
-        self.upstream.merge(hop.index, hop.router.stages.get(self._upstream_of(hop), []), now)
-        return self.upstream.known(sender, now)
-
     @staticmethod
     def _lanes(hop: Hop) -> bool:
         """Whether the stage is context-parallel: then stage 0 takes chunks from the trip's driver, a stage-0 peer."""
@@ -112,14 +100,15 @@ class TripServer:
 
     def _not_admitted(self, sender: str) -> tuple[ErrorCode, str] | None:
         """None if `sender` may be given a receive slot now, else the refusal (code, message). Pure lookups:
-        an unknown sender is refused at once and a background re-read kicked (`StagePeers.refresh_soon`)."""
+        an unknown sender is refused at once and a background re-read kicked (`StagePeers.admits`)."""
         hop, state = self.hop, self.state()
         if hop is None or state != "online":
             return ErrorCode.LEAVING, f"peer is {state}, not serving"
         if hop.runtime.stage.is_head and not self._lanes(hop):
             return ErrorCode.WRONG_STAGE, "stage 0 drives trips and accepts none"
-        if not self._upstream_known(sender):
-            self.upstream.refresh_soon(self.fetch, hop.index, self._upstream_of(hop), self.label())
+        upstream = self._upstream_of(hop)  # for stage 1: the drivers
+        if not self.upstream.admits(hop.index, upstream, hop.router.stages.get(upstream, []), sender, self.fetch,
+                                    self.label()):
             return ErrorCode.UNKNOWN_SENDER, f"no live record of stage {self._upstream_of(hop)} for this peer id"
         return None
 

@@ -1,29 +1,33 @@
-"""The best validation loss at every wire budget (issue 18): loss against measured bytes per token.
+"""Convergence against wire bytes: the best validation loss of every setting at equal tokens.
 
-Each point trains the tiny preset's shape (d=256, 4 layers, 2 stages) with `swarm.simulate` for the
-same number of steps on the same batches (equal tokens), every boundary through the real codec, and
-records the bytes of the encoded messages per token per boundary (forward + backward, headers
-included) next to the payload formula. The grid: compressed modes {boundary, subspace} × k ×
-coefficient wire dtype {bf16, int8}, and the dense baselines (`none` in bf16 and SWARM's int8),
-each at every learning rate of `--lrs` and every seed. The summary takes each point's best learning
-rate (mean over seeds) and flags it when that is the lowest or highest tried: the sweep did not
-bracket the optimum there.
+Each point trains the tiny preset's width (d=256, 4 layers) with `swarm.simulate` for the same number
+of steps on the same batches (equal tokens), every boundary through the real codec, and records the
+bytes of the encoded messages per token per boundary (forward + backward, headers included) next to
+the payload formula. A point is (corpus, split, T_fixed std, stage embedding, mode, wire dtype, k):
+the grid is the product of `--splits` (stages over the 4 layers: 2 = 2×2, 4 = 4×1),
+`--t-fixed-stds` (the frozen embedding's scale, DESIGN §2.10), `--stage-embeddings` (ranks of the
+stage-local token embedding; 0 = none, 256 = a full table) and {dense `none` in `--dense-dtypes`} ∪
+{`--modes` × `--dtypes` × `--ks`}, each at every learning rate of `--lrs` and every seed. The summary
+takes each point's best learning rate (mean over seeds), flags it when that is the lowest or highest
+tried, and pairs it per seed against the **best** dense bf16 point of its corpus and split (whatever
+its std and stage embedding), never a dense handicapped by the same change.
 
 Two corpora: `code` is the default the repo trains on (the Python standard library's source);
 `prose` is English prose that every CPython install ships: the reference manual's topics
 (`pydoc_data`) and the standard library's docstrings (doctest lines dropped), ~1.9 MB, built once
 into a file in the temp folder. Neither is tuned on here.
 
-`--trajectory` trains instead the default config (the tiny preset's mode, k and wire dtype) and
-dense bf16 for ≥ 2000 steps, validating every `--val-every` steps: does the gap shrink with training?
+`--trajectory` trains each setting of the grid (default: the tiny preset's own, and dense bf16 at the
+default std without stage embeddings) for ≥ 2000 steps, validating every `--val-every` steps: does
+the gap shrink with training?
 
-    OMP_NUM_THREADS=1 python benchmarks/frontier.py --json /tmp/frontier.json [--jobs 16] [--device cuda]
-    python benchmarks/frontier.py --trajectory --json /tmp/trajectory.json --seeds 0 1
+    OMP_NUM_THREADS=1 python benchmarks/frontier.py --json /tmp/frontier.json [--jobs 2] [--device cuda]
+    python benchmarks/frontier.py --trajectory --json /tmp/trajectory.json --seeds 0
     python benchmarks/frontier.py --report-only --json /tmp/frontier.json --plot benchmarks/
 
 The JSON is rewritten after every point and a rerun skips the points it holds (same settings), so
-any run can be stopped and resumed; `--jobs N` trains N points at once in worker processes of one
-torch thread each.
+any run can be stopped and resumed, and grids of several invocations can share one file; `--jobs N`
+trains N points at once in worker processes of one torch thread each.
 """
 
 from __future__ import annotations
@@ -56,10 +60,8 @@ from swarm.simulate import simulate  # noqa: E402
 
 CORPORA = ("code", "prose")
 PROSE_MIN_BYTES = 1 << 20
-SETTINGS = (
-    "d_model", "n_layers", "stages", "seq_len", "microbatch", "microbatches", "warmup", "val_batches", "steps",
-    "val_every",
-)
+SETTINGS = ("d_model", "n_layers", "seq_len", "microbatch", "microbatches", "warmup", "val_batches", "val_every")
+KEY = ("kind", "corpus", "stages", "t_fixed_std", "stage_embedding", "mode", "dtype", "k", "lr", "seed", "steps")
 DEFAULT_LRS = (2.5e-4, 5e-4, 1e-3, 2e-3)
 DENSE_K = 4  # the manifest needs a k; a dense wire never uses it
 
@@ -109,7 +111,7 @@ def corpus_spec(name: str) -> str:
 
 
 def point_key(point: dict) -> str:
-    return "|".join(f"{key}={point[key]}" for key in ("kind", "corpus", "mode", "dtype", "k", "lr", "seed", "steps"))
+    return "|".join(f"{key}={point[key]}" for key in KEY)
 
 
 def make_manifest(point: dict, settings: dict) -> Manifest:
@@ -121,8 +123,9 @@ def make_manifest(point: dict, settings: dict) -> Manifest:
     ))
     micro = settings["microbatch"]
     return preset(
-        "tiny", model=shape, k=point["k"], stages=settings["stages"], compression=point["mode"],
-        wire_dtype=point["dtype"], seed=point["seed"],
+        "tiny", model=shape, k=point["k"], stages=point["stages"], compression=point["mode"],
+        wire_dtype=point["dtype"], seed=point["seed"], t_fixed_std=point["t_fixed_std"],
+        stage_embedding_rank=point["stage_embedding"],
         batch=BatchSpec(microbatch_size=micro, seq_len=settings["seq_len"],
                         target_batch_size=micro * settings["microbatches"]),
         optimizer=OptimizerSpec(lr=point["lr"], warmup_steps=settings["warmup"]),
@@ -166,13 +169,18 @@ def _train_point(point: dict, settings: dict, data: str, device: str, val_every:
 
 
 def plan(args: argparse.Namespace) -> list[dict]:
-    """Every point, seeds outermost and the modes rotating, so load drift hits all alike."""
-    if args.trajectory:
+    """Every point, seeds outermost and the settings rotating, so load drift hits all alike."""
+    wires = [("none", dtype, DENSE_K) for dtype in args.dense_dtypes]
+    wires += [(mode, dtype, k) for mode in args.modes for dtype in args.dtypes for k in args.ks]
+    combos = [(stages, std, rank, *wire) for stages in args.splits for std in args.t_fixed_stds
+              for rank in args.stage_embeddings for wire in wires]
+    if args.trajectory and args.trajectory_default:
         default = preset("tiny")
-        combos = [(default.compression, default.wire_dtype, default.k), ("none", "bf16", DENSE_K)]
-    else:
-        combos = [("none", dtype, DENSE_K) for dtype in args.dense_dtypes]
-        combos += [(mode, dtype, k) for mode in args.modes for dtype in args.dtypes for k in args.ks]
+        combos = [
+            (default.num_stages, default.t_fixed_std, default.stage_embedding_rank, default.compression,
+             default.wire_dtype, default.k),
+            (default.num_stages, preset("tiny", compression="none").t_fixed_std, 0, "none", "bf16", DENSE_K),
+        ]
     points = []
     turn = 0
     for seed in args.seeds:
@@ -180,8 +188,12 @@ def plan(args: argparse.Namespace) -> list[dict]:
             for corpus in args.corpus:
                 order = combos[turn % len(combos):] + combos[: turn % len(combos)]
                 turn += 1
-                points += [dict(kind="trajectory" if args.trajectory else "frontier", corpus=corpus, mode=mode,
-                                dtype=dtype, k=k, lr=lr, seed=seed, steps=args.steps) for mode, dtype, k in order]
+                points += [
+                    dict(kind="trajectory" if args.trajectory else "frontier", corpus=corpus, stages=stages,
+                         t_fixed_std=std, stage_embedding=rank, mode=mode, dtype=dtype, k=k, lr=lr, seed=seed,
+                         steps=args.steps)
+                    for stages, std, rank, mode, dtype, k in order
+                ]
     return points
 
 
@@ -189,7 +201,7 @@ def load(path: str | None, settings: dict) -> list[dict]:
     if not path or not Path(path).exists():
         return []
     saved = json.loads(Path(path).read_text())
-    if saved["settings"] != settings:
+    if {key: saved["settings"].get(key) for key in SETTINGS} != settings:
         raise SystemExit(f"{path} was written with other settings ({saved['settings']}, now {settings}): "
                          "name another --json file")
     return saved["points"]
@@ -216,10 +228,12 @@ def train_all(todo: list[dict], rows: list[dict], args: argparse.Namespace, sett
         elapsed = time.perf_counter() - started
         eta = elapsed / done * (len(todo) - done)
         if "error" in row:
-            print(f"[{done}/{len(todo)}] {row['corpus']} {row['mode']} {row['dtype']} k={row['k']} lr={row['lr']:g} "
+            print(f"[{done}/{len(todo)}] {row['corpus']} {row['stages']}st std={row['t_fixed_std']:g} "
+                  f"emb={row['stage_embedding']} {row['mode']} {row['dtype']} k={row['k']} lr={row['lr']:g} "
                   f"seed={row['seed']}: FAILED {row['error']}", flush=True)
             return
-        print(f"[{done}/{len(todo)}] {row['corpus']} {row['mode']:<8} {row['dtype']:<4} k={row['k']:<2} "
+        print(f"[{done}/{len(todo)}] {row['corpus']} {row['stages']}st std={row['t_fixed_std']:g} "
+              f"emb={row['stage_embedding']} {row['mode']:<8} {row['dtype']:<4} k={row['k']:<2} "
               f"lr={row['lr']:g} seed={row['seed']}: val {row['val_loss_first']:.3f} -> {row['val_loss']:.4f}, "
               f"{row['bytes_per_token']:.2f} B/token/boundary, {row['step_seconds']:.3f} s/step | "
               f"elapsed {elapsed:.0f}s, ETA {eta:.0f}s", flush=True)
@@ -253,15 +267,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--dense-dtypes", nargs="+", default=["bf16", "int8"], help="dense baselines' wire dtypes")
     parser.add_argument("--corpus", nargs="+", default=["code"], choices=CORPORA,
                         help="code: the standard library's source (the repo's default); prose: CPython's docs")
+    parser.add_argument("--splits", type=int, nargs="+", default=[2],
+                        help="stages over the --n-layers layers (2: 2 stages x 2 layers; 4: 4 x 1)")
+    parser.add_argument("--t-fixed-stds", type=float, nargs="+",
+                        help="standard deviations of T_fixed (default: the tiny preset's)")
+    parser.add_argument("--stage-embeddings", type=int, nargs="+", default=[0],
+                        help="ranks of the stage-local token embedding: 0 none, d-model a full table")
     parser.add_argument("--d-model", type=int, default=256)
     parser.add_argument("--n-layers", type=int, default=4)
-    parser.add_argument("--stages", type=int, default=2)
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--microbatch", type=int, default=8)
     parser.add_argument("--microbatches", type=int, default=2, help="microbatches per optimizer step")
     parser.add_argument("--warmup", type=int, default=30)
     parser.add_argument("--val-batches", type=int, default=8)
-    parser.add_argument("--trajectory", action="store_true", help="the default config and dense, validated often")
+    parser.add_argument("--trajectory", action="store_true", help="long runs validated every --val-every steps")
+    parser.add_argument("--trajectory-default", action="store_true",
+                        help="with --trajectory: the tiny preset's own setting and dense bf16, not the grid")
     parser.add_argument("--val-every", type=int, default=100, help="with --trajectory: steps between validations")
     parser.add_argument("--jobs", type=int, default=1, help="points trained at once, one process each")
     parser.add_argument("--json", dest="json_path", help="results, rewritten after every point; resumed from")
@@ -270,6 +291,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     args.steps = args.steps or (2000 if args.trajectory else 600)
     args.lrs = args.lrs or ([1e-3] if args.trajectory else list(DEFAULT_LRS))
+    args.t_fixed_stds = args.t_fixed_stds or [preset("tiny").t_fixed_std]
     return args
 
 

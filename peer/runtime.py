@@ -70,7 +70,8 @@ class StageRuntime:
         self.manifest, self.index, self.device, self.label = manifest, index, device, label
         self.stage = PipelineStage(manifest, index).to(device)
         if fault_t_fixed_seed is not None:  # fault injection: a peer whose T_fixed bytes differ
-            table = t_fixed_table(fault_t_fixed_seed, manifest.model.vocab_size, manifest.model.d_model)
+            shape = manifest.model
+            table = t_fixed_table(fault_t_fixed_seed, shape.vocab_size, shape.d_model, manifest.t_fixed_std)
             self.stage.subspace.t_fixed = table.to(device)
             self.stage.subspace.t_fixed_sha256 = tensor_sha256(table)
         self.codec = BoundaryCodec(manifest, self.stage.subspace)

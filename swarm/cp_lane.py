@@ -20,7 +20,7 @@ buffer holds projected gradients; the projection is linear, so the lanes' sum eq
 gradient.
 
 The stage is anything with `layers` (blocks whose `attn` is a `swarm.cp_model.CPAttention`),
-`rope_cos`/`rope_sin`, `is_head`/`is_tail`, `embed_tokens(tokens)` and `finish(hidden, tokens)`:
+`rope_cos`/`rope_sin`, `is_head`/`is_tail`, `enter(hidden, tokens)` and `finish(hidden, tokens)`:
 `swarm.model.PipelineStage` and `swarm.cp_model.CPDecoder`.
 """
 
@@ -86,14 +86,14 @@ class LaneTrip:
             raise ValueError(f"{self.size} chunks of {self.chunk_len} tokens exceed the model's context")
         if stage.is_head:
             self.input = None
-            self.embedded = stage.embed_tokens(tokens)
-            self.hidden = _leaf(self.embedded)
         else:
             if hidden is None:
                 raise ValueError("a lane of a stage other than the head needs its chunk's boundary input")
             if tuple(hidden.shape[:2]) != (self.batch, self.chunk_len):
                 raise ValueError(f"input of shape {tuple(hidden.shape)} does not match the chunk's tokens")
-            self.input = self.hidden = _leaf(hidden.to(self.device, self.dtype))
+            self.input = _leaf(hidden.to(self.device, self.dtype))
+        self.entered = stage.enter(self.input, tokens)  # the entry step's graph: embedding(s) on the input
+        self.hidden = _leaf(self.entered)
         self.done = 0  # layers completed forward
         self.top: torch.Tensor | None = None  # the last layer's output, leaf of the finishing step
         self.boundary: torch.Tensor | None = None  # the boundary output until its gradient arrives
@@ -262,16 +262,16 @@ class LaneTrip:
         return torch.autograd.grad(roots, [segment.x_in, *leaves, *params], root_grads, allow_unused=True)
 
     def input_grad(self) -> torch.Tensor | None:
-        """After every layer's backward: ∂L/∂(chunk input) to send upstream, or None at the head (whose
-        embedding gradient goes to the trip's buffer here)."""
+        """After every layer's backward: ∂L/∂(chunk input) to send upstream, or None at the head; the
+        entry step's embedding gradients go to the trip's buffer here."""
         if self.layers or self.out_grad is None:
             raise RuntimeError("input_grad needs every layer's backward first")
         grad, self.out_grad = self.out_grad, None
-        if self.input is not None:
-            return grad
-        self._keep(self.edge_params, torch.autograd.grad(self.embedded, self.edge_params, grad, allow_unused=True))
-        self.embedded = None
-        return None
+        inputs = [] if self.input is None else [self.input]
+        found = torch.autograd.grad(self.entered, [*inputs, *self.edge_params], grad, allow_unused=True)
+        self._keep(self.edge_params, found[len(inputs):])
+        self.entered = None
+        return found[0] if inputs else None
 
     def _keep(self, params, found) -> None:
         for param, grad in zip(params, found, strict=True):

@@ -163,7 +163,7 @@ def _generator(seed: int, *salt: int) -> torch.Generator:
 
 class CPDecoder(nn.Module):
     """Embedding, CP blocks, final norm and LM head in one process: the simulator's model. It is a
-    whole pipeline in one stage (`is_head`, `is_tail`, `layers`, `embed_tokens`, `finish`, as
+    whole pipeline in one stage (`is_head`, `is_tail`, `layers`, `enter`, `finish`, as
     `swarm.model.PipelineStage`), so `swarm.cp_lane.LaneTrip` runs its lanes."""
 
     is_head = is_tail = True
@@ -208,7 +208,8 @@ class CPDecoder(nn.Module):
     def layers(self) -> nn.ModuleList:
         return self.blocks
 
-    def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+    def enter(self, hidden: None, tokens: torch.Tensor) -> torch.Tensor:
+        """The first layer's input: the token embedding (this model is the head)."""
         return self.embed[tokens]
 
     def finish(self, hidden: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, None]:
@@ -216,7 +217,7 @@ class CPDecoder(nn.Module):
         return self.lm_head(self.final_norm(hidden)), None
 
     def forward(self, tokens: torch.Tensor, round_wire: bool = True) -> torch.Tensor:
-        x = self.embed_tokens(tokens)
+        x = self.enter(None, tokens)
         for block in self.blocks:
             x = x + block.attn(block.attn_norm(x), self.rope_cos, self.rope_sin, round_wire)
             x = x + block.mlp(block.mlp_norm(x))

@@ -18,10 +18,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from swarm.context_parallel import ContextParallelSpec
 from swarm.modes import DEFAULT, MODES, CompressionMode
+from swarm.subspace import T_FIXED_STD
 
 WireDType = Literal["fp32", "bf16", "fp16", "int8"]
 
 MANIFEST_FORMAT = 1
+# optional fields left out of the canonical JSON at these values, so manifests written before the field
+# existed keep their run ids (and, for `t_fixed_std`, their T_fixed bytes and hash)
+_OMITTED_AT = {"context_parallel": None, "t_fixed_std": T_FIXED_STD, "stage_embedding_rank": 0}
 
 
 class ManifestError(ValueError):
@@ -95,6 +99,12 @@ class Manifest(_Strict):
     subspace_update_interval: int = Field(default=0, ge=0, description="optimizer epochs between U updates; 0 = never")
     subspace_driver: Literal["gradient", "energy"] = "gradient"
     subspace_step: float = Field(default=0.05, gt=0, le=1, description="Grassmann step size (radians, roughly)")
+    # the frozen embedding's per-element standard deviation: what carries token identity past a rank-k
+    # boundary, so it must not be small next to what the layers write (DESIGN §2.10)
+    t_fixed_std: float = Field(default=T_FIXED_STD, gt=0, le=100)
+    # a stage-local learned token embedding, added at every stage's input and removed before its output
+    # (nothing new on the wire): 0 = none; d_model = a V×d table per stage; 0 < r < d_model = V×r · r×d
+    stage_embedding_rank: int = Field(default=0, ge=0)
     t_fixed_sha256: str = ""
     u_sha256: str = ""
     # chunks of a sequence on different peers, K/V compressed between them (swarm/context_parallel.py)
@@ -102,10 +112,12 @@ class Manifest(_Strict):
 
     @model_serializer(mode="wrap")
     def _omit_unset_options(self, handler) -> dict:
-        """Context parallelism off is absent, not null: the run ids of manifests without it stay as they were."""
+        """An optional field at its old default is absent (context parallelism off is absent, not null): the
+        run ids of manifests written without it stay as they were."""
         data = handler(self)
-        if data.get("context_parallel", "set") is None:
-            del data["context_parallel"]
+        for key, default in _OMITTED_AT.items():
+            if key in data and data[key] == default:
+                del data[key]
         return data
 
     @field_validator("format")
@@ -163,6 +175,11 @@ class Manifest(_Strict):
             raise ValueError(
                 f"stages end at layer {expected} but model.n_layers is {shape.n_layers}: "
                 "stages must cover the layers exactly"
+            )
+        if self.stage_embedding_rank > shape.d_model:
+            raise ValueError(
+                f"stage_embedding_rank ({self.stage_embedding_rank}) must be at most model.d_model ({shape.d_model}): "
+                "d_model means a full table per stage"
             )
         if self.context_parallel is not None:
             self.context_parallel.validate(shape, self.batch.seq_len)

@@ -2,6 +2,8 @@
 
 One `PipelineStage` is what one peer holds. The head stage embeds tokens as
 `T_fixed[tok] + T_S[tok]`; the tail stage ends with the final norm, the LM head and the loss.
+With the manifest's `stage_embedding_rank` set, every stage also adds its own learned embedding of
+the token ids at its input and takes it out again before its boundary (`StageEmbedding`).
 What keeps the boundary activations in span(U) is the manifest's compression mode
 (`swarm/modes/`): which tensors are constrained (their gradients are projected by hooks, so every
 consumer of `.grad`, our optimizer and hivemind's averager, sees `P G`) and whether a stage ends
@@ -35,7 +37,9 @@ class SubspaceState(nn.Module):
         shape = manifest.model
         self.version = 0
         self.register_buffer("basis", initial_basis(manifest.seed, shape.d_model, manifest.k), persistent=False)
-        table = t_fixed_table(manifest.seed, shape.vocab_size, shape.d_model) if need_t_fixed else None
+        table = None
+        if need_t_fixed:
+            table = t_fixed_table(manifest.seed, shape.vocab_size, shape.d_model, manifest.t_fixed_std)
         self.register_buffer("t_fixed", table, persistent=False)
         self.basis_sha256 = tensor_sha256(self.basis)
         self.t_fixed_sha256 = manifest.t_fixed_sha256 or (tensor_sha256(table) if table is not None else "")
@@ -93,6 +97,32 @@ class Block(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
+class StageEmbedding(nn.Module):
+    """One stage's own learned embedding of the token ids (full V×d, or V×r · r×d when `rank` < d).
+
+    The ids cross every boundary anyway, so this gives each stage full-rank token identity past a
+    rank-k boundary at no wire cost. The stage adds it at its input and subtracts it again before
+    its boundary (`PipelineStage.finish`): its layers read it, but the residual a stage sends is what
+    it would be without it, so in `subspace` mode `x − T_fixed[tok]` stays in span(U) (the
+    constrained layers' outputs are all that is left of the stage's own writes) and reconstruction
+    stays exact; in `boundary` mode the projection would keep the output exact anyway, and
+    subtracting first keeps the table local to its stage there too.
+    """
+
+    def __init__(self, vocab_size: int, d_model: int, rank: int, generator: torch.Generator):
+        super().__init__()
+        if rank >= d_model:
+            self.table = nn.Parameter(torch.randn(vocab_size, d_model, generator=generator) * 0.02)
+            self.up = None
+        else:  # rows ~ N(0, 0.02²) per element, as the full table's
+            self.table = nn.Parameter(torch.randn(vocab_size, rank, generator=generator) * 0.02)
+            self.up = nn.Parameter(torch.randn(rank, d_model, generator=generator) / math.sqrt(rank))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        rows = self.table[tokens]
+        return rows if self.up is None else rows @ self.up
+
+
 def _seeded(seed: int, *salt: int) -> torch.Generator:
     digest = hashlib.sha256(repr((seed, *salt)).encode()).digest()
     generator = torch.Generator()
@@ -139,6 +169,10 @@ class PipelineStage(nn.Module):
             self.t_s = nn.Parameter(
                 torch.randn(shape.vocab_size, shape.d_model, generator=_seeded(manifest.seed, 2)) * 0.02
             )
+        rank = manifest.stage_embedding_rank
+        self.stage_embedding = (
+            StageEmbedding(shape.vocab_size, shape.d_model, rank, _seeded(manifest.seed, 4, index)) if rank else None
+        )
         if self.is_tail:
             self.final_norm = RMSNorm(shape.d_model, shape.norm_eps)
             self.lm_head = nn.Linear(shape.d_model, shape.vocab_size, bias=False)
@@ -182,22 +216,29 @@ class PipelineStage(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Also returns x − T_fixed[tok] before the boundary projection (boundary mode, non-tail):
         the sender's half of a subspace update needs the part the projection removes."""
-        if self.is_head:
-            hidden = self.embed_tokens(tokens)
-        elif hidden is None:
-            raise ValueError(f"stage {self.index} needs the residual stream of stage {self.index - 1}")
+        hidden = self.enter(hidden, tokens)
         for block in self.layers:
             hidden = block(hidden, self.rope_cos, self.rope_sin)
         return self.finish(hidden, tokens)
 
-    def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
-        """The head's input: T_fixed[tok] + T_S[tok] (per token, so a chunk of a sequence embeds alone)."""
-        return self.subspace.t_fixed[tokens] + self.t_s[tokens]
+    def enter(self, hidden: torch.Tensor | None, tokens: torch.Tensor) -> torch.Tensor:
+        """What the first layer reads: on the head T_fixed[tok] + T_S[tok], elsewhere the received residual;
+        plus the stage embedding if the run has one. Per token, so a chunk of a sequence enters alone."""
+        if self.is_head:
+            hidden = self.subspace.t_fixed[tokens] + self.t_s[tokens]
+        elif hidden is None:
+            raise ValueError(f"stage {self.index} needs the residual stream of stage {self.index - 1}")
+        if self.stage_embedding is not None:
+            hidden = hidden + self.stage_embedding(tokens)
+        return hidden
 
     def finish(self, hidden: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """After the last layer: the boundary projection (and the residual it removes, when U moves), then
-        the logits on the tail. Per token, so a context-parallel lane finishes its chunk alone."""
+        """After the last layer: the stage embedding taken out again (not on the tail), the boundary
+        projection (and the residual it removes, when U moves), then the logits on the tail. Per token, so a
+        context-parallel lane finishes its chunk alone."""
         residual = None
+        if self.stage_embedding is not None and not self.is_tail:
+            hidden = hidden - self.stage_embedding(tokens)
         if self.projects_boundary:
             anchor = self.subspace.t_fixed[tokens]
             if self.u_accumulator is not None:

@@ -105,7 +105,7 @@ def with_hashes(manifest: Manifest) -> Manifest:
     the manifest's seed."""
     shape = manifest.model
     hashes = dict(
-        t_fixed_sha256=t_fixed_sha256(manifest.seed, shape.vocab_size, shape.d_model),
+        t_fixed_sha256=t_fixed_sha256(manifest.seed, shape.vocab_size, shape.d_model, manifest.t_fixed_std),
         u_sha256=tensor_sha256(initial_basis(manifest.seed, shape.d_model, manifest.k)),
     )
     spec = manifest.context_parallel

@@ -17,7 +17,7 @@ import torch
 
 _T_FIXED_STREAM = 0x7F1  # distinct PCG64 streams for T_fixed and U, both from the run seed
 _U_STREAM = 0x0B5
-T_FIXED_STD = 0.02
+T_FIXED_STD = 0.02  # the standard deviation of manifests that do not name one (older runs)
 
 
 def _uniform_pm1(seed: int, stream: int, count: int) -> np.ndarray:
@@ -30,9 +30,10 @@ def _uniform_pm1(seed: int, stream: int, count: int) -> np.ndarray:
     return (bits >> np.uint64(11)).astype(np.float64) * (2.0 / 2.0**53) - 1.0
 
 
-def _t_fixed_rows(seed: int, vocab_size: int, d_model: int, rows_per_chunk: int = 4096):
-    """T_fixed in row blocks, so large vocabularies can be hashed without holding the table twice."""
-    scale = np.float32(T_FIXED_STD * np.sqrt(3.0))
+def _t_fixed_rows(seed: int, vocab_size: int, d_model: int, std: float, rows_per_chunk: int = 4096):
+    """T_fixed in row blocks, so large vocabularies can be hashed without holding the table twice. The
+    values are the same uniform draws whatever `std` is; only the (float32) scale differs."""
+    scale = np.float32(std * np.sqrt(3.0))
     generator = np.random.PCG64(np.random.SeedSequence(entropy=seed, spawn_key=(_T_FIXED_STREAM,)))
     for first in range(0, vocab_size, rows_per_chunk):
         rows = min(rows_per_chunk, vocab_size - first)
@@ -40,15 +41,15 @@ def _t_fixed_rows(seed: int, vocab_size: int, d_model: int, rows_per_chunk: int 
         yield ((top53 * (2.0 / 2.0**53) - 1.0).astype(np.float32) * scale).reshape(rows, d_model)
 
 
-def t_fixed_table(seed: int, vocab_size: int, d_model: int) -> torch.Tensor:
-    """Frozen, full-rank token table; uniform with standard deviation T_FIXED_STD."""
-    return torch.from_numpy(np.concatenate(list(_t_fixed_rows(seed, vocab_size, d_model))))
+def t_fixed_table(seed: int, vocab_size: int, d_model: int, std: float = T_FIXED_STD) -> torch.Tensor:
+    """Frozen, full-rank token table; uniform with standard deviation `std` (the manifest's `t_fixed_std`)."""
+    return torch.from_numpy(np.concatenate(list(_t_fixed_rows(seed, vocab_size, d_model, std))))
 
 
-def t_fixed_sha256(seed: int, vocab_size: int, d_model: int) -> str:
+def t_fixed_sha256(seed: int, vocab_size: int, d_model: int, std: float = T_FIXED_STD) -> str:
     """Same as tensor_sha256(t_fixed_table(...)), streamed."""
     digest = hashlib.sha256(f"f32:{vocab_size}x{d_model}:".encode())
-    for block in _t_fixed_rows(seed, vocab_size, d_model):
+    for block in _t_fixed_rows(seed, vocab_size, d_model, std):
         digest.update(block.astype("<f4", copy=False).tobytes())
     return digest.hexdigest()
 

@@ -17,11 +17,11 @@ from swarm.wire import ErrorCode, WireError
 SEQ, BATCH, V = 32, 2, 256
 
 
-def _manifest(size: int, compression: str, variant: str, wire_dtype: str = "fp32"):
+def _manifest(size: int, compression: str, variant: str, wire_dtype: str = "fp32", **overrides):
     """3 stages of 2 layers (head, middle, tail), the pipeline's `subspace` mode: T_S and every non-tail
     wo/w2 are constrained, so their gradients go through the projection hooks."""
     cp = {"size": size, "compression": compression, "variant": variant, "wire_dtype": wire_dtype}
-    return tiny_manifest("subspace", n_layers=6, stages=3, context_parallel=cp)
+    return tiny_manifest("subspace", n_layers=6, stages=3, context_parallel=cp, **overrides)
 
 
 def _stages(manifest, dtype=torch.float32):
@@ -106,9 +106,13 @@ TOL = 1e-5
 
 
 @pytest.mark.parametrize("size", [2, 4])
-@pytest.mark.parametrize("compression, variant", [("none", "remote"), ("subspace", "paper"), ("subspace", "remote")])
-def test_lanes_equal_the_one_process_stages(size, compression, variant):
-    manifest = _manifest(size, compression, variant)
+@pytest.mark.parametrize(
+    "compression, variant, stage_embedding",
+    [("none", "remote", 0), ("subspace", "paper", 0), ("subspace", "remote", 0), ("subspace", "remote", 8)],
+)
+def test_lanes_equal_the_one_process_stages(size, compression, variant, stage_embedding):
+    """With stage embeddings, each lane adds its stage's table on entry and takes it out before the boundary."""
+    manifest = _manifest(size, compression, variant, stage_embedding_rank=stage_embedding)
     stages, tokens = _stages(manifest), _tokens()
     loss, inputs, outputs, grads = _in_process(stages, tokens)
     for stage in stages:
@@ -137,6 +141,8 @@ def test_lanes_equal_the_one_process_stages(size, compression, variant):
             assert _max_rel(got[name], grad) < TOL, (stage.index, name)
         if compression == "subspace" and not (stage.is_tail and size == 2 and variant == "remote"):
             assert any("theta_head" in name for name in got)
+        if stage_embedding:
+            assert {"stage_embedding.table", "stage_embedding.up"} <= got.keys()
 
 
 def test_lanes_round_like_the_one_process_wire_in_float64():

@@ -429,3 +429,49 @@ def test_context_parallel_basis_hash_is_recorded_and_verified():
         verify_hashes(wrong)
     with pytest.raises(ManifestError, match="basis_sha256 must be 64 lowercase hex digits"):
         preset("tiny", context_parallel={"size": 4, "basis_sha256": "xyz"})
+
+
+# --- the fixed embedding's scale and stage embeddings ---------------------------------------------------
+
+# the tiny preset's run id and T_fixed hash before `t_fixed_std` and `stage_embedding_rank` existed (main at
+# 3a505b3): a manifest at the old values must keep both, so its peers still find each other
+OLD_TINY_RUN_ID = "tiny-e6a0d4b57aba"
+OLD_TINY_T_FIXED = "47b206fe248e"
+
+
+def test_old_values_leave_the_canonical_manifest_its_run_id_and_t_fixed_as_they_were():
+    old = preset("tiny", t_fixed_std=0.02, stage_embedding_rank=0)
+    data = json.loads(old.canonical_json())
+    assert "t_fixed_std" not in data and "stage_embedding_rank" not in data
+    assert old.run_id == OLD_TINY_RUN_ID and old.t_fixed_sha256.startswith(OLD_TINY_T_FIXED)
+    assert parse_manifest(data).t_fixed_std == 0.02 and parse_manifest(data).stage_embedding_rank == 0
+
+
+def test_t_fixed_std_scales_the_table_and_names_a_new_run_and_hash():
+    old, new = preset("tiny", t_fixed_std=0.02), preset("tiny", t_fixed_std=1.0)
+    assert new.run_id != old.run_id and new.t_fixed_sha256 != old.t_fixed_sha256
+    small, large = t_fixed_table(0, 256, 64, 0.02), t_fixed_table(0, 256, 64, 1.0)
+    assert 0.9 < large.std().item() < 1.1
+    assert torch.allclose(large * 0.02, small, rtol=1e-5, atol=1e-8)  # the same draws, scaled
+    assert preset("tiny", stage_embedding_rank=16).run_id not in {old.run_id, new.run_id}
+
+
+def test_a_peer_of_one_std_refuses_a_manifest_of_another_by_hash():
+    """A manifest that claims another std's T_fixed hash (an old peer's, say) is refused by name."""
+    old, new = preset("tiny", t_fixed_std=0.02), preset("tiny", t_fixed_std=1.0)
+    forged = new.model_copy(update={"t_fixed_sha256": old.t_fixed_sha256})
+    with pytest.raises(ManifestError, match="T_fixed hash mismatch"):
+        verify_hashes(forged)
+
+
+@pytest.mark.parametrize(
+    "field, value, fragments",
+    [
+        ("t_fixed_std", 0, ("t_fixed_std", "greater than 0")),
+        ("t_fixed_std", 1e9, ("t_fixed_std", "less than or equal to 100")),
+        ("stage_embedding_rank", -1, ("stage_embedding_rank", "greater than or equal to 0")),
+        ("stage_embedding_rank", 257, ("stage_embedding_rank (257)", "at most model.d_model (256)")),
+    ],
+)
+def test_fixed_embedding_and_stage_embedding_fields_are_validated(tiny_dict, field, value, fragments):
+    _refused(_with(tiny_dict, field, value), *fragments)

@@ -191,3 +191,41 @@ def test_same_manifest_same_weights():
         assert torch.equal(pa, pb), name
     c = PipelineStage(small(seed=1), 0)
     assert not torch.equal(a.t_s, c.t_s)
+
+
+@pytest.mark.parametrize("compression", ["subspace", "boundary", "none"])
+@pytest.mark.parametrize("rank", [8, D])
+def test_stage_embeddings_are_read_by_the_layers_and_leave_the_boundary_exact(compression, rank):
+    """Every stage adds its own token table at its input and takes it out before its boundary: the layers
+    read it (the output moves with it), and in the compressed modes what crosses still lies in
+    T_fixed[tok] + span(U) exactly (subspace mode has no projection to hide a leak), however large it is."""
+    manifest = small(compression, n_layers=3, stages=3, stage_embedding_rank=rank)
+    stages, toks = build_stages(manifest), tokens()
+    full = rank == D
+    for stage in stages:
+        table = stage.stage_embedding.table
+        assert table.shape == (V, D if full else rank) and (stage.stage_embedding.up is None) == full
+    with torch.no_grad():
+        before = chain(stages[:2], toks)
+        for stage in stages:
+            stage.stage_embedding.table.mul_(100)
+        hidden = chain(stages[:2], toks)
+    assert relative_error(hidden, before) > 1e-3
+    if compression != "none":
+        state = stages[1].subspace
+        residual = hidden - state.t_fixed[toks]
+        # float32 rounding of adding and subtracting a table 100x its init (measured 2.4e-5); a leak is O(1)
+        assert relative_error(state.project(residual, axis=-1), residual) < 1e-4
+    next_token_loss(chain(stages, toks), toks).backward()
+    for stage in stages:  # trained like any parameter, never constrained
+        assert stage.stage_embedding.table.grad.norm() > 0
+        assert all(item.name != "stage_embedding.table" for item in stage.constrained)
+
+
+def test_stage_embeddings_are_seeded_per_stage_and_off_by_default():
+    assert all(stage.stage_embedding is None for stage in build_stages(small("boundary")))
+    first, second = build_stages(small("boundary", stage_embedding_rank=D))
+    again = build_stages(small("boundary", stage_embedding_rank=D))[0]
+    assert torch.equal(first.stage_embedding.table, again.stage_embedding.table)
+    assert not torch.equal(first.stage_embedding.table, second.stage_embedding.table)
+    assert "stage_embedding.table" in first.state_dict()  # checkpointed and averaged with the stage

@@ -114,7 +114,7 @@ class LocalSwarm:
                     "127.0.0.1",
                     "--port",
                     str(port),
-                    "--db",
+                    "--db",  # in the run's working directory: a throwaway run leaves no file in the user's data dir
                     str(self.workdir / "tracker.sqlite"),
                     "--identity",
                     str(self.workdir / "tracker.id"),

@@ -1,5 +1,6 @@
 """The tracker's run-level counters never go back: not when a driver leaves, not across a tracker restart,
-and a restart does not count the peers' counters twice (tracker/counters.py, tracker/history.py)."""
+and a restart does not count the peers' counters twice, nor takes over another run's (tracker/counters.py,
+tracker/history.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from test_tracker_swarm import MANIFEST, FakePeer, Tracker, close_all, free_port, get, get_json, wait_for
 
 from swarm.manifest import save_manifest
+from swarm.presets import preset
 from tracker.counters import advance, counter_gain, forget_oldest
 from tracker.history import History
 
@@ -44,11 +46,11 @@ def test_remembered_peers_are_bounded_oldest_first():
 
 
 def test_counters_persist_in_the_history_file(tmp_path):
-    history = History(tmp_path / "h.sqlite")
+    history = History(tmp_path / "h.sqlite", MANIFEST.run_id)
     history.save_counters({"tokens_trained": 42}, {"a": {"tokens_trained": 40}, "b": {"tokens_trained": 2}}, 5.0, [])
     history.save_counters({"tokens_trained": 50}, {"a": {"tokens_trained": 48}}, 6.0, ["b"])
     history.close()
-    totals, last, seen = History(tmp_path / "h.sqlite").load_counters()
+    totals, last, seen = History(tmp_path / "h.sqlite", MANIFEST.run_id).load_counters()
     assert totals == {"tokens_trained": 50} and last == {"a": {"tokens_trained": 48}} and seen == {"a": 6.0}
 
 
@@ -114,3 +116,44 @@ def test_a_real_tracker_never_counts_back_nor_twice(tmp_path):
         close_all(peers)
         tracker.stop()
     assert len(seen) > 10 and seen == sorted(seen), "the run's tokens counter went back"
+
+
+@pytest.mark.slow
+def test_a_real_tracker_of_another_run_on_the_same_history_starts_from_zero(tmp_path):
+    """A tracker started for a new manifest from the same folder and --db reported the earlier run's tokens at
+    its first poll, its loss chart began with that run's and it dialled that run's peers; now it starts from
+    zero, and the first run's tracker, started again, resumes its own count."""
+    save_manifest(MANIFEST, tmp_path / "manifest.json")
+    tracker = Tracker(tmp_path, free_port())
+    peers: list[FakePeer] = []
+    try:
+        tracker.start()
+        bootstrap = get_json(tracker.url + "/api/v1/bootstrap")["initial_peers"]
+        peers.append(FakePeer(bootstrap, 0, "driver", 3.0))
+        peers[0].thread.start()
+        first = wait_for(
+            lambda: (body := get_json(tracker.url + "/api/v1/swarm"))["totals"]["tokens_trained"] >= 4096 and body,
+            30,
+            "run A's driver counted",
+        )
+        tracker.stop()
+
+        other = preset("tiny", stages=2)
+        save_manifest(other, tmp_path / "manifest.json")  # another run, started from the same folder
+        tracker.start()
+        assert get_json(tracker.url + "/api/v1/run")["run_id"] == other.run_id
+        body = get_json(tracker.url + "/api/v1/swarm?history=2000")
+        assert body["totals"]["tokens_trained"] == 0 and body["totals"]["bytes_sent"] == 0
+        assert body["history"] and all(row["tokens"] == 0 and row["loss"] is None for row in body["history"])
+        log = tracker.log.read_text()
+        assert "the file keeps 1 other run(s) apart" in log and "remembered peer addresses" not in log
+        tracker.stop()
+
+        save_manifest(MANIFEST, tmp_path / "manifest.json")
+        tracker.start()
+        resumed = get_json(tracker.url + "/api/v1/swarm?history=2000")
+        assert resumed["totals"]["tokens_trained"] >= first["totals"]["tokens_trained"]
+        assert any(row["tokens"] >= 4096 for row in resumed["history"])
+    finally:
+        close_all(peers)
+        tracker.stop()

@@ -267,11 +267,11 @@ def sample(t: float, tokens: int = 0, loss: float | None = 3.0) -> dict:
 
 def test_history_persists_and_downsamples(tmp_path):
     db = tmp_path / "h.sqlite"
-    h = History(db)
+    h = History(db, MANIFEST.run_id)
     for i in range(1000):
         h.add(sample(NOW + i, tokens=10 * i))
     h.close()
-    h = History(db)
+    h = History(db, MANIFEST.run_id)
     assert h.count() == 1000
     rows = h.read(100)
     assert len(rows) == 100
@@ -285,7 +285,7 @@ def test_history_persists_and_downsamples(tmp_path):
 
 
 def test_history_is_capped(tmp_path):
-    h = History(tmp_path / "h.sqlite", max_rows=50)
+    h = History(tmp_path / "h.sqlite", MANIFEST.run_id, max_rows=50)
     for i in range(202):
         h.add(sample(NOW + i))
     assert h.count() <= 202 - 200 + 50
@@ -365,7 +365,7 @@ def app_client(tmp_path):
             raise TimeoutError("DHT did not answer")
         return stages
 
-    history = History(tmp_path / "h.sqlite")
+    history = History(tmp_path / "h.sqlite", MANIFEST.run_id)
     monitor = SwarmMonitor(MANIFEST, history, fetch, bootstrap=lambda: ["/ip4/127.0.0.1/tcp/1/p2p/QmTracker"])
     monitor.poll_once()
     with TestClient(create_app(monitor), raise_server_exceptions=False) as client:
@@ -411,7 +411,7 @@ def test_page_names_the_relay_of_a_relayed_peer(tmp_path):
     relay = PeerID(multihash.encode(hashlib.sha256(b"a relay").digest(), "sha2-256")).to_base58()
     stages = {i: [PeerEntry(record(i, f"s{i}"), NOW + 1e9, b"x")] for i in range(3)}
     stages[1] = [PeerEntry(record(1, "home", reachability="via relay", relay=relay), NOW + 1e9, b"y")]
-    history = History(tmp_path / "h.sqlite")
+    history = History(tmp_path / "h.sqlite", MANIFEST.run_id)
     monitor = SwarmMonitor(MANIFEST, history, lambda: stages, bootstrap=lambda: [])
     monitor.poll_once()
     with TestClient(create_app(monitor)) as client:
@@ -429,7 +429,7 @@ def test_page_shows_lanes_and_marks_empty_ones_only_with_context_parallelism(tmp
         0: [PeerEntry(stage_record(0, XSS_SCRIPT, CP2, lane=1), NOW + 1e9, b"a")],
         1: [PeerEntry(stage_record(1, "b", CP2, lane=0), NOW + 1e9, b"b")],
     }
-    history = History(tmp_path / "lanes.sqlite")
+    history = History(tmp_path / "lanes.sqlite", CP2.run_id)
     monitor = SwarmMonitor(CP2, history, lambda: entries, bootstrap=lambda: [])
     monitor.poll_once()
     with TestClient(create_app(monitor)) as lanes_client:

@@ -10,12 +10,15 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import signal
 import socket
 import sys
+import textwrap
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 from p2pio.budget import add_budget_flags, budget_from_flags
 from swarm.flags import EnvDefaultsParser, add_log_level, refuse_start
@@ -26,19 +29,33 @@ logger = logging.getLogger("tracker")
 PROG = "protocol-tracker"
 ENV_PREFIX = "PROTOCOL_TRACKER_"
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+OLD_DEFAULT_DB = "tracker-history.sqlite"  # --db's default until it moved to the per-user data directory
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Wraps flag help at spaces only, so a path such as the default --db is never cut at a hyphen."""
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = EnvDefaultsParser(
         prog=PROG,
         description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=_HelpFormatter,
         env_prefix=ENV_PREFIX,
     )
     p.add_argument("--manifest", required=True, help="the run manifest (JSON)")
     p.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="HTTP port; 0 picks a free one")
-    p.add_argument("--db", default="tracker-history.sqlite", help="SQLite file for loss/throughput history")
+    p.add_argument(
+        "--db",
+        help="SQLite file for the run's history: loss/throughput charts, the run's counters, peers to rejoin "
+        "through (default: $XDG_DATA_HOME/protocol-swarm/tracker-<run_id>.sqlite, with ~/.local/share when "
+        "XDG_DATA_HOME is unset). Rows are keyed by run id, so a file shared by several runs keeps each "
+        "run's apart and a restart of the same run resumes its own",
+    )
     p.add_argument(
         "--identity",
         help="libp2p identity file (created if missing); keeps the bootstrap address stable across restarts",
@@ -88,6 +105,19 @@ def default_host_maddrs(host: str) -> list[str]:
     return ["/ip4/0.0.0.0/tcp/0"]
 
 
+def default_history_path(run_id: str, environ: Mapping[str, str] = os.environ) -> Path:
+    """Where a run's history lives unless --db says: the per-user data directory (XDG), one file per run.
+
+    Not the current directory: a history there was picked up by whatever run was started from the
+    same folder next. The run id (characters unsafe in a file name replaced) names the file, so even
+    without the rows' run key two runs would not share a file by default.
+    """
+    base = environ.get("XDG_DATA_HOME", "")
+    if not os.path.isabs(base):  # unset, empty or relative: the XDG spec says to ignore it
+        base = os.path.join(os.path.expanduser("~"), ".local", "share")
+    return Path(base) / "protocol-swarm" / f"tracker-{re.sub(r'[^A-Za-z0-9._-]', '_', run_id)}.sqlite"
+
+
 def _listen(host: str, port: int) -> socket.socket:
     """Bind before starting anything else: a taken port fails fast, and port 0 tells us its number."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -112,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from tracker.app import create_app
-    from tracker.history import History
+    from tracker.history import History, HistoryError
     from tracker.relay import TrackerRelay
     from tracker.service import SwarmMonitor, dht_fetch, start_dht
 
@@ -145,8 +175,27 @@ def run(args: argparse.Namespace) -> int:
     dht = history = monitor = relay = None
     signal.signal(signal.SIGTERM, _raise_exit)  # so a SIGTERM still runs the cleanup below
     try:
-        history = History(args.db)
-        logger.info("history in %s (%d samples)", args.db, history.count())
+        db = args.db or default_history_path(manifest.run_id)
+        if args.db is None and os.path.exists(OLD_DEFAULT_DB):
+            logger.warning(
+                "%s in this folder is the history's old default and is no longer read (it names no run); "
+                "run %s keeps its history in %s",
+                OLD_DEFAULT_DB,
+                manifest.run_id,
+                db,
+            )
+        try:
+            history = History(db, manifest.run_id)
+        except HistoryError as exc:
+            return refuse_start(PROG, exc)
+        others = history.other_runs()
+        logger.info(
+            "history of run %s in %s (%d samples%s)",
+            manifest.run_id,
+            db,
+            history.count(),
+            f"; the file keeps {others} other run(s) apart" if others else "",
+        )
         try:
             dht = start_dht(
                 manifest,

@@ -55,6 +55,8 @@ class SwarmMonitor:
         stale_after: float = DEFAULT_STALE_AFTER,
         own_peer_id: str = "",
     ) -> None:
+        if history.run_id != manifest.run_id:  # another run's totals and chart must never be served as this one's
+            raise ValueError(f"history of run {history.run_id} given to the tracker of run {manifest.run_id}")
         self.manifest = manifest
         self.history = history
         self.poll_interval = poll_interval

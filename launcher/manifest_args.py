@@ -10,6 +10,11 @@ from swarm.manifest import Manifest, load_manifest
 from swarm.modes import MODES
 from swarm.presets import PRESETS, preset, verify_hashes
 
+# What `--context-parallel P` sends between chunks when `--cp-compression` is not given: compressed K/V,
+# as every context-parallel preset does (`remote` reached 0.93 of dense CP's validation loss at 4.7% of its
+# K/V bytes, benchmarks/RESULTS.md); `--cp-compression none` is the dense baseline to compare with.
+DEFAULT_CP_COMPRESSION = "subspace"
+
 
 def add_manifest_args(
     parser: argparse.ArgumentParser, stages: int | None = None, context_parallel: bool = False
@@ -26,10 +31,17 @@ def add_manifest_args(
     parser.add_argument("--subspace-update-interval", type=int, help="optimizer epochs between U updates (0 = never)")
     if context_parallel:
         parser.add_argument(
-            "--context-parallel", type=int, metavar="P", help="split every sequence into P chunks (context parallelism)"
+            "--context-parallel",
+            type=int,
+            metavar="P",
+            help=f"split every sequence into P chunks (context parallelism); K/V cross compressed "
+            f"({DEFAULT_CP_COMPRESSION}) unless --cp-compression none",
         )
         parser.add_argument(
-            "--cp-compression", choices=tuple(CP_MODES), help="what crosses between chunks: K/V, or Z and θ"
+            "--cp-compression",
+            choices=tuple(CP_MODES),
+            help=f"what crosses between chunks: {DEFAULT_CP_COMPRESSION} = Z and θ (the default with "
+            "--context-parallel), none = dense K and V (the baseline)",
         )
         parser.add_argument(
             "--cp-variant", choices=VARIANTS, help="subspace: paper = every block compressed, remote = crossing ones"
@@ -43,9 +55,13 @@ def manifest_from(args: argparse.Namespace) -> Manifest:
         manifest = load_manifest(args.manifest)
         verify_hashes(manifest)
         return manifest
+    size, compression = getattr(args, "context_parallel", None), getattr(args, "cp_compression", None)
+    if size is not None and compression is None:
+        # the flag's default, not ContextParallelSpec's "none", which stays what a manifest file without the key means
+        compression = DEFAULT_CP_COMPRESSION
     cp_flags = {
-        "size": getattr(args, "context_parallel", None),
-        "compression": getattr(args, "cp_compression", None),
+        "size": size,
+        "compression": compression,
         "variant": getattr(args, "cp_variant", None),
     }
     return preset(

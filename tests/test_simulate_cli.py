@@ -13,7 +13,8 @@ import pytest
 import torch
 from builders import tiny_manifest
 
-from launcher.cli import main
+from launcher.cli import build_parser, main
+from launcher.manifest_args import manifest_from
 from swarm.manifest import save_manifest
 from swarm.model import PipelineStage, build_stages
 from swarm.presets import preset
@@ -206,6 +207,28 @@ def test_cli_inspect_overrides_and_write(tmp_path, capsys):
     expected = preset("tiny", seed=5, compression="none")
     assert expected.run_id in capsys.readouterr().out
     assert json.loads(path.read_text()) == expected.model_dump(mode="json")
+
+
+@pytest.mark.parametrize("command", ["inspect", "simulate", "local"])
+def test_context_parallel_alone_sends_compressed_kv(command):
+    """`--context-parallel P` alone ships compressed K/V, as the -long and -cp presets do, in every command that
+    takes it (`local` sent dense K/V, 521 B/token/layer against 25.5); `--cp-compression none` is the dense
+    baseline, and without the flag there is no context parallelism."""
+    parser = build_parser()
+
+    def spec(*flags: str):
+        return manifest_from(parser.parse_args([command, *flags])).context_parallel
+
+    compressed = spec("--context-parallel", "2")
+    assert (compressed.size, compressed.compression, compressed.variant, compressed.compressed) == (
+        2, "subspace", "remote", True)
+    dense = spec("--context-parallel", "2", "--cp-compression", "none")
+    assert (dense.size, dense.compression, dense.compressed) == (2, "none", False)
+    tiny = preset("tiny")
+    sent = compressed.payload_bytes_per_token(tiny.model, tiny.batch.seq_len)
+    assert sent["compressed"] < 0.1 * dense.payload_bytes_per_token(tiny.model, tiny.batch.seq_len)["dense"]
+    assert spec() is None
+    assert spec("--preset", "tiny-long", "--context-parallel", "2").compression == "subspace"
 
 
 def test_cli_bad_manifest_file_exits_2(tmp_path, capsys):

@@ -264,7 +264,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--ks", type=int, nargs="+", default=[2, 4, 8, 16, 32])
     parser.add_argument("--modes", nargs="+", default=["boundary", "subspace"], choices=sorted(MODES))
     parser.add_argument("--dtypes", nargs="+", default=["bf16", "int8"], help="coefficient wire dtypes")
-    parser.add_argument("--dense-dtypes", nargs="+", default=["bf16", "int8"], help="dense baselines' wire dtypes")
+    parser.add_argument("--dense-dtypes", nargs="*", default=["bf16", "int8"],
+                        help="dense baselines' wire dtypes (none given: no dense point)")
     parser.add_argument("--corpus", nargs="+", default=["code"], choices=CORPORA,
                         help="code: the standard library's source (the repo's default); prose: CPython's docs")
     parser.add_argument("--splits", type=int, nargs="+", default=[2],
@@ -286,7 +287,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--val-every", type=int, default=100, help="with --trajectory: steps between validations")
     parser.add_argument("--jobs", type=int, default=1, help="points trained at once, one process each")
     parser.add_argument("--json", dest="json_path", help="results, rewritten after every point; resumed from")
-    parser.add_argument("--report-only", action="store_true", help="train nothing: summarise (and plot) the JSON")
+    parser.add_argument("--report-only", action="store_true",
+                        help="train nothing: summarise (and plot) the JSON's rows of --seeds and --corpus")
     parser.add_argument("--plot", metavar="DIR", help="write frontier.png / frontier_trajectory.png there")
     args = parser.parse_args(argv)
     args.steps = args.steps or (2000 if args.trajectory else 600)
@@ -301,7 +303,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.report_only and args.json_path and Path(args.json_path).exists():
         settings = json.loads(Path(args.json_path).read_text())["settings"]  # report what the file holds
     rows = load(args.json_path, settings)
-    if not args.report_only:
+    if args.report_only:  # the report covers the seeds and corpora asked for (a screen's seed, a confirm's three)
+        rows = [row for row in rows if row["seed"] in args.seeds and row["corpus"] in args.corpus]
+    else:
         have = {point_key(row) for row in rows}
         todo = [point for point in plan(args) if point_key(point) not in have]
         print(f"{len(todo)} points to train, {len(rows)} found in {args.json_path}", flush=True)

@@ -19,6 +19,8 @@ from swarm.manifest import (
 )
 from swarm.subspace import initial_basis, t_fixed_sha256, tensor_sha256
 
+FULL = "full"  # a preset's stage embedding rank that means a full table at whatever width the preset ends up with
+
 _SHAPES: dict[str, dict] = {
     # seconds per step on two CPU cores; d/k = 64
     "tiny": dict(
@@ -29,6 +31,7 @@ _SHAPES: dict[str, dict] = {
         dataset="builtin:stdlib",
         batch=BatchSpec(microbatch_size=8, seq_len=128, target_batch_size=16),
         optimizer=OptimizerSpec(lr=2e-3, warmup_steps=10),
+        stage_embedding_rank=FULL,  # a V×d table per stage (64K parameters); RESULTS, "Convergence"
     ),
     # ~125M parameters, GPT-2 small's width
     "small": dict(
@@ -116,7 +119,8 @@ def with_hashes(manifest: Manifest) -> Manifest:
 
 
 def preset(name: str, **overrides) -> Manifest:
-    """A preset manifest; `stages` may be an int (even split), `context_parallel` a dict of the fields
+    """A preset manifest; `stages` may be an int (even split), `stage_embedding_rank` "full" (d_model, after a
+    `model` override), `context_parallel` a dict of the fields
     to change in the preset's context parallelism (starting from `ContextParallelSpec`'s defaults
     where the preset has none), other keys replace manifest fields."""
     if name not in _SHAPES:
@@ -126,6 +130,8 @@ def preset(name: str, **overrides) -> Manifest:
     if cp_changes:
         fields["context_parallel"] = {**asdict(fields.get("context_parallel") or ContextParallelSpec()), **cp_changes}
     fields.update({key: value for key, value in overrides.items() if value is not None})
+    if fields.get("stage_embedding_rank") == FULL:
+        fields["stage_embedding_rank"] = fields["model"].d_model
     if isinstance(fields["stages"], int):
         fields["stages"] = even_stages(fields["model"].n_layers, fields["stages"])
     manifest = parse_manifest(

@@ -75,6 +75,8 @@ def _no_hash_preset(name: str) -> dict:
     fields["stages"] = [s.model_dump() for s in even_stages(fields["model"].n_layers, fields["stages"])]
     for key in ("model", "batch", "optimizer"):
         fields[key] = fields[key].model_dump()
+    if fields.get("stage_embedding_rank") == presets.FULL:  # as `preset` resolves it
+        fields["stage_embedding_rank"] = fields["model"]["d_model"]
     return fields
 
 

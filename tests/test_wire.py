@@ -453,3 +453,16 @@ def test_error_replies():
         with pytest.raises(WireError) as info:
             wire.raise_if_error(wire.ERROR_MAGIC + broken)
         assert info.value.code == ErrorCode.MALFORMED
+
+
+def test_a_peer_of_the_old_defaults_and_one_of_the_new_refuse_each_other():
+    """Stage embeddings and a T_fixed scale change the run: a message between a peer of a manifest written
+    before them and a peer of the new defaults is refused by run id, and, where a forged header claims the
+    other's run, by the T_fixed hash."""
+    old = tiny_manifest("subspace", wire_dtype="fp32", microbatch=4, t_fixed_std=0.02, stage_embedding_rank=0)
+    new = tiny_manifest("subspace", wire_dtype="fp32", microbatch=4, t_fixed_std=1.0, stage_embedding_rank=D)
+    assert new.stage_embedding_rank == D and old.run_id != new.run_id
+    refused(forward_blob(old), expect(new), ErrorCode.WRONG_RUN, old.run_id)
+    refused(forward_blob(new), expect(old), ErrorCode.WRONG_RUN, new.run_id)
+    forged = forward_blob(old, run_id=new.run_id)
+    refused(forged, expect(new), ErrorCode.WRONG_HASH, old.t_fixed_sha256[:8])

@@ -17,12 +17,12 @@ Two corpora: `code` is the default the repo trains on (the Python standard libra
 (`pydoc_data`) and the standard library's docstrings (doctest lines dropped), ~1.9 MB, built once
 into a file in the temp folder. Neither is tuned on here.
 
-`--trajectory` trains each setting of the grid (default: the tiny preset's own, and dense bf16 at the
-default std without stage embeddings) for ≥ 2000 steps, validating every `--val-every` steps: does
-the gap shrink with training?
+`--trajectory` trains the grid's settings for 2000 steps (unless `--steps` says otherwise), validating
+every `--val-every` steps: does the gap shrink with training?
 
     OMP_NUM_THREADS=1 python benchmarks/frontier.py --json /tmp/frontier.json [--jobs 2] [--device cuda]
-    python benchmarks/frontier.py --trajectory --json /tmp/trajectory.json --seeds 0
+    python benchmarks/frontier.py --trajectory --stage-embeddings 256 --modes boundary --dtypes bf16 --ks 4 \
+        --dense-dtypes bf16 --json /tmp/frontier.json --jobs 2
     python benchmarks/frontier.py --report-only --json /tmp/frontier.json --plot benchmarks/
 
 The JSON is rewritten after every point and a rerun skips the points it holds (same settings), so
@@ -174,13 +174,6 @@ def plan(args: argparse.Namespace) -> list[dict]:
     wires += [(mode, dtype, k) for mode in args.modes for dtype in args.dtypes for k in args.ks]
     combos = [(stages, std, rank, *wire) for stages in args.splits for std in args.t_fixed_stds
               for rank in args.stage_embeddings for wire in wires]
-    if args.trajectory and args.trajectory_default:
-        default = preset("tiny")
-        combos = [
-            (default.num_stages, default.t_fixed_std, default.stage_embedding_rank, default.compression,
-             default.wire_dtype, default.k),
-            (default.num_stages, preset("tiny", compression="none").t_fixed_std, 0, "none", "bf16", DENSE_K),
-        ]
     points = []
     turn = 0
     for seed in args.seeds:
@@ -262,7 +255,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help=f"learning rates swept per point (default {' '.join(map(str, DEFAULT_LRS))}; "
                              "1e-3 with --trajectory)")
     parser.add_argument("--ks", type=int, nargs="+", default=[2, 4, 8, 16, 32])
-    parser.add_argument("--modes", nargs="+", default=["boundary", "subspace"], choices=sorted(MODES))
+    parser.add_argument("--modes", nargs="*", default=["boundary", "subspace"], choices=sorted(MODES),
+                        help="compressed modes (none given: dense points only)")
     parser.add_argument("--dtypes", nargs="+", default=["bf16", "int8"], help="coefficient wire dtypes")
     parser.add_argument("--dense-dtypes", nargs="*", default=["bf16", "int8"],
                         help="dense baselines' wire dtypes (none given: no dense point)")
@@ -282,8 +276,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=30)
     parser.add_argument("--val-batches", type=int, default=8)
     parser.add_argument("--trajectory", action="store_true", help="long runs validated every --val-every steps")
-    parser.add_argument("--trajectory-default", action="store_true",
-                        help="with --trajectory: the tiny preset's own setting and dense bf16, not the grid")
     parser.add_argument("--val-every", type=int, default=100, help="with --trajectory: steps between validations")
     parser.add_argument("--jobs", type=int, default=1, help="points trained at once, one process each")
     parser.add_argument("--json", dest="json_path", help="results, rewritten after every point; resumed from")

@@ -106,7 +106,9 @@ def boundary_makeup(head: PipelineStage, batches: list[torch.Tensor]) -> dict[st
             captured.clear()
             head(None, tokens)
             t_fixed, t_s = head.subspace.t_fixed[tokens], head.t_s[tokens]
-            learned = captured[0] - t_fixed
+            learned = captured[0] - t_fixed  # what would cross: the stage's own embedding is taken out first
+            if head.stage_embedding is not None:
+                learned = learned - head.stage_embedding(tokens)
             for name, value in (("t_fixed", t_fixed), ("t_s", t_s), ("layers", learned - t_s), ("learned", learned)):
                 parts[name].append(value)
             kept += float(head.subspace.project(learned, axis=-1).pow(2).sum())

@@ -1,4 +1,5 @@
-"""`protocol-swarm`: simulate a run in one process, inspect a preset, or start a local swarm.
+"""`protocol-swarm`: simulate a run in one process, inspect a preset, start a local swarm, or export and sample a
+trained model.
 
 Every flag can also come from the environment as PROTOCOL_SWARM_<FLAG> (`swarm/flags.py`)."""
 
@@ -9,6 +10,7 @@ import json
 import sys
 from dataclasses import asdict
 
+from launcher.export import add_export_parsers
 from launcher.local import add_local_parser
 from launcher.manifest_args import add_manifest_args, manifest_from
 from swarm.data import DataError
@@ -106,6 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     sim.set_defaults(func=cmd_simulate)
 
     add_local_parser(sub)
+    add_export_parsers(sub)
     return parser
 
 

@@ -2,11 +2,12 @@
 
 It starts a bootstrap DHT node in this process (which also watches the peers' records), a
 tracker, and one `protocol-peer` process per slot, all on loopback; it stops when the slowest
-stage has made `--steps` optimizer steps, and always stops every child (process groups, so
-hivemind's DHT processes and p2pd daemons go too). A peer that dies is restarted with
-`--stage auto` (one log line each; `--no-restart` makes a dead peer end the run instead), and
-`--churn SECONDS` kills a random peer that is not the last of its stage every SECONDS, so the
-swarm can be watched healing on the status page. The status page is part of what a newcomer
+stage has made `--steps` optimizer steps, and always stops every child: upstream first, so the
+drivers' last trips come back before the stages after them stop and none is counted as an error,
+then whatever is left in their process groups (hivemind's DHT processes, p2pd). A peer that dies
+is restarted with `--stage auto` (one log line each; `--no-restart` makes a dead peer end the run
+instead), and `--churn SECONDS` kills a random peer that is not the last of its stage every SECONDS,
+so the swarm can be watched healing on the status page. The status page is part of what a newcomer
 runs this for, so the tracker is checked like a peer: its page and `/api/v1/swarm` are fetched
 during the run (the summary reports what was fetched), and a dead tracker fails the run. The
 temporary directory is removed after a clean run and kept, with its path printed, whenever a

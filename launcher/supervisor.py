@@ -1,13 +1,18 @@
 """The supervisor of a swarm on this machine: a bootstrap DHT node here, tracker and peers as processes.
 
 Peers and the tracker are separate programs, started as commands (`protocol-peer`,
-`protocol-tracker`) in process groups of their own, so stopping one stops hivemind's DHT
-processes and p2pd below it too. Used by `protocol-swarm local` (`launcher/local.py`), the
-multi-process tests (`tests/harness.py`) and the benchmarks.
+`protocol-tracker`) in process groups of their own, so whatever a child leaves below it (hivemind's
+DHT and averager processes, p2pd) can be killed with it. Stopping is upstream first (`LocalSwarm.stop`):
+a signal to a peer's whole group would reach its p2pd too, which exits at once, so the peer's trips
+still in flight, its last announce and its averagers' shutdown would all fail; only the peer itself is
+signalled, and it stops what runs below it in order. Every child's $TMPDIR is the working directory, so
+the hivemind sockets of a peer that was killed (`p2pio/sockets.py`) go with it. Used by `protocol-swarm
+local` (`launcher/local.py`), the multi-process tests (`tests/harness.py`) and the benchmarks.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -23,10 +28,13 @@ from pathlib import Path
 from hivemind.utils.timed_storage import get_dht_time
 
 from dhtio.records import fetch_stages
+from p2pio.sockets import make_socket_dir, sockets_in
 from swarm.manifest import Manifest, save_manifest
 from swarm.records import ANNOUNCE_INTERVAL, RECORD_TTL, PeerEntry, load_or_create_rsa_key, make_validators
 
 MAX_RESTARTS = 100  # a peer restarted this often is broken, not unlucky
+# a peer told to stop exits within 25 s whatever hangs (peer/daemon.py HARD_EXIT_AFTER): the wait for each wave
+EXIT_GRACE = 30.0
 
 
 class LocalSwarmError(RuntimeError):
@@ -67,6 +75,7 @@ class LocalSwarm:
         self.extra_peer_args = extra_peer_args or []
         self.children: list[Child] = []
         self.dht = None
+        self.socket_dir: Path | None = None  # the bootstrap DHT's hivemind sockets
         self.tracker_url: str | None = None
         self.manifest_path = workdir / "manifest.json"
 
@@ -87,17 +96,20 @@ class LocalSwarm:
                 env=self._child_env(),
             )
 
-    @staticmethod
-    def _child_env() -> dict[str, str]:
-        """Many processes share this machine's cores: one torch thread each avoids oversubscription."""
-        return {"OMP_NUM_THREADS": "1", **os.environ, "PYTHONUNBUFFERED": "1"}
+    def _child_env(self) -> dict[str, str]:
+        """Many processes share this machine's cores: one torch thread each avoids oversubscription. The
+        temporary files of every child (its hivemind sockets, a peer's throwaway identity) go in the working
+        directory, so what a killed child could not remove is removed with it."""
+        return {"OMP_NUM_THREADS": "1", **os.environ, "PYTHONUNBUFFERED": "1", "TMPDIR": str(self.workdir)}
 
     def start(self) -> None:
         from hivemind.dht import DHT
 
         save_manifest(self.manifest, self.manifest_path)
         _, validators = make_validators(self.manifest, load_or_create_rsa_key(None))
-        self.dht = DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], record_validators=validators)
+        self.socket_dir = make_socket_dir()
+        with sockets_in(self.socket_dir):  # the DHT process forked here keeps it; this process (a test's) does not
+            self.dht = DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], record_validators=validators)
         bootstrap = self.bootstrap
         tracker = shutil.which("protocol-tracker")
         if self.with_tracker:
@@ -239,11 +251,42 @@ class LocalSwarm:
         return fetch_stages(self.dht, self.manifest)
 
     def stop(self) -> None:
-        for process in stop_process_groups([child.process for child in self.children], grace=20.0):
+        """Stop every child upstream first (`stop_waves`), then the bootstrap DHT, and remove its sockets."""
+        for process in stop_in_waves(self.stop_waves(), grace=EXIT_GRACE):
             print(f"warning: pid {process.pid} did not exit after SIGKILL", file=sys.stderr)
         if self.dht is not None:
             self.dht.shutdown()
             self.dht = None
+        if self.socket_dir is not None:
+            shutil.rmtree(self.socket_dir, ignore_errors=True)
+            self.socket_dir = None
+
+    def stop_waves(self) -> list[list[subprocess.Popen]]:
+        """The children in the order they are stopped: the peers of stage 0 (the drivers, which stop starting
+        trips and wait for theirs to come back), then each stage after, then the tracker. A peer is stopped
+        only when every peer upstream of it has exited, so no trip is in flight through it any more: none is cut
+        by the stop and counted as an error, and none is refused because its next hop is leaving. A peer's stage
+        is the one its freshest record names (a peer restarted with `--stage auto` may serve another), else its
+        `--stage` flag; one that never joined a stage goes first, with the drivers."""
+        announced: dict[str, int] = {}
+        if self.dht is not None:
+            try:
+                entries = [e for stage in self.poll().values() for e in stage]
+            except Exception as exc:  # noqa: BLE001 - hivemind raises bare errors; the flags still give an order
+                print(f"warning: could not read the stages to stop upstream first: {exc}", file=sys.stderr)
+                entries = []
+            for entry in sorted(entries, key=lambda e: e.expiration):  # the freshest record wins
+                announced[entry.record.public_name] = entry.record.stage
+        waves: dict[int, list[subprocess.Popen]] = {}
+        tracker = []
+        for child in self.children:
+            if child.name == "tracker":
+                tracker.append(child.process)
+                continue
+            flag = child.argv[child.argv.index("--stage") + 1] if "--stage" in child.argv else ""
+            stage = announced.get(child.name, int(flag) if flag.isdigit() else 0)
+            waves.setdefault(stage, []).append(child.process)
+        return [waves[stage] for stage in sorted(waves)] + [tracker]
 
 
 def with_stage(argv: list[str], stage: str) -> list[str]:
@@ -254,19 +297,31 @@ def with_stage(argv: list[str], stage: str) -> list[str]:
 
 
 def stop_process_groups(processes: list[subprocess.Popen], grace: float) -> list[subprocess.Popen]:
-    """SIGTERM every process group, wait up to `grace` seconds in all, then SIGKILL the groups (hivemind's
-    DHT process and p2pd may outlive their parent). Returns the processes still alive after that."""
-    for process in processes:  # also when the leader has exited: its group may not have
-        _signal_group(process, signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    for process in processes:
-        try:
-            process.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass
+    """Stop `processes` all at once (`stop_in_waves` with one wave)."""
+    return stop_in_waves([processes], grace)
+
+
+def stop_in_waves(waves: list[list[subprocess.Popen]], grace: float) -> list[subprocess.Popen]:
+    """Wave after wave: SIGTERM the processes of the wave and wait up to `grace` seconds for them to exit. Then
+    SIGKILL every process group (hivemind's DHT process and p2pd may outlive their parent). Returns the
+    processes still alive after that.
+
+    SIGTERM goes to the process alone, not its group: p2pd exits at once on a signal, so a peer signalled with
+    its group would lose its libp2p daemon while it still drains its trips, announces it is leaving and shuts
+    its averagers down; signalled alone, it stops them in order itself (peer/processes.py)."""
+    for wave in waves:
+        for process in wave:
+            with contextlib.suppress(ProcessLookupError):
+                process.send_signal(signal.SIGTERM)  # a no-op for a process already reaped
+        deadline = time.monotonic() + grace
+        for process in wave:
+            try:
+                process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
     survivors = []
-    for process in processes:
-        _signal_group(process, signal.SIGKILL)
+    for process in (process for wave in waves for process in wave):
+        _signal_group(process, signal.SIGKILL)  # also when the leader has exited: its group may not have
         try:
             process.wait(timeout=5)
         except subprocess.TimeoutExpired:

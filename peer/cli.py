@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import sys
 import traceback
 
@@ -17,6 +16,7 @@ from p2pio.framing import MIN_RATE
 from peer.daemon import PeerDaemon
 from peer.lanes import lane_refusal
 from peer.options import PeerOptions
+from peer.processes import exit_now
 from swarm.flags import EnvDefaultsParser, add_log_level, refuse_start
 from swarm.manifest import Manifest, ManifestError, load_manifest, parse_manifest
 from swarm.presets import verify_hashes
@@ -223,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             daemon.start_dht()
         except Exception as exc:  # noqa: BLE001 - hivemind raises bare errors for unreachable peers
+            daemon.stop_processes()  # what the failed start left: a DHT process, p2pd, their sockets
             raise StartupError(
                 f"could not join the DHT via {' '.join(options.initial_peers) or 'a new swarm'}: "
                 f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
@@ -246,11 +247,8 @@ def main(argv: list[str] | None = None) -> int:
         code = 1
     # The peer has left, saved its checkpoint and stopped its child processes. A DHT call abandoned at
     # its timeout (p2pd killed by a group signal) may still hold a worker thread that interpreter
-    # shutdown would join forever, so the process ends here, after flushing its logs.
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    # shutdown would join forever, so the process ends here (`exit_now`: logs flushed, sockets removed).
+    exit_now(code)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,11 @@ agreement on U (`peer/subspace_sync.py`). This module starts and stops them.
 Stopping. SIGINT or SIGTERM, to the process or to its whole process group (Ctrl-C, systemd):
 the peer leaves its stage, saves its checkpoint and exits; a second SIGINT exits at once. The
 DHT's child process is started with both signals ignored, so a group signal cannot kill it under
-the parent, and p2pd dying first only makes the leave's DHT calls time out (they are bounded).
+the parent, and p2pd dying first only makes the leave's DHT calls time out (they are bounded); a
+signal to the peer alone (`docker stop`, `protocol-swarm local`) leaves p2pd up until the peer
+stops it. What fails while the peer leaves (its own trips once p2pd is gone, the trips it refuses)
+is counted as abandoned while leaving, not as errors. On every way out the peer removes the hivemind
+sockets it and its children made (`p2pio/sockets.py`).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from hivemind.dht import DHT
 from hivemind.p2p import P2P, PeerID
 
 from dhtio.records import fetch_stages
+from p2pio.sockets import use_own_socket_dir
 from peer.announcer import Announcer, stage_record
 from peer.driver import Driver
 from peer.kv_exchange import KVService
@@ -112,6 +117,7 @@ class PeerDaemon:
         temporary directory. The DHT's child process (and the p2pd it starts) inherit SIGINT and SIGTERM
         ignored: a signal to the whole process group reaches only this process, which then leaves
         in order and stops them itself."""
+        use_own_socket_dir()  # before the DHT forks: its p2pd, and every process after it, put their sockets there
         identity = self.options.identity
         kwargs: dict = dict(start=True, host_maddrs=self.options.host_maddrs, initial_peers=self.options.initial_peers)
         if identity is None:
@@ -202,6 +208,7 @@ class PeerDaemon:
         the target)."""
         index, self.lane = slot
         self.index, self.state = index, "joining"
+        self.stats.leaving = False  # back to counting errors after a move to this stage
         device = pick_device(self.options.device)
         with stop_signals_ignored_by_children():  # hivemind's averagers are child processes
             runtime = StageRuntime(
@@ -272,7 +279,8 @@ class PeerDaemon:
             tasks.append(asyncio.create_task(sync.run()))
         driver = None
         if runtime.stage.is_head:
-            driver = Driver(hop, self.peer_id, self.options.data, self.options.max_inflight, self.options.drain_timeout)
+            driver = Driver(hop, self.peer_id, self.options.data, self.options.max_inflight, self.options.drain_timeout,
+                            self._fetch)
             tasks.append(asyncio.create_task(driver.run()))
         stop = asyncio.create_task(self.stopping.wait())
         target = None
@@ -290,8 +298,10 @@ class PeerDaemon:
         return target
 
     async def leave(self, tasks: list[asyncio.Task], driver) -> None:
-        """Announce LEAVING, stop driving, let trips in flight finish, checkpoint, release the stage."""
+        """Announce LEAVING, stop driving, let trips in flight finish, checkpoint, release the stage. From here on
+        what fails is the leave's doing, not the swarm's: it is counted as abandoned (`Stats.leaving`)."""
         self.state = "leaving"
+        self.stats.leaving = True
         if driver is not None:
             driver.stop()
         await self.announcer.announce_now(timeout=LEAVE_DHT_TIMEOUT)  # p2pd may be gone already (a group SIGTERM)
@@ -314,11 +324,12 @@ class PeerDaemon:
             # so a second Ctrl-C is still handled meanwhile
             await asyncio.to_thread(runtime.shutdown)
         logger.info(
-            "%s left the stage (trips %d, tokens %d, errors %s)",
+            "%s left the stage (trips %d, tokens %d, errors %s, abandoned while leaving %d)",
             self.label,
             self.stats.trips,
             self.stats.tokens,
             dict(self.stats.errors) or 0,
+            self.stats.abandoned,
         )
 
     async def heartbeat_loop(self) -> None:
@@ -398,8 +409,9 @@ class PeerDaemon:
         return None if stopped else pick.result()
 
     def stop_processes(self) -> None:
-        """Stop the DHT (and with it p2pd) and anything else still running below us; the exit cannot hang
-        on a child that ignores the stop signals."""
+        """Stop the DHT (and with it p2pd) and anything else still running below us, and remove our hivemind
+        sockets and throwaway identity; the exit cannot hang on a child that ignores the stop signals. Also
+        after a failed `start_dht`, whatever it got to start."""
         stop_dht_and_children(self.dht)
         if self._temp_identity is not None:
             shutil.rmtree(self._temp_identity, ignore_errors=True)

@@ -8,20 +8,28 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import time
 
-from peer.trip import Hop
+from peer.routing import REFRESH_INTERVAL
+from peer.trip import Fetch, Hop
 from swarm.data import load_splits
 from swarm.wire import ErrorCode, WireError
 
 logger = logging.getLogger("peer.driver")
 
 RETRIES = 6  # at 0.5 s apart: covers the seconds a U switch takes to reach every stage
+# how long every stage must have had a live peer before the first trip: each peer re-reads the stage before its
+# own every REFRESH_INTERVAL (plus the read itself), and admits only senders it read (`peer/admission.py`)
+SETTLE = REFRESH_INTERVAL + 3.0
 
 
 class Driver:
-    def __init__(self, hop: Hop, peer_id: str, data: str | None, max_inflight: int, drain_timeout: float):
+    def __init__(
+        self, hop: Hop, peer_id: str, data: str | None, max_inflight: int, drain_timeout: float, fetch_all: Fetch
+    ):
         self.hop, self.peer_id, self.data = hop, peer_id, data
         self.max_inflight, self.drain_timeout = max_inflight, drain_timeout
+        self.fetch_all = fetch_all  # every stage's records: the whole pipeline, not only the next hop
         self.inflight = 0
         self._stopped = False
         self._failures = 0
@@ -57,17 +65,41 @@ class Driver:
                 await asyncio.gather(*late, return_exceptions=True)
 
     async def _wait_for_pipeline(self) -> None:
-        """Start driving once the next stage has a live peer, rather than failing trips at start-up."""
+        """Start driving once every stage has a live peer and no new one has appeared for `SETTLE` seconds (at
+        most `3 * SETTLE` after the pipeline first had a peer in every stage: in a large swarm one always joins),
+        rather than failing trips at start-up: a trip through a stage with no peer yet fails `no_peer`, and one
+        sent to a peer that has not yet read the records of the stage before it (this driver's, or those of a
+        peer that came online after its last read) is refused `unknown_sender`, an error on the refusing peer.
+        Every peer re-reads those records within `SETTLE`, so the first trips find every hop knowing the last."""
         hop = self.hop
         if hop.runtime.stage.is_tail:
             return
-        waited = 0.0
-        while not self._stopped and not hop.router.candidates(1):
-            if waited % 10 == 0:
-                logger.info("%s waiting for a peer of stage 1", hop.label)
+        stages = range(1, hop.manifest.num_stages)
+        seen: set[str] = set()
+        first = newest = None  # when every stage first had a live peer; when the last new one appeared
+        asked = 0
+        while not self._stopped:
+            records = await self.fetch_all()
+            live = {s: {e.record.peer_id for e in records.get(s, []) if hop.router.compatible(e)} for s in stages}
+            missing = [s for s, ids in live.items() if not ids]
+            now = time.monotonic()
+            if missing:
+                if asked % 10 == 0:
+                    logger.info("%s waiting for a peer of stage %s", hop.label, ", ".join(map(str, missing)))
+            else:
+                ids = set().union(*live.values())
+                if first is None:
+                    first = now
+                    logger.info("%s every stage has a peer: driving once each has read the stage before it "
+                                "(%.0f s without a new peer)", hop.label, SETTLE)
+                if newest is None or not ids <= seen:
+                    newest = now
+                seen |= ids
+                if now - newest >= SETTLE or now - first >= 3 * SETTLE:
+                    hop.router.update(await hop.fetch())
+                    return
+            asked += 1
             await asyncio.sleep(1.0)
-            waited += 1.0
-            hop.router.update(await hop.fetch())
 
     async def _trip(self, tokens) -> None:
         """One microbatch; a trip refused because U changed under it (its hops disagree, or no peer of the

@@ -2,7 +2,8 @@
 
 They are started with the stop signals ignored (they alone: the peer keeps its handlers), so a signal
 to the whole process group reaches only the peer, which then leaves in order and stops them itself;
-what is left at exit is killed. A hard-exit timer armed at the first stop signal bounds the exit.
+what is left at exit is killed. A hard-exit timer armed at the first stop signal bounds the exit. Every
+way out removes the hivemind sockets this process and its children made (`p2pio/sockets.py`).
 """
 
 from __future__ import annotations
@@ -13,10 +14,14 @@ import logging
 import multiprocessing
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import NoReturn
+
+from p2pio.sockets import remove_own_socket_dir
 
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -55,14 +60,24 @@ def arm_hard_exit(seconds: float, message: str) -> threading.Timer:
 
     def expire() -> None:
         logging.getLogger("peer").warning("%s", message)
-        logging.shutdown()
-        kill_descendants()
-        os._exit(1)
+        exit_now(1)
 
     timer = threading.Timer(seconds, expire)
     timer.daemon = True
     timer.start()
     return timer
+
+
+def exit_now(code: int) -> NoReturn:
+    """End this process with status `code` now: flush the logs, kill what is still below us, remove our hivemind
+    sockets. Without interpreter shutdown: a DHT call abandoned at its timeout may hold a worker thread that
+    it would join forever."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    kill_descendants()
+    remove_own_socket_dir()  # after the kill: nothing of ours is left to listen on them
+    os._exit(code)
 
 
 def descendants(pid: int) -> list[int]:
@@ -101,16 +116,19 @@ def kill_descendants() -> None:
 
 
 def stop_dht_and_children(dht) -> None:
-    """Stop the DHT (and with it p2pd) and anything else still running below us; the exit cannot hang
-    on a child that ignores the stop signals."""
-    dht.shutdown_timeout = 3.0
-    with contextlib.suppress(Exception):
-        dht.shutdown()  # it ignores SIGTERM: if it did not stop in time, it is killed below
+    """Stop the DHT (and with it p2pd), if one was started, and anything else still running below us, then
+    remove our hivemind sockets; the exit cannot hang on a child that ignores the stop signals."""
+    if dht is not None:
+        dht.shutdown_timeout = 3.0
+        with contextlib.suppress(Exception):
+            dht.shutdown()  # it ignores SIGTERM: if it did not stop in time, it is killed below
     kill_descendants()
-    with contextlib.suppress(Exception):
-        dht.join(2.0)
+    if dht is not None:
+        with contextlib.suppress(Exception):
+            dht.join(2.0)
     for child in multiprocessing.active_children():  # reaps what was killed
         child.join(0.5)
+    remove_own_socket_dir()
 
 
 def close_abandoned_loops() -> int:
@@ -178,6 +196,4 @@ class StopSignals:
         self.received.append(now)
         if sig == signal.SIGINT or len(self.received) >= 3:
             logging.getLogger("peer").warning("%s %s again: exiting now, without leaving in order", self.label(), name)
-            logging.shutdown()
-            kill_descendants()
-            os._exit(130)
+            exit_now(130)

@@ -63,9 +63,16 @@ class Stats:
     mixed_trips: int = 0
     losses: list[float] = field(default_factory=list)
     last_loss: float | None = None
+    # set while the peer leaves its stage (stopped, or moving): a failure then is the leave's doing (its trips
+    # cut, p2pd gone under a group signal, trips refused as it is leaving), counted in `abandoned`, not `errors`
+    leaving: bool = False
+    abandoned: int = 0
 
     def error(self, code: ErrorCode) -> None:
-        self.errors[code.value] += 1
+        if self.leaving:
+            self.abandoned += 1
+        else:
+            self.errors[code.value] += 1
 
 
 def check_loss(loss: float | None, manifest: Manifest) -> float | None:

@@ -141,6 +141,7 @@ def _raise_exit(signum, frame) -> None:
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from p2pio.sockets import remove_own_socket_dir, use_own_socket_dir
     from tracker.app import create_app
     from tracker.history import History, HistoryError
     from tracker.relay import TrackerRelay
@@ -196,6 +197,7 @@ def run(args: argparse.Namespace) -> int:
             history.count(),
             f"; the file keeps {others} other run(s) apart" if others else "",
         )
+        use_own_socket_dir()  # hivemind's sockets where the cleanup below removes them (p2pio/sockets.py)
         try:
             dht = start_dht(
                 manifest,
@@ -260,6 +262,7 @@ def run(args: argparse.Namespace) -> int:
             relay.stop()
         if dht is not None:
             dht.shutdown()
+        remove_own_socket_dir()
         if history is not None:
             history.close()
         sock.close()

@@ -5,9 +5,10 @@ Peers and the tracker are separate programs, started as commands (`protocol-peer
 DHT and averager processes, p2pd) can be killed with it. Stopping is upstream first (`LocalSwarm.stop`):
 a signal to a peer's whole group would reach its p2pd too, which exits at once, so the peer's trips
 still in flight, its last announce and its averagers' shutdown would all fail; only the peer itself is
-signalled, and it stops what runs below it in order. Every child's $TMPDIR is the working directory, so
-the hivemind sockets of a peer that was killed (`p2pio/sockets.py`) go with it. Used by `protocol-swarm
-local` (`launcher/local.py`), the multi-process tests (`tests/harness.py`) and the benchmarks.
+signalled, and it stops what runs below it in order. Every child's $TMPDIR is a directory of the swarm's
+own, removed when it stops, so the hivemind sockets of a peer that was killed (`p2pio/sockets.py`) go
+too. Used by `protocol-swarm local` (`launcher/local.py`), the multi-process tests (`tests/harness.py`) and
+the benchmarks.
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ class LocalSwarm:
         self.extra_peer_args = extra_peer_args or []
         self.children: list[Child] = []
         self.dht = None
-        self.socket_dir: Path | None = None  # the bootstrap DHT's hivemind sockets
+        self.tmpdir: Path | None = None  # the children's $TMPDIR and the bootstrap DHT's sockets (`private_dir`)
         self.tracker_url: str | None = None
         self.manifest_path = workdir / "manifest.json"
 
@@ -98,17 +99,24 @@ class LocalSwarm:
 
     def _child_env(self) -> dict[str, str]:
         """Many processes share this machine's cores: one torch thread each avoids oversubscription. The
-        temporary files of every child (its hivemind sockets, a peer's throwaway identity) go in the working
-        directory, so what a killed child could not remove is removed with it."""
-        return {"OMP_NUM_THREADS": "1", **os.environ, "PYTHONUNBUFFERED": "1", "TMPDIR": str(self.workdir)}
+        temporary files of every child (its hivemind sockets, a peer's throwaway identity) go in the swarm's
+        private directory, so what a killed child could not remove is removed when the swarm stops."""
+        tmpdir = str(self.private_dir())
+        return {"OMP_NUM_THREADS": "1", **os.environ, "PYTHONUNBUFFERED": "1", "TMPDIR": tmpdir}
+
+    def private_dir(self) -> Path:
+        """The swarm's private temporary directory (made on first use, removed by `stop`), short enough that
+        each child's own socket directory inside it still makes valid unix socket paths."""
+        if self.tmpdir is None:
+            self.tmpdir = make_socket_dir(nested=1)
+        return self.tmpdir
 
     def start(self) -> None:
         from hivemind.dht import DHT
 
         save_manifest(self.manifest, self.manifest_path)
         _, validators = make_validators(self.manifest, load_or_create_rsa_key(None))
-        self.socket_dir = make_socket_dir()
-        with sockets_in(self.socket_dir):  # the DHT process forked here keeps it; this process (a test's) does not
+        with sockets_in(self.private_dir()):  # the DHT process forked here keeps it; this one (a test's) does not
             self.dht = DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], record_validators=validators)
         bootstrap = self.bootstrap
         tracker = shutil.which("protocol-tracker")
@@ -251,15 +259,16 @@ class LocalSwarm:
         return fetch_stages(self.dht, self.manifest)
 
     def stop(self) -> None:
-        """Stop every child upstream first (`stop_waves`), then the bootstrap DHT, and remove its sockets."""
+        """Stop every child upstream first (`stop_waves`), then the bootstrap DHT, and remove the private directory
+        with whatever a killed child left there."""
         for process in stop_in_waves(self.stop_waves(), grace=EXIT_GRACE):
             print(f"warning: pid {process.pid} did not exit after SIGKILL", file=sys.stderr)
         if self.dht is not None:
             self.dht.shutdown()
             self.dht = None
-        if self.socket_dir is not None:
-            shutil.rmtree(self.socket_dir, ignore_errors=True)
-            self.socket_dir = None
+        if self.tmpdir is not None:
+            shutil.rmtree(self.tmpdir, ignore_errors=True)
+            self.tmpdir = None
 
     def stop_waves(self) -> list[list[subprocess.Popen]]:
         """The children in the order they are stopped: the peers of stage 0 (the drivers, which stop starting

@@ -12,7 +12,7 @@ Here the prefix points into a fresh directory made for this process. hivemind fo
 processes, so they inherit the prefix and their sockets land there too, and p2pd is told the path on its command
 line. Removing that directory removes exactly what this process and its children created, never another
 process's sockets, whatever path each exit took; a SIGKILL leaves the directory behind (in $TMPDIR, which
-`protocol-swarm local` points at its working directory).
+`launcher/supervisor.py` points at a directory of the swarm's own, removed when it stops).
 """
 
 from __future__ import annotations
@@ -31,16 +31,17 @@ HIVEMIND_PREFIX = P2P._UNIX_SOCKET_PREFIX  # "/unix/tmp/hivemind-": where hivemi
 # must fit in a unix socket path: 108 bytes with the terminating NUL
 LONGEST_NAME = len("hivemind-p2pclient-") + 11 + len(".sock")
 MAX_SOCKET_PATH = 107
+DIR_NAME = len("/protocol-p2p-") + 8  # what each directory `make_socket_dir` makes adds to the path (mkdtemp: 8)
 
 _own: tuple[int, Path] | None = None  # (pid, directory) once `use_own_socket_dir` made one in this process
 
 
-def make_socket_dir() -> Path:
+def make_socket_dir(nested: int = 0) -> Path:
     """A new private directory (mode 0700) in $TMPDIR, or in /tmp when socket paths under $TMPDIR would be
-    longer than a unix socket path may be."""
+    longer than a unix socket path may be; with room for `nested` more such directories inside it (a child
+    process given it as $TMPDIR makes its own)."""
     base = tempfile.gettempdir()
-    # mkdtemp adds a separator and 8 random characters to the prefix; the socket name follows a separator
-    if len(os.path.abspath(base)) + len("/protocol-p2p-") + 8 + 1 + LONGEST_NAME > MAX_SOCKET_PATH:
+    if len(os.path.abspath(base)) + (1 + nested) * DIR_NAME + 1 + LONGEST_NAME > MAX_SOCKET_PATH:
         base = "/tmp"
     return Path(tempfile.mkdtemp(prefix="protocol-p2p-", dir=base))
 

@@ -11,7 +11,7 @@ DHT's child process is started with both signals ignored, so a group signal cann
 the parent, and p2pd dying first only makes the leave's DHT calls time out (they are bounded); a
 signal to the peer alone (`docker stop`, `protocol-swarm local`) leaves p2pd up until the peer
 stops it. What fails while the peer leaves (its own trips once p2pd is gone, the trips it refuses)
-is counted as abandoned while leaving, not as errors. On every way out the peer removes the hivemind
+is counted as failed while leaving, not as errors. On every way out the peer removes the hivemind
 sockets it and its children made (`p2pio/sockets.py`).
 """
 
@@ -299,7 +299,7 @@ class PeerDaemon:
 
     async def leave(self, tasks: list[asyncio.Task], driver) -> None:
         """Announce LEAVING, stop driving, let trips in flight finish, checkpoint, release the stage. From here on
-        what fails is the leave's doing, not the swarm's: it is counted as abandoned (`Stats.leaving`)."""
+        what fails is the leave's doing, not the swarm's: it is counted apart from errors (`Stats.leaving`)."""
         self.state = "leaving"
         self.stats.leaving = True
         if driver is not None:
@@ -324,12 +324,12 @@ class PeerDaemon:
             # so a second Ctrl-C is still handled meanwhile
             await asyncio.to_thread(runtime.shutdown)
         logger.info(
-            "%s left the stage (trips %d, tokens %d, errors %s, abandoned while leaving %d)",
+            "%s left the stage (trips %d, tokens %d, errors %s, failed while leaving %d)",
             self.label,
             self.stats.trips,
             self.stats.tokens,
             dict(self.stats.errors) or 0,
-            self.stats.abandoned,
+            self.stats.leaving_failures,
         )
 
     async def heartbeat_loop(self) -> None:

@@ -64,13 +64,13 @@ class Stats:
     losses: list[float] = field(default_factory=list)
     last_loss: float | None = None
     # set while the peer leaves its stage (stopped, or moving): a failure then is the leave's doing (its trips
-    # cut, p2pd gone under a group signal, trips refused as it is leaving), counted in `abandoned`, not `errors`
+    # cut, p2pd gone under a group signal, trips refused as it is leaving), counted in `leaving_failures`, not `errors`
     leaving: bool = False
-    abandoned: int = 0
+    leaving_failures: int = 0
 
     def error(self, code: ErrorCode) -> None:
         if self.leaving:
-            self.abandoned += 1
+            self.leaving_failures += 1
         else:
             self.errors[code.value] += 1
 

@@ -138,14 +138,20 @@ def test_a_local_run_counts_no_errors_and_leaves_no_socket(short_tmpdir: Path):
     assert [p["errors"] for p in summary["peers"]] == [0, 0], summary["peers"]
     # ... nor cut at the end: the driver stopped first and its trips came back before the tail was stopped
     workdir = Path(summary["workdir"])
-    for name in ("stage0-peer0", "stage1-peer0"):
-        text = (workdir / f"{name}.log").read_text(errors="replace")
-        left = re.findall(r"left the stage \(trips \d+, tokens \d+, errors (\S+), abandoned while leaving (\d+)\)",
-                          text)
-        assert left == [("0", "0")], text[-3000:]
-        # p2pd was up until the peer stopped it: its listener was not closed under the peer's averagers
-        for symptom in ("error accepting connection", "Traceback"):
-            assert symptom not in text, text[-3000:]
+    logs = {name: (workdir / f"{name}.log").read_text(errors="replace") for name in ("stage0-peer0", "stage1-peer0")}
+    left = {
+        name: re.findall(r"left the stage \(trips \d+, tokens \d+, errors (\S+), failed while leaving (\d+)\)", text)
+        for name, text in logs.items()
+    }
+    both = "\n".join(text[-2500:] for text in logs.values())
+    assert [found[0][0] for found in left.values() if len(found) == 1] == ["0", "0"], both  # errors up to the exit
+    # the tail was stopped once the driver had exited: nothing reached it, nothing failed, while it left
+    assert left["stage1-peer0"] == [("0", "0")], both
+    # the driver's last trips came back: its own p2pd was up (no FileNotFoundError on its socket, no listener closed
+    # under its averagers) and its next hop was not leaving. (A trip may still meet the odd libp2p stream reset
+    # while it drains, retried, as at any time: counted as failed while leaving, not as an error.)
+    for symptom in ("FileNotFoundError", "(leaving:", "error accepting connection", "Traceback"):
+        assert symptom not in both, both
     # every process of the run removed its own hivemind sockets: none in /tmp, none under the run's $TMPDIR
     assert _left_behind(before) == set()
     assert _sockets_under(short_tmpdir) == []
@@ -272,10 +278,10 @@ def test_the_first_trip_waits_for_a_whole_pipeline_that_stopped_growing(monkeypa
     assert {e.record.public_name for e in hop.router.stages[1]} == {"a1", "b1"}  # the router starts from a fresh read
 
 
-def test_what_fails_while_a_peer_leaves_is_abandoned_not_an_error():
+def test_what_fails_while_a_peer_leaves_is_not_an_error():
     stats = Stats()
     stats.error(ErrorCode.UNREACHABLE)
     stats.leaving = True  # `PeerDaemon.leave`: the trips it cuts, and those its dead p2pd fails, are the stop's doing
     stats.error(ErrorCode.UNREACHABLE)
     stats.error(ErrorCode.LEAVING)
-    assert dict(stats.errors) == {"unreachable": 1} and stats.abandoned == 2
+    assert dict(stats.errors) == {"unreachable": 1} and stats.leaving_failures == 2

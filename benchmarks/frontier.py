@@ -280,10 +280,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--jobs", type=int, default=1, help="points trained at once, one process each")
     parser.add_argument("--json", dest="json_path", help="results, rewritten after every point; resumed from")
     parser.add_argument("--report-only", action="store_true",
-                        help="train nothing: summarise (and plot) the JSON's rows of --seeds and --corpus")
+                        help="train nothing: summarise (and plot) the JSON's rows of --seeds, --corpus (and --lrs)")
     parser.add_argument("--plot", metavar="DIR", help="write frontier.png / frontier_trajectory.png there")
     args = parser.parse_args(argv)
     args.steps = args.steps or (2000 if args.trajectory else 600)
+    args.lr_filter = args.lrs  # the report of --report-only covers only these, when given
     args.lrs = args.lrs or ([1e-3] if args.trajectory else list(DEFAULT_LRS))
     args.t_fixed_stds = args.t_fixed_stds or [preset("tiny").t_fixed_std]
     return args
@@ -296,7 +297,8 @@ def main(argv: list[str] | None = None) -> int:
         settings = json.loads(Path(args.json_path).read_text())["settings"]  # report what the file holds
     rows = load(args.json_path, settings)
     if args.report_only:  # the report covers the seeds and corpora asked for (a screen's seed, a confirm's three)
-        rows = [row for row in rows if row["seed"] in args.seeds and row["corpus"] in args.corpus]
+        rows = [row for row in rows if row["seed"] in args.seeds and row["corpus"] in args.corpus
+                and (not args.lr_filter or row["lr"] in args.lr_filter)]
     else:
         have = {point_key(row) for row in rows}
         todo = [point for point in plan(args) if point_key(point) not in have]

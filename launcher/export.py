@@ -3,8 +3,8 @@
 `export` reads stage checkpoints from folders on disk (the organiser's own peers' `--checkpoint-dir`s, a
 local swarm's work dir kept with `--keep-logs`), checks them against the manifest and writes one file
 that plain PyTorch loads; downloading stages from live peers is not done here. `generate` loads such a
-file and samples text. The logic is `swarm/export.py`'s; this is flags, messages and exit codes: every
-refusal is one line, `protocol-swarm: error: ...`, exit status 2.
+file and samples text. The logic is in `swarm/export.py`, `swarm/bundle.py` and `swarm/llama.py`; this is
+flags, messages and exit codes: every refusal is one line, `protocol-swarm: error: ...`, exit status 2.
 """
 
 from __future__ import annotations
@@ -14,19 +14,11 @@ import json
 import sys
 from pathlib import Path
 
+from swarm.bundle import generate_ids, load_bundle
 from swarm.data import DataError, make_tokenizer
-from swarm.export import (
-    ExportError,
-    assemble,
-    find_manifest,
-    generate_ids,
-    llama_blockers,
-    load_bundle,
-    load_run_manifest,
-    save_bundle,
-    write_llama,
-)
+from swarm.export import ExportError, assemble, find_manifest, load_run_manifest, save_bundle
 from swarm.flags import refuse_start
+from swarm.llama import llama_blockers, write_llama
 
 PROG = "protocol-swarm"
 

@@ -20,34 +20,25 @@ stages' state dict keyed `stages.<i>.<name>` (as a module holding them in `self.
 names them: `nn.ModuleDict({"stages": nn.ModuleList(stages)})` loads it), the
 canonical manifest JSON, and the frozen tensors the function needs but no state dict holds
 (`t_fixed`, `u`), so the file is the whole model without this package's seed derivation.
-`load_bundle` rebuilds the stages from it; `chain_logits` runs them as the swarm does (the boundary
-projections are part of the stages; `wire=True` also rounds every boundary through the real wire
-codec, the swarm's exact function), and `generate` samples text.
-
-`llama_blockers` / `to_llama` write a Hugging Face `LlamaForCausalLM` state dict, but only where that
-is the same function: T_fixed + T_S fold into one embedding table, while a boundary projection,
-stage-local embeddings of a multi-stage run or context-parallel attention have no LLaMA equivalent.
+`swarm/bundle.py` loads and runs it; `swarm/llama.py` writes it as a Hugging Face LLaMA where that is
+the same function.
 
 Pure logic: files on disk in, tensors and dicts out; no networking and no processes.
 """
 
 from __future__ import annotations
 
-import json
-import math
 import pickle
 import re
-import struct
 import uuid
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from swarm.codec import BoundaryCodec
-from swarm.manifest import Manifest, ManifestError, load_manifest, parse_manifest
+from swarm.manifest import Manifest, ManifestError, load_manifest
 from swarm.model import PipelineStage
 from swarm.presets import verify_hashes
 from swarm.subspace import initial_basis, t_fixed_table, tensor_sha256
@@ -69,7 +60,7 @@ class ExportError(ValueError):
     """A reason not to export (or load, or generate); the message is one line that names the file or stage."""
 
 
-def _one_line(exc: BaseException, limit: int = 200) -> str:
+def one_line(exc: BaseException, limit: int = 200) -> str:
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
@@ -103,7 +94,7 @@ def read_checkpoint(path: Path) -> StageCheckpoint:
             f"checkpoint {path} holds objects other than tensors and plain values; refusing to unpickle it"
         ) from None
     except Exception as exc:  # noqa: BLE001 - truncated, not a zip, a folder, no permission: all one refusal
-        raise ExportError(f"checkpoint {path} cannot be read ({_one_line(exc)})") from None
+        raise ExportError(f"checkpoint {path} cannot be read ({one_line(exc)})") from None
     if not isinstance(state, dict):
         raise ExportError(f"{path} is not a stage checkpoint (it holds a {type(state).__name__}, not a dict)")
     missing = [key for key in ("run_id", "stage", "epoch", "model") if key not in state]
@@ -378,254 +369,4 @@ def save_bundle(bundle: dict, path: Path) -> None:
         tmp.replace(path)
     except (OSError, RuntimeError) as exc:  # torch.save says RuntimeError for a missing folder
         tmp.unlink(missing_ok=True)
-        raise ExportError(f"cannot write {path}: {_one_line(exc)}") from None
-
-
-@dataclass
-class LoadedModel:
-    manifest: Manifest
-    stages: list[PipelineStage]
-    bundle: dict
-
-
-def load_bundle(path: Path, device: str | torch.device = "cpu") -> LoadedModel:
-    """The stages of an exported file, rebuilt from its manifest, its weights loaded, its frozen tensors
-    (checked against the manifest's hashes) installed; in eval mode."""
-    try:
-        bundle = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except pickle.UnpicklingError:
-        raise ExportError(
-            f"{path} holds objects other than tensors and plain values; refusing to unpickle it"
-        ) from None
-    except Exception as exc:  # noqa: BLE001 - missing, truncated, not a torch file: one refusal
-        raise ExportError(f"{path} cannot be read ({_one_line(exc)})") from None
-    if not isinstance(bundle, dict) or bundle.get("format") != BUNDLE_FORMAT:
-        raise ExportError(f"{path} is not a model exported by `protocol-swarm export`")
-    if bundle.get("version") != BUNDLE_VERSION:
-        raise ExportError(
-            f"{path} is export format version {bundle.get('version')}, this software reads {BUNDLE_VERSION}"
-        )
-    try:
-        manifest = parse_manifest(json.loads(bundle["manifest"]))
-    except (ManifestError, ValueError, TypeError, KeyError) as exc:
-        raise ExportError(f"{path}: its manifest is unusable ({_one_line(exc)})") from None
-    if bundle.get("run_id") != manifest.run_id:
-        raise ExportError(f"{path}: run_id {bundle.get('run_id')!r} does not match its manifest ({manifest.run_id})")
-    t_fixed, u = bundle.get("t_fixed"), bundle.get("u")
-    if not isinstance(t_fixed, torch.Tensor) or not isinstance(u, torch.Tensor):
-        raise ExportError(f"{path}: the frozen tensors t_fixed and u are missing")
-    if manifest.t_fixed_sha256 and tensor_sha256(t_fixed) != manifest.t_fixed_sha256:
-        raise ExportError(f"{path}: its T_fixed does not match the manifest's T_fixed hash")
-    if tensor_sha256(u) != bundle.get("u_sha256"):
-        raise ExportError(f"{path}: its U does not match the U hash recorded in it")
-    state_dict = bundle.get("state_dict")
-    if not isinstance(state_dict, dict):
-        raise ExportError(f"{path}: no state_dict")
-    u_version = int(bundle.get("u_version", 0))
-    stages = []
-    for index in range(manifest.num_stages):
-        prefix = f"stages.{index}."
-        own = {name[len(prefix) :]: t for name, t in state_dict.items() if name.startswith(prefix)}
-        stage = PipelineStage(manifest, index)
-        try:
-            stage.load_state_dict(own)
-        except RuntimeError as exc:
-            raise ExportError(f"{path}: stage {index} does not fit its manifest ({_one_line(exc)})") from None
-        stage.subspace.t_fixed = t_fixed  # the file's table, one copy shared by every stage
-        stage.subspace.set_basis(u, u_version)
-        stages.append(stage.to(device).eval())
-    return LoadedModel(manifest, stages, bundle)
-
-
-# --------------------------------------------------------------------------------------------- running it
-
-
-def chain_logits(stages: Sequence[PipelineStage], tokens: torch.Tensor, wire: bool = True) -> torch.Tensor:
-    """Logits of the chained stages for `tokens` (B, S): each stage's own boundary projection included;
-    with `wire`, every boundary also goes through the swarm's codec (its wire dtype's rounding, exactly what a
-    trip computes), without it the chain stays in float32."""
-    hidden = None
-    codecs = [BoundaryCodec(stage.manifest, stage.subspace) for stage in stages] if wire else []
-    with torch.no_grad():
-        for i, stage in enumerate(stages):
-            if i > 0 and wire:
-                hidden = _across_wire(codecs[i - 1], codecs[i], hidden, tokens, i)
-            hidden, _ = stage.forward_with_residual(hidden, tokens)
-    return hidden
-
-
-def _across_wire(
-    sender: BoundaryCodec, receiver: BoundaryCodec, hidden: torch.Tensor, tokens: torch.Tensor, stage: int
-) -> torch.Tensor:
-    """`hidden` as stage `stage` receives it: encoded and decoded by the real codec. The codec treats every token
-    on its own (compression, rounding, int8 scales are per token), so a batch larger than a trip's travels in
-    trip-sized pieces and a one-token window travels doubled (a message carries at least two tokens)."""
-    if tokens.shape[1] < 2:
-        doubled = _across_wire(sender, receiver, hidden.repeat(1, 2, 1), tokens.repeat(1, 2), stage)
-        return doubled[:, :1]
-    trip_id, pieces = uuid.uuid4().hex, []
-    size = sender.manifest.batch.microbatch_size
-    for part, ids in zip(hidden.split(size), tokens.split(size), strict=True):
-        blob = sender.encode_forward(part, ids, trip_id, to_stage=stage)
-        pieces.append(receiver.decode_forward(blob, stage=stage)[1])
-    return torch.cat(pieces)
-
-
-def sample_next(logits: torch.Tensor, temperature: float, top_k: int, generator: torch.Generator) -> int:
-    """One token id from the last position's logits: greedy at temperature 0, else softmax(logits / T) over
-    the top_k most likely (all when top_k is 0)."""
-    logits = logits.float().cpu()
-    if temperature <= 0:
-        return int(logits.argmax())
-    if 0 < top_k < logits.numel():
-        floor = torch.topk(logits, top_k).values[-1]
-        logits = logits.masked_fill(logits < floor, -math.inf)
-    probs = torch.softmax(logits / temperature, dim=-1)
-    return int(torch.multinomial(probs, 1, generator=generator))
-
-
-def generate_ids(
-    stages: Sequence[PipelineStage],
-    prompt: Sequence[int],
-    max_new_tokens: int,
-    temperature: float = 0.8,
-    top_k: int = 0,
-    seed: int = 0,
-    wire: bool = True,
-    on_token: Callable[[int], None] | None = None,
-) -> list[int]:
-    """The new token ids after `prompt`, recomputing the whole window for every token (no K/V cache: this is
-    for looking at a trained model, not serving it); the window is the last max_seq_len tokens."""
-    manifest = stages[0].manifest
-    if manifest.context_parallel is not None:
-        raise ExportError(
-            "generate does not run context-parallel models: their attention is defined on sequences cut into "
-            f"{manifest.context_parallel.size} equal chunks"
-        )
-    if not prompt:
-        raise ExportError("the prompt is empty: give at least one token")
-    device = stages[0].subspace.basis.device
-    generator = torch.Generator().manual_seed(seed)
-    ids, new = list(prompt), []
-    for _ in range(max_new_tokens):
-        window = torch.tensor([ids[-manifest.model.max_seq_len :]], dtype=torch.long, device=device)
-        token = sample_next(chain_logits(stages, window, wire)[0, -1], temperature, top_k, generator)
-        ids.append(token)
-        new.append(token)
-        if on_token is not None:
-            on_token(token)
-    return new
-
-
-# --------------------------------------------------------------------------------------------- LLaMA
-
-
-def llama_blockers(manifest: Manifest, projects_boundary: Iterable[bool]) -> list[str]:
-    """Why the run's function is not a plain LLaMA (empty when it is). `projects_boundary`: per stage, whether
-    it ends with the boundary projection (`PipelineStage.projects_boundary`)."""
-    reasons = []
-    if any(projects_boundary):
-        reasons.append(f"compression {manifest.compression!r} projects every stage boundary onto T_fixed + span(U)")
-    if manifest.stage_embedding_rank and manifest.num_stages > 1:
-        reasons.append("every stage adds and removes its own token embedding (stage_embedding_rank)")
-    if manifest.context_parallel is not None:
-        reasons.append("context-parallel attention passes K/V between chunks through their subspace")
-    return reasons
-
-
-def _rope_halves(weight: torch.Tensor, heads: int) -> torch.Tensor:
-    """q/k rows from this model's RoPE on interleaved pairs (2i, 2i+1) to Hugging Face's on halves (i, i+hd/2):
-    the same rotation once each head's rows are reordered evens first, odds after (q·k is unchanged)."""
-    rows, cols = weight.shape
-    head_dim = rows // heads
-    order = torch.cat([torch.arange(0, head_dim, 2), torch.arange(1, head_dim, 2)])
-    return weight.view(heads, head_dim, cols)[:, order, :].reshape(rows, cols)
-
-
-def to_llama(manifest: Manifest, bundle: dict) -> tuple[dict, dict[str, torch.Tensor]]:
-    """A `LlamaForCausalLM` config and state dict computing the bundle's float32 chain (no wire rounding).
-    The caller checks `llama_blockers` first: this does not re-check."""
-    shape, sd = manifest.model, bundle["state_dict"]
-    last = manifest.num_stages - 1
-    embed = bundle["t_fixed"].float() + sd["stages.0.t_s"].float()
-    if manifest.stage_embedding_rank:  # one stage (else blocked): its table is added at the input, never removed
-        table = sd["stages.0.stage_embedding.table"].float()
-        up = sd.get("stages.0.stage_embedding.up")
-        embed = embed + (table if up is None else table @ up.float())
-    out = {"model.embed_tokens.weight": embed}
-    for stage in range(manifest.num_stages):
-        for local, layer in enumerate(manifest.layers_of(stage)):
-            src, dst = f"stages.{stage}.layers.{local}.", f"model.layers.{layer}."
-            out[dst + "self_attn.q_proj.weight"] = _rope_halves(sd[src + "attn.wq.weight"], shape.n_heads)
-            out[dst + "self_attn.k_proj.weight"] = _rope_halves(sd[src + "attn.wk.weight"], shape.n_kv_heads)
-            out[dst + "self_attn.v_proj.weight"] = sd[src + "attn.wv.weight"]
-            out[dst + "self_attn.o_proj.weight"] = sd[src + "attn.wo.weight"]
-            out[dst + "mlp.gate_proj.weight"] = sd[src + "mlp.w1.weight"]
-            out[dst + "mlp.up_proj.weight"] = sd[src + "mlp.w3.weight"]
-            out[dst + "mlp.down_proj.weight"] = sd[src + "mlp.w2.weight"]
-            out[dst + "input_layernorm.weight"] = sd[src + "attn_norm.weight"]
-            out[dst + "post_attention_layernorm.weight"] = sd[src + "mlp_norm.weight"]
-    out["model.norm.weight"] = sd[f"stages.{last}.final_norm.weight"]
-    out["lm_head.weight"] = sd[f"stages.{last}.lm_head.weight"]
-    config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": shape.d_model,
-        "intermediate_size": shape.d_ff,
-        "num_hidden_layers": shape.n_layers,
-        "num_attention_heads": shape.n_heads,
-        "num_key_value_heads": shape.n_kv_heads,
-        "head_dim": shape.d_model // shape.n_heads,
-        "vocab_size": shape.vocab_size,
-        "max_position_embeddings": shape.max_seq_len,
-        "rope_theta": shape.rope_theta,  # transformers 4's name; 5 reads rope_parameters
-        "rope_scaling": None,
-        "rope_parameters": {"rope_type": "default", "rope_theta": shape.rope_theta},
-        "rms_norm_eps": shape.norm_eps,
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "mlp_bias": False,
-        "tie_word_embeddings": False,
-        "torch_dtype": "float32",
-        "protocol_swarm": {"run_id": manifest.run_id, "tokenizer": manifest.tokenizer},
-    }
-    return config, {name: tensor.contiguous() for name, tensor in out.items()}
-
-
-_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
-
-
-def write_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
-    """The safetensors format by hand (8-byte header length, JSON header, raw little-endian bytes), so writing a
-    Hugging Face checkpoint needs neither `safetensors` nor `transformers` installed here."""
-    header: dict[str, dict] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for name, tensor in tensors.items():
-        if tensor.dtype not in _SAFETENSORS_DTYPES:
-            raise ExportError(f"{name}: dtype {tensor.dtype} has no safetensors name here")
-        size = tensor.numel() * tensor.element_size()
-        header[name] = {
-            "dtype": _SAFETENSORS_DTYPES[tensor.dtype],
-            "shape": list(tensor.shape),
-            "data_offsets": [offset, offset + size],
-        }
-        offset += size
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    with path.open("wb") as handle:
-        handle.write(struct.pack("<Q", len(raw)))
-        handle.write(raw)
-        for tensor in tensors.values():
-            handle.write(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-
-
-def write_llama(manifest: Manifest, bundle: dict, folder: Path) -> None:
-    """`config.json` and `model.safetensors` in `folder`: `LlamaForCausalLM.from_pretrained(folder)` loads them."""
-    config, tensors = to_llama(manifest, bundle)
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        write_safetensors(tensors, folder / "model.safetensors")
-    except OSError as exc:
-        raise ExportError(f"cannot write the LLaMA checkpoint to {folder}: {_one_line(exc)}") from None
-
+        raise ExportError(f"cannot write {path}: {one_line(exc)}") from None

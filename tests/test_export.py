@@ -21,15 +21,9 @@ import pytest
 import torch
 
 from launcher.cli import build_parser, main
+from swarm.bundle import chain_logits, load_bundle
 from swarm.data import load_splits
-from swarm.export import (
-    BUNDLE_FORMAT,
-    ExportError,
-    assemble,
-    chain_logits,
-    load_bundle,
-    select_checkpoints,
-)
+from swarm.export import BUNDLE_FORMAT, ExportError, assemble, select_checkpoints
 from swarm.manifest import Manifest, save_manifest
 from swarm.model import build_stages, next_token_loss
 from swarm.presets import preset

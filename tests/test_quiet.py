@@ -6,8 +6,9 @@ from __future__ import annotations
 import threading
 import time
 
+from builders import dht_with_record, tiny_manifest
+
 from peer.progress import PacedEvent
-from tests.builders import dht_with_record, tiny_manifest
 
 
 def _wake_times(event: PacedEvent, sets: int, every: float, until: float) -> list[float]:

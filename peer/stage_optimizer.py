@@ -1,20 +1,27 @@
-"""hivemind's Optimizer as a stage uses it: consistent state for joiners, quiet when alone, paced progress."""
+"""hivemind's Optimizer as a stage uses it: robust averaging, consistent state for joiners, quiet when alone, paced
+progress."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 
+from hivemind.optim.grad_averager import GradientAverager
 from hivemind.optim.optimizer import Optimizer
 from hivemind.optim.state_averager import TrainingStateAverager
 
 from peer.progress import PacedProgressTracker
+from peer.robust_averaging import RobustAveraging
 
 DECLARE_INTERVAL = 10.0  # seconds between two state-donor declarations of one peer, at most one in between
 
 
-class SnapshotStateAverager(TrainingStateAverager):
-    """Serves a joining peer a consistent copy of the stage's state.
+class RobustGradientAverager(RobustAveraging, GradientAverager):
+    """The stage's gradient averaging, robust to a hostile peer of the group (peer/robust_averaging.py)."""
+
+
+class SnapshotStateAverager(RobustAveraging, TrainingStateAverager):
+    """Averages the stage's state robustly (peer/robust_averaging.py) and serves a joining peer a consistent copy.
 
     hivemind hands out views of the live tensors and serialises them later, while this peer goes
     on stepping: a joiner could receive parameters half-way through an update, out of step with
@@ -51,7 +58,8 @@ class SnapshotStateAverager(TrainingStateAverager):
 
 
 class StageOptimizer(Optimizer):
-    """hivemind's Optimizer, serving consistent state to joiners, and quiet while a stage has one peer.
+    """hivemind's Optimizer with robust gradient and state averaging, serving consistent state to joiners, and
+    quiet while a stage has one peer.
 
     hivemind books a gradient-averaging group ahead of every epoch's end even when no other peer trains
     the stage, and cancels it at the end. Looking for a group polls the DHT many times a second, and
@@ -65,9 +73,10 @@ class StageOptimizer(Optimizer):
             super()._maybe_schedule_gradient_averaging()
 
     def _make_gradient_averager(self, factory, **kwargs):
-        # joiners download state from the state averager only; hivemind would also declare the gradient
-        # averager as a state donor in the DHT, once more at every epoch, for nobody to read
-        return super()._make_gradient_averager(factory, allow_state_sharing=False, **kwargs)
+        # always the robust averager (hivemind passes its default). Joiners download state from the state
+        # averager only; hivemind would also declare the gradient averager as a state donor in the DHT, once more
+        # at every epoch, for nobody to read
+        return super()._make_gradient_averager(RobustGradientAverager, allow_state_sharing=False, **kwargs)
 
     def _make_progress_tracker(self, target_batch_size: int, **kwargs) -> PacedProgressTracker:
         # one progress record per PROGRESS_INTERVAL instead of one per microbatch (peer/progress.py)

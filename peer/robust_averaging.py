@@ -1,0 +1,248 @@
+"""hivemind's all-reduce with `swarm/robust.py`'s two rules, for a stage's gradient and state averagers.
+
+hivemind 1.1.12 reduces a part with a running weighted sum (`TensorPartReducer`) and applies whatever a
+reducer returns (`TensorPartContainer.register_processed_part`), inside `AllReduceRunner`, which the
+averager builds in `_run_allreduce_inplace_`. Here:
+
+- `RobustPartReducer` collects the parts of the current part index (the running sum becomes a list, through
+  the `add_` hivemind calls on its accumulator) and, once every sender is in, returns `robust_average` instead
+  of the mean; senders it accuses are reported and their later parts of the round ignored;
+- `CheckedPartContainer` holds the parts other reducers return until this peer's own reduction is done (that
+  gives the honest relative change), then applies `check_reduced` to each: a refused part is replaced by zeros
+  (this peer keeps its own values for that slice, as hivemind does for a reducer that fails) and the reducer is
+  accused;
+- `RobustAveraging`, mixed into an averager, runs `RobustAllReduceRunner` and keeps the accused peers for the
+  life of the averager: their contributions and reduced parts are ignored in every later round.
+
+The averager runs in its own process (hivemind's), so the ban list lives there; every accusation is one log
+line with the peer and the reason. A banned peer is still let into groups (hivemind's matchmaking knows no
+bans) but changes nothing in them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+
+import torch
+from hivemind.averaging.allreduce import AllreduceException, AllReduceRunner, AveragingMode
+from hivemind.averaging.partition import TensorPartContainer, TensorPartReducer
+from hivemind.p2p import PeerID
+from hivemind.utils.asyncio import as_aiter, azip
+from hivemind.utils.mpfuture import MPFuture
+from hivemind.utils.timed_storage import get_dht_time
+
+from swarm.robust import RobustRule, check_reduced, robust_average
+
+logger = logging.getLogger(__name__)
+
+Accuse = Callable[[PeerID, str], None]
+
+
+class _PartCollector:
+    """Stands in for hivemind's running-sum accumulator: `add_` keeps each part and its weight."""
+
+    def __init__(self) -> None:
+        self.parts: list[torch.Tensor] = []
+        self.weights: list[float] = []
+
+    def add_(self, part: torch.Tensor, alpha: float = 1.0) -> None:
+        self.parts.append(part)
+        self.weights.append(alpha)
+
+
+class RobustPartReducer(TensorPartReducer):
+    """Reduces each part with `robust_average` once every sender's part is in (module docstring)."""
+
+    def __init__(
+        self,
+        part_shapes: Sequence[torch.Size],
+        num_senders: int,
+        rule: RobustRule,
+        accuse: Callable[[int, str], None],
+        ignored: set[int],
+    ):
+        self.rule, self.accuse, self.ignored = rule, accuse, ignored
+        self._sender_of: dict[int, int] = {}  # id(part) -> sender index, for the part being collected
+        self._collected_senders: list[int] = []
+        super().__init__(part_shapes, num_senders)
+
+    def reset_accumulators(self):
+        super().reset_accumulators()
+        if not self.finished.is_set():
+            self.accumulator = _PartCollector()
+            self._collected_senders = []
+
+    async def accumulate_part(self, sender_index: int, part_index: int, tensor_part: torch.Tensor, weight=1.0):
+        # hivemind's bookkeeping (ordering, failed senders) is kept; only what `add_` receives is ours
+        self._sender_of[id(tensor_part)] = sender_index
+        try:
+            return await super().accumulate_part(sender_index, part_index, tensor_part, weight=weight)
+        finally:
+            self._sender_of.pop(id(tensor_part), None)
+
+    def check_current_part_finished(self):
+        collector = self.accumulator
+        if isinstance(collector, _PartCollector) and len(self._collected_senders) < len(collector.parts):
+            for part in collector.parts[len(self._collected_senders) :]:
+                self._collected_senders.append(self._sender_of.get(id(part), -1))
+        if self.current_part_accumulated_from < self.num_current_senders:
+            return
+        senders = self._collected_senders
+        keep = [n for n, sender in enumerate(senders) if sender not in self.ignored]
+        shape = self.part_shapes[self.current_part_index]
+        aggregate = robust_average(
+            [collector.parts[n] for n in keep], [collector.weights[n] for n in keep], shape, self.rule
+        )
+        future = self.current_part_future
+        if aggregate is None:
+            future.set_exception(AllreduceException("no usable contribution to this part"))
+        else:
+            for n, why in aggregate.accused.items():
+                self.ignored.add(senders[keep[n]])
+                self.accuse(senders[keep[n]], why)
+            future.set_result(aggregate.average)
+        self.reset_accumulators()
+
+
+class CheckedPartContainer(TensorPartContainer):
+    """Checks the parts other reducers return against this peer's own reduction (module docstring)."""
+
+    def adopt(self, own_index: int, rule: RobustRule, accuse: Callable[[int, str], None], banned: set[int]):
+        """Turn hivemind's container into this one after `AllReduceRunner.__init__` built it (it builds it inline,
+        with no hook for another class)."""
+        self.__class__ = CheckedPartContainer
+        self.own_index, self.rule, self.accuse = own_index, rule, accuse
+        self.refused: set[int] = set()
+        self._pending: list[tuple[int, int, torch.Tensor]] = []
+        self._own_change_sq, self._own_norm_sq, self._own_done = 0.0, 0.0, 0
+        # None until this peer's own reduction is done; a peer that reduces nothing has no reference
+        self.reduces_nothing = self.num_parts_by_peer[own_index] == 0
+        self.honest_change: float | None = None
+        for peer_index in banned:
+            self.register_failed_reducer(peer_index)
+
+    def _own_input(self, peer_index: int, part_index: int) -> torch.Tensor:
+        return self._input_parts_by_peer[peer_index][part_index][0]
+
+    def register_processed_part(self, peer_index: int, part_index: int, part: torch.Tensor):
+        if peer_index in self.refused:
+            return
+        if peer_index == self.own_index:
+            self._own_change_sq += float(part.float().norm()) ** 2
+            self._own_norm_sq += float(self._own_input(peer_index, part_index).float().norm()) ** 2
+            self._own_done += 1
+            super().register_processed_part(peer_index, part_index, part)
+            if self._own_done == self.num_parts_by_peer[self.own_index]:
+                self.honest_change = (self._own_change_sq / max(self._own_norm_sq, 1e-30)) ** 0.5
+                pending, self._pending = self._pending, []
+                for args in pending:
+                    self.register_processed_part(*args)
+            return
+        if self.honest_change is None and not self.reduces_nothing:
+            self._pending.append((peer_index, part_index, part))
+            return
+        why = self._check(self._own_input(peer_index, part_index), part)
+        if why:
+            self.register_failed_reducer(peer_index)
+            self.accuse(peer_index, why)
+        else:
+            super().register_processed_part(peer_index, part_index, part)
+
+    def _check(self, own: torch.Tensor, delta: torch.Tensor) -> str | None:
+        if self.reduces_nothing:  # no honest change to compare with: shape and finiteness only
+            if delta.shape != own.shape or not torch.isfinite(delta).all():
+                return "a reduced part of the wrong shape or with NaN or inf"
+            return None
+        return check_reduced(own, delta, self.honest_change, self.rule)
+
+    def register_failed_reducer(self, peer_index: int):
+        """This peer keeps its own values for every part of `peer_index` not yet applied (hivemind does the same
+        for a reducer that failed); whatever else comes from it this round is ignored."""
+        self._pending = [args for args in self._pending if args[0] != peer_index]
+        for part_index in range(self._outputs_registered_by_peer[peer_index], self.num_parts_by_peer[peer_index]):
+            zeros = torch.zeros_like(self._own_input(peer_index, part_index))
+            TensorPartContainer.register_processed_part(self, peer_index, part_index, zeros)
+            self.failed_size += zeros.numel()
+        self.refused.add(peer_index)
+
+
+class RobustAllReduceRunner(AllReduceRunner):
+    """hivemind's all-reduce with the robust reducer and the checked container; `banned` peers change nothing."""
+
+    def __init__(self, *args, rule: RobustRule, banned: set[PeerID], accuse: Accuse, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.rule, self._accuse = rule, accuse
+        ignored = {i for i, peer in enumerate(self.sender_peer_ids) if peer in banned}
+        hivemind_reducer = self.tensor_part_reducer
+        hivemind_reducer.finished.set()  # never used: quiet its "received 0%" warning when it is collected
+        self.tensor_part_reducer = RobustPartReducer(
+            hivemind_reducer.part_shapes, hivemind_reducer.num_senders, rule, self._accuse_sender, ignored
+        )
+        banned_reducers = {i for i, peer in enumerate(self.ordered_peer_ids) if peer in banned and peer != self.peer_id}
+        CheckedPartContainer.adopt(
+            self.tensor_part_container,
+            self.ordered_peer_ids.index(self.peer_id),
+            rule,
+            self._accuse_reducer,
+            banned_reducers,
+        )
+
+    def _accuse_sender(self, sender_index: int, why: str) -> None:
+        self._accuse(self.sender_peer_ids[sender_index], f"as a sender: {why}")
+
+    def _accuse_reducer(self, peer_index: int, why: str) -> None:
+        self._accuse(self.ordered_peer_ids[peer_index], f"as a reducer: {why}")
+
+
+class RobustAveraging:
+    """Mixin for a hivemind averager (before it in the bases): every all-reduce runs `runner_class`, and peers
+    accused in any round are banned from this averager's later rounds."""
+
+    runner_class: type[AllReduceRunner] = RobustAllReduceRunner
+    robust_rule = RobustRule()
+
+    def __init__(self, *args, **kwargs):
+        # accused peers and the first reason; set before hivemind forks the averager's process, which owns it
+        self.banned_peers: dict[PeerID, str] = {}
+        super().__init__(*args, **kwargs)
+
+    def get_banned_peers(self) -> dict[str, str]:
+        """The peers this averager banned and why (asked of the averager's process, which holds the list)."""
+        future = MPFuture()
+        self._outer_pipe.send(("_banned_peers_for", [], dict(future=future)))
+        return future.result()
+
+    async def _banned_peers_for(self, future: MPFuture) -> None:
+        future.set_result({peer.to_base58(): why for peer, why in self.banned_peers.items()})
+
+    def _accuse(self, peer_id: PeerID, why: str) -> None:
+        if peer_id == self.peer_id or peer_id in self.banned_peers:
+            return
+        self.banned_peers[peer_id] = why
+        logger.warning("%s banned peer %s from averaging: %s", self.prefix, peer_id, why)
+
+    async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs):
+        """hivemind's step, with `runner_class`: build the runner, hand it to the group, add what it yields."""
+        group_id = group_info.group_id if group_id is None else group_id
+        runner = self.runner_class(
+            p2p=self._p2p,
+            servicer_type=type(self),
+            prefix=self.prefix,
+            tensors=tensors,
+            group_id=group_id,
+            ordered_peer_ids=group_info.peer_ids,
+            rule=self.robust_rule,
+            banned=set(self.banned_peers),
+            accuse=self._accuse,
+            **kwargs,
+        )
+        self._running_groups[group_id].set_result(runner)
+        if runner.modes[group_info.peer_ids.index(self.peer_id)] == AveragingMode.AUX:
+            async for _ in runner:
+                raise ValueError("an auxiliary peer receives no averaged tensors")
+            return
+        async for tensor, update in azip(as_aiter(*tensors), runner):
+            tensor.add_(update, alpha=self._averaging_alpha)
+            self.last_updated = get_dht_time()
+            self._state_updated.set()

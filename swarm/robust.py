@@ -1,0 +1,149 @@
+"""Averaging that one hostile peer of a stage cannot stop or bend: the math, as pure functions.
+
+The peers of a stage average their gradients and their state with hivemind's butterfly all-reduce: the
+tensors are cut into one part per peer, every peer sends part j to peer j, peer j reduces what it received
+and sends the result back. A plain weighted mean lets one sender move part j anywhere (a huge or NaN part, or
+a huge claimed weight), and lets reducer j return anything for its part. Two rules bound both:
+
+**Contributions** (what a reducer does with the parts it receives, `robust_average`):
+- a part that is not finite, of the wrong shape, or sent with a weight that is not a finite non-negative
+  number is refused and its sender accused; weights are capped at the median weight of the part's senders
+  (`weight_cap`), so no one buys the average with a claimed batch size (an honest peer that did accumulate
+  more samples then counts like the median one: the average stays unbiased, only a little noisier);
+- the rest are combined by CenteredClip (Karimireddy, He and Jaggi, 2021; the rule BTARD builds on): start
+  at the coordinate-wise median, then repeatedly move by the weighted mean of every part's difference to the
+  current centre, each difference clipped to norm `tau`. `tau` is twice the median distance of the parts to
+  that median (an honest majority sets it; honest parts of one scale are then not clipped, so with no hostile
+  part the result is their weighted mean), floored at `tau_floor` of the median's norm so that honest parts that
+  agree almost exactly (parameters right after an averaging round) do not make every other part an outlier;
+- a part further than `accuse_factor` × tau from the result is accused (excluded from this peer's later
+  rounds by the caller).
+
+**Reduced parts** (what comes back from another reducer, `check_reduced`): the result must be finite and its
+change to this peer's own part no larger than what honest reducers produce. This peer reduced one part
+itself, so it knows how far the honest average moved its own part, relative to that part's norm; a part
+from another reducer that moves this peer's part more than `reduced_factor` times as far (relative) and more
+than `reduced_floor` of its norm is refused (this peer keeps its own part for that slice) and the reducer is
+accused.
+
+Guarantee, for a group of N senders of which f are hostile and f < N/2, each round: a hostile contribution
+moves the average by at most about f·w·tau/W (w its capped weight, W the total), that is, no more than an
+honest part a clip radius away; a NaN, inf or wrong-shaped contribution, or an absurd weight, changes
+nothing; a hostile reducer moves no honest peer's tensors by more than `reduced_factor` × the honest relative
+change of that peer's own part. Limits: with N = 2 there is no majority (the median of two is their mean); a
+hostile reducer can still bend its own part within that bound each round it is not yet accused; a
+contribution inside the clip radius (a plausible but wrong gradient) is averaged in with its weight.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class RobustRule:
+    """The knobs of both rules; the defaults are what the peers use (module docstring)."""
+
+    iterations: int = 3  # CenteredClip steps; each is one pass over the parts
+    tau_scale: float = 2.0  # the clip radius in median distances: honest parts, alike in scale, go unclipped
+    weight_cap: float = 1.0  # a sender's weight counts at most this many times the part's median weight
+    tau_floor: float = 1e-3  # the clip radius is at least this share of the median's norm
+    accuse_factor: float = 8.0  # a part further than this many clip radii from the result is accused
+    reduced_factor: float = 8.0  # a reduced part may move this peer's part this many times the honest change
+    reduced_floor: float = 1e-2  # ...and always by this share of its norm (honest parts that already agree)
+
+
+@dataclass
+class Aggregate:
+    """The robust average of one part, its clip radius, and the senders (by index) refused or accused, with why."""
+
+    average: torch.Tensor
+    tau: float
+    accused: dict[int, str] = field(default_factory=dict)
+
+
+def refusal(part: torch.Tensor, weight: float, shape: torch.Size) -> str | None:
+    """Why a contribution cannot be averaged at all (None if it can)."""
+    if part.shape != shape:
+        return f"a part of shape {tuple(part.shape)}, expected {tuple(shape)}"
+    if not (isinstance(weight, (int, float)) and math.isfinite(weight) and weight >= 0):
+        return f"weight {weight!r} is not a finite non-negative number"
+    if not torch.isfinite(part).all():
+        return "a part with NaN or inf"
+    return None
+
+
+def capped_weights(weights: Sequence[float], cap: float) -> list[float]:
+    """Each weight capped at `cap` × the median of the positive ones (all zero stays all zero)."""
+    positive = [w for w in weights if w > 0]
+    if not positive:
+        return [0.0 for _ in weights]
+    limit = cap * statistics.median(positive)
+    return [min(float(w), limit) for w in weights]
+
+
+def centered_clip(parts: torch.Tensor, weights: torch.Tensor, rule: RobustRule) -> tuple[torch.Tensor, float]:
+    """CenteredClip of the rows of `parts` (n × m, float32) with `weights` (n, positive sum), from the
+    coordinate-wise median; returns the centre and the clip radius used."""
+    centre = parts.median(dim=0).values if parts.shape[0] > 2 else parts.mean(dim=0)
+    distances = (parts - centre).norm(dim=1)
+    tau = max(rule.tau_scale * float(distances.median()), rule.tau_floor * float(centre.norm()), 1e-12)
+    total = weights.sum()
+    for _ in range(rule.iterations):
+        diffs = parts - centre
+        scale = (tau / diffs.norm(dim=1).clamp_min(1e-30)).clamp(max=1.0)
+        centre = centre + (weights * scale) @ diffs / total
+    return centre, tau
+
+
+def robust_average(
+    parts: Sequence[torch.Tensor], weights: Sequence[float], shape: torch.Size, rule: RobustRule = RobustRule()
+) -> Aggregate | None:
+    """The part as a reducer returns it to every sender: refused contributions out, weights capped, CenteredClip
+    of the rest, as float32 of `shape`. None when no contribution is usable."""
+    accused, usable = {}, []
+    for index, (part, weight) in enumerate(zip(parts, weights, strict=True)):
+        reason = refusal(part, weight, shape)
+        if reason:
+            accused[index] = reason
+        else:
+            usable.append(index)
+    capped = capped_weights([float(weights[i]) for i in usable], rule.weight_cap)
+    kept = [(i, w) for i, w in zip(usable, capped, strict=True) if w > 0]
+    if not kept:
+        return None
+    stacked = torch.stack([parts[i].detach().reshape(-1).float() for i, _ in kept])
+    centre, tau = centered_clip(stacked, torch.tensor([w for _, w in kept], dtype=torch.float32), rule)
+    distances = (stacked - centre).norm(dim=1)
+    for row, (index, _) in enumerate(kept):
+        if distances[row] > rule.accuse_factor * tau:
+            accused[index] = f"a part {float(distances[row]) / tau:.1f} clip radii from the robust average"
+    return Aggregate(average=centre.reshape(shape), tau=tau, accused=accused)
+
+
+def relative_change(before: torch.Tensor, after: torch.Tensor) -> float:
+    """‖after − before‖ / ‖before‖ (∞ when `after` is not finite; the change itself when `before` is zero)."""
+    if not torch.isfinite(after).all():
+        return math.inf
+    change = float((after.float() - before.float()).norm())
+    norm = float(before.float().norm())
+    return change / norm if norm > 0 else change
+
+
+def check_reduced(own_part: torch.Tensor, delta: torch.Tensor, honest_change: float, rule: RobustRule) -> str | None:
+    """Why a reduced part from another peer is refused (None if it is used). `delta` is what it says to add to
+    `own_part`; `honest_change` the relative change this peer's own reduction made to the part it reduced."""
+    if delta.shape != own_part.shape:
+        return f"a reduced part of shape {tuple(delta.shape)}, expected {tuple(own_part.shape)}"
+    if not torch.isfinite(delta).all():
+        return "a reduced part with NaN or inf"
+    change = relative_change(own_part, own_part + delta)
+    bound = max(rule.reduced_factor * honest_change, rule.reduced_floor)
+    if change > bound:
+        return f"a reduced part that moves this peer's part by {change:.3g} of its norm (bound {bound:.3g})"
+    return None

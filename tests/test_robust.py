@@ -1,0 +1,79 @@
+"""swarm/robust.py: the robust average of a part and the check of a reduced part, as pure functions."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from swarm.robust import RobustRule, capped_weights, check_reduced, refusal, robust_average
+
+SHAPE = torch.Size([5000])
+
+
+def honest(n: int, seed: int = 0) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    base = torch.randn(SHAPE, generator=generator)
+    return [base + 0.1 * torch.randn(SHAPE, generator=generator) for _ in range(n)]
+
+
+def test_honest_parts_average_to_their_weighted_mean_and_nobody_is_accused():
+    parts, weights = honest(5), [1.0, 2.0, 1.0, 1.0, 3.0]
+    aggregate = robust_average(parts, weights, SHAPE)
+    capped = capped_weights(weights, RobustRule().weight_cap)  # the median weight (1.0) caps 2.0 and 3.0
+    expected = sum(w * p for w, p in zip(capped, parts, strict=True)) / sum(capped)
+    assert torch.allclose(aggregate.average, expected, atol=1e-5)
+    assert aggregate.accused == {}
+
+
+@pytest.mark.parametrize(
+    "bad, weight, why",
+    [
+        (torch.full(SHAPE, float("nan")), 1.0, "NaN"),
+        (torch.full(SHAPE, float("inf")), 1.0, "NaN or inf"),
+        (torch.zeros(7), 1.0, "shape"),
+        (torch.zeros(SHAPE), float("nan"), "weight"),
+        (torch.zeros(SHAPE), -1.0, "weight"),
+    ],
+)
+def test_unusable_contributions_are_refused_and_change_nothing(bad, weight, why):
+    parts = honest(3)
+    aggregate = robust_average([*parts, bad], [1.0, 1.0, 1.0, weight], SHAPE)
+    assert why in aggregate.accused[3]
+    assert torch.allclose(aggregate.average, torch.stack(parts).mean(0), atol=1e-5)
+
+
+@pytest.mark.parametrize("attack", ["huge", "sign flip", "huge weight"])
+def test_one_hostile_part_of_four_moves_the_average_by_at_most_about_a_clip_radius(attack):
+    parts = honest(3)
+    mean = torch.stack(parts).mean(0)
+    hostile = {"huge": 1e6 * torch.ones(SHAPE), "sign flip": -10 * parts[0], "huge weight": 50 * torch.ones(SHAPE)}
+    weight = 1e9 if attack == "huge weight" else 1.0
+    aggregate = robust_average([*parts, hostile[attack]], [1.0, 1.0, 1.0, weight], SHAPE)
+    assert float((aggregate.average - mean).norm()) <= aggregate.tau
+    assert "clip radii" in aggregate.accused[3]
+    plain = (sum(parts) + weight * hostile[attack]) / (3 + weight)
+    assert float((plain - mean).norm()) > 10 * aggregate.tau  # what a plain mean would have let through
+
+
+def test_no_usable_contribution_gives_no_average():
+    assert robust_average([torch.full(SHAPE, float("nan"))], [1.0], SHAPE) is None
+
+
+def test_weights_are_capped_at_the_median():
+    assert capped_weights([1.0, 1.0, 4.0, 1e9], 1.0) == [1.0, 1.0, 2.5, 2.5]
+    assert capped_weights([0.0, 0.0], 1.0) == [0.0, 0.0]
+    assert refusal(torch.zeros(SHAPE), math.inf, SHAPE) is not None
+
+
+def test_a_reduced_part_is_checked_against_the_honest_change():
+    rule = RobustRule()
+    own = torch.ones(SHAPE)
+    honest_change = 0.05
+    assert check_reduced(own, 0.04 * torch.ones(SHAPE), honest_change, rule) is None
+    assert "moves this peer's part" in check_reduced(own, 1000 * torch.ones(SHAPE), honest_change, rule)
+    assert "NaN" in check_reduced(own, torch.full(SHAPE, float("nan")), honest_change, rule)
+    assert "shape" in check_reduced(own, torch.zeros(3), honest_change, rule)
+    # parts that already agree (parameters after a round): the floor keeps the bound from reaching zero
+    assert check_reduced(own, 0.005 * torch.ones(SHAPE), 0.0, rule) is None

@@ -1,0 +1,140 @@
+"""A stage's averaging with one hostile peer of four: real hivemind averagers (own processes, one DHT), the
+hostile one a plain hivemind averager sending bad parts or a reducer returning bad averages."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+from hivemind.averaging import DecentralizedAverager
+from hivemind.averaging.allreduce import AllReduceRunner
+from hivemind.averaging.partition import TensorPartReducer
+from hivemind.dht import DHT
+
+from peer.robust_averaging import RobustAveraging
+
+pytestmark = pytest.mark.slow
+
+SIZE = 600_000  # float32 elements: hivemind cuts 512 kB parts, so each of the four peers reduces one or two
+
+
+class RobustAverager(RobustAveraging, DecentralizedAverager):
+    pass
+
+
+# hivemind names its RPC handlers after the averager's class, so a peer that wants into the group uses the
+# honest class's name, whatever its code does: a plain hivemind averager (sends what it likes, reduces honestly)
+PlainAverager = type("RobustAverager", (DecentralizedAverager,), {})
+
+
+class LyingReducer(TensorPartReducer):
+    """Returns the mean plus 1000 for every part it reduces."""
+
+    def check_current_part_finished(self):
+        if self.current_part_accumulated_from == self.num_current_senders:
+            self.accumulator.add_(1000.0 * self.denominator)
+        super().check_current_part_finished()
+
+
+class LyingRunner(AllReduceRunner):
+    def __init__(self, *args, rule, banned, accuse, **kwargs):
+        super().__init__(*args, **kwargs)
+        honest = self.tensor_part_reducer
+        honest.finished.set()
+        self.tensor_part_reducer = LyingReducer(honest.part_shapes, honest.num_senders)
+
+
+LyingAverager = type("RobustAverager", (RobustAveraging, DecentralizedAverager), {"runner_class": LyingRunner})
+
+
+def honest_tensors(seed: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    base = torch.randn(SIZE, generator=torch.Generator().manual_seed(0))
+    return [base + 0.1 * torch.randn(SIZE, generator=generator)]
+
+
+def average_once(hostile_cls, hostile_tensors, hostile_weight: float = 1.0, rounds: int = 1):
+    """Three robust peers and one hostile peer average `rounds` times; the honest peers' tensors after each
+    round, the honest mean before the first, the hostile peer's id and what each honest peer banned."""
+    dht = DHT(start=True)
+    averagers = []
+    try:
+        peers = [dht] + [DHT(start=True, initial_peers=dht.get_visible_maddrs()) for _ in range(3)]
+        common = dict(prefix="stage1", target_group_size=4, min_group_size=4, min_matchmaking_time=5.0,
+                      request_timeout=3.0, start=True)
+        inputs = [honest_tensors(seed) for seed in (1, 2, 3)]
+        honest_mean = torch.stack([t[0] for t in inputs]).mean(0)
+        for peer, tensors in zip(peers[:3], inputs, strict=True):
+            averagers.append(RobustAverager(averaged_tensors=tensors, dht=peer, **common))
+        hostile = hostile_cls(averaged_tensors=hostile_tensors, dht=peers[3], **common)
+        averagers.append(hostile)
+        results = []
+        with ThreadPoolExecutor(4) as pool:
+            for _ in range(rounds):
+                futures = [pool.submit(a.step, weight=hostile_weight if a is hostile else 1.0, timeout=60)
+                           for a in averagers]
+                for future in futures:
+                    future.result()
+                snapshot = []
+                for averager in averagers[:3]:
+                    with averager.get_tensors() as tensors:
+                        snapshot.append(tensors[0].clone())
+                results.append(snapshot)
+        bans = [a.get_banned_peers() for a in averagers[:3]]
+        return results, honest_mean, hostile.peer_id.to_base58(), bans
+    finally:
+        for averager in averagers:
+            averager.shutdown()
+        for peer in peers[1:] if "peers" in locals() else []:
+            peer.shutdown()
+        dht.shutdown()
+
+
+def spread() -> float:
+    """How far the honest peers' own tensors are from their mean (the scale honest averaging works at)."""
+    inputs = torch.stack([honest_tensors(seed)[0] for seed in (1, 2, 3)])
+    return float((inputs - inputs.mean(0)).norm(dim=1).mean())
+
+
+@pytest.mark.parametrize(
+    "name, tensors, weight",
+    [
+        ("nan", [torch.full((SIZE,), float("nan"))], 1.0),
+        ("huge", [torch.full((SIZE,), 1e6)], 1.0),
+        ("sign-flipped", [-10 * honest_tensors(9)[0]], 1.0),
+        ("huge weight", [torch.full((SIZE,), 50.0)], 1e9),
+    ],
+)
+def test_one_hostile_contribution_of_four_neither_stops_nor_bends_the_average(name, tensors, weight):
+    results, honest_mean, hostile, bans = average_once(PlainAverager, tensors, weight)
+    for averaged in results[0]:
+        assert torch.isfinite(averaged).all(), name
+        # a plain mean would be off by ~1/4 of the hostile part: 2.5e5 per element for "huge"; here the hostile
+        # part moves the average by at most about a clip radius (the honest spread) over four
+        error = float((averaged - honest_mean).norm())
+        assert error < spread(), (name, error, spread())
+    assert all(hostile in banned for banned in bans), (name, bans)
+
+
+def test_a_lying_reducer_is_refused_and_banned_and_changes_nothing_next_round():
+    tensors = honest_tensors(4)
+    results, honest_mean, liar, bans = average_once(LyingAverager, tensors, rounds=2)
+    for round_results in results:
+        for averaged in round_results:
+            assert torch.isfinite(averaged).all()
+            # the liar's slice is kept as each peer's own (not +1000): within the honest spread of the mean
+            assert float((averaged - honest_mean).norm()) < 1.5 * spread()
+            assert float((averaged - honest_mean).abs().max()) < 10.0
+    assert all(liar in banned and "as a reducer" in banned[liar] for banned in bans), bans
+
+
+def test_four_honest_peers_ban_nobody_and_get_about_their_mean():
+    fourth = honest_tensors(4)
+    fourth_before = fourth[0].clone()  # the averager averages its tensors in place
+    results, honest_mean, _, bans = average_once(RobustAverager, fourth)
+    mean_of_four = (3 * honest_mean + fourth_before) / 4
+    for averaged in results[0]:
+        # CenteredClip clips the honest parts furthest from the centre too: close to the mean, not equal to it
+        assert float((averaged - mean_of_four).norm()) < 0.1 * spread()
+    assert bans == [{}, {}, {}]

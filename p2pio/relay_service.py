@@ -7,6 +7,11 @@ authenticated it) and pipes the bytes both ways, `READ_PIECE` at a time, never a
 `Budget`: circuits per sender and `MAX_CIRCUITS` in all (`overloaded`), bytes per circuit each way
 (`too_large`), seconds per circuit (`timeout`); only registered targets (`unreachable` otherwise). The
 stream protocol both sides speak (handler names, the peer-id header) lives here too.
+
+A run's peers speak on `CHANNELS`: trips, and the K/V messages between the lanes of a trip
+(`peer/kv_exchange.py`). A circuit stays on the channel it was opened on (`FORWARD` of a channel is
+delivered as `DELIVER` of the same channel), so a NATed lane peer gets its K/V through its relay as it gets
+its trips; one registration covers both, and the budget is shared.
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ from swarm.wire import ErrorCode, WireError, encode_error
 logger = logging.getLogger("peer")
 
 FORWARD, DELIVER, REGISTER = "relay.forward", "relay.deliver", "relay.register"
+TRIPS, KV = "", ".kv"  # a run's channels, as suffixes of its namespace: trips, and K/V between lanes
+CHANNELS = (TRIPS, KV)
 MAX_ID_BYTES = 64  # a libp2p peer id (a multihash of the public key) is 34-39 bytes
 HEADER_TIMEOUT = 5.0
 CONNECT_TIMEOUT = 10.0
@@ -121,7 +128,12 @@ class RelayService:
 
     async def add_handlers(self) -> None:
         await self.p2p.add_binary_stream_handler(handler(self.namespace, REGISTER), self._register)
-        await self.p2p.add_binary_stream_handler(handler(self.namespace, FORWARD), self._forward)
+        for channel in CHANNELS:
+
+            async def forward(info, reader, writer, channel: str = channel) -> None:
+                await self._forward(info, reader, writer, channel)
+
+            await self.p2p.add_binary_stream_handler(handler(self.namespace + channel, FORWARD), forward)
 
     def register(self, peer: str, now: float | None = None) -> bool:
         now = time.monotonic() if now is None else now
@@ -137,7 +149,7 @@ class RelayService:
             writer.write(ACCEPTED if accepted else FULL)
             await writer.drain()
 
-    async def _forward(self, info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _forward(self, info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, channel: str) -> None:
         sender = info.peer_id
         with closing(writer):
             if self.heading >= MAX_CIRCUITS:  # streams that have not named their target yet (HEADER_TIMEOUT each)
@@ -160,15 +172,15 @@ class RelayService:
                 return
             self.open[sender] += 1
             try:
-                await self._carry(sender, target, reader, writer)
+                await self._carry(sender, target, reader, writer, channel)
             finally:
                 self.open[sender] -= 1
                 if self.open[sender] <= 0:
                     del self.open[sender]
 
-    async def _carry(self, sender: PeerID, target: PeerID, reader, writer) -> None:
+    async def _carry(self, sender: PeerID, target: PeerID, reader, writer, channel: str) -> None:
         try:
-            opened = self.p2p.call_binary_stream_handler(target, handler(self.namespace, DELIVER))
+            opened = self.p2p.call_binary_stream_handler(target, handler(self.namespace + channel, DELIVER))
             _, down, up = await asyncio.wait_for(opened, CONNECT_TIMEOUT)
         except Exception as exc:  # noqa: BLE001 - the target's connection is gone: tell the sender
             self.refused[ErrorCode.UNREACHABLE.value] += 1

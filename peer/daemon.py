@@ -31,12 +31,14 @@ from hivemind.dht import DHT
 from hivemind.p2p import P2P, PeerID
 
 from dhtio.records import fetch_stages
+from p2pio.relay_service import KV, TRIPS
 from p2pio.sockets import use_own_socket_dir
 from peer.announcer import Announcer, stage_record
 from peer.driver import Driver
 from peer.kv_exchange import KVService
 from peer.lane_trip import LaneHop, lane_codec, largest_kv_message
 from peer.lanes import Slot
+from peer.link import Link
 from peer.options import PeerOptions
 from peer.processes import StopSignals, stop_dht_and_children, stop_signals_ignored_by_children
 from peer.reachability import ReachabilityCheck, daemon_flags, relay_options, relay_service_flags, route_source
@@ -166,10 +168,6 @@ class PeerDaemon:
             relay=self.reachability.relay if self.reachability is not None else "",
         )
 
-    async def _send(self, peer_id: str, message: bytes, timeout: float, max_reply: int) -> bytes:
-        # straight to the peer, or through the relay its record names (peer/relay.py)
-        return await self.relaying.sender.send(peer_id, self.router.relay_of(peer_id), message, timeout, max_reply)
-
     # --- routing and rebalancing --------------------------------------------------------------------
 
     async def refresh_loop(self) -> None:
@@ -227,10 +225,13 @@ class PeerDaemon:
         self.router = router = Router(
             subspace.t_fixed_sha256, self.peer_id, claim_bounds=bounds, lanes=self.manifest.lanes
         )
-        hop_args = (self.manifest, index, runtime, router, self._send, self._fetch_routed, self.stats, self.label,
+        # messages go straight, or through the relay the peer's record names (peer/link.py)
+        link = Link(self.relaying.senders[TRIPS], router)
+        hop_args = (self.manifest, index, runtime, router, link, self._fetch_routed, self.stats, self.label,
                     self.options.trip_timeout)
         if self.kv is not None:
-            hop = LaneHop(*hop_args, lane=self.lane, kv=self.kv, peer_id=self.peer_id)
+            kv_link = Link(self.relaying.senders[KV], router)
+            hop = LaneHop(*hop_args, lane=self.lane, kv=self.kv, peer_id=self.peer_id, kv_link=kv_link)
         else:
             hop = Hop(*hop_args)
         self.hop = hop
@@ -362,9 +363,6 @@ class PeerDaemon:
                 min_rate=self.options.min_stream_rate,
             )
             await servicer.add_p2p_handlers(self.p2p, namespace=self.manifest.run_id)
-            self.relaying = Relaying(self.p2p, self.manifest.run_id, self.options, servicer.serve_stream, self._fetch,
-                                     self.peer_id, max_bytes, lambda: self.label)
-            await self.relaying.start()
             if self.lanes > 1:
                 self.kv = KVService(
                     self.p2p,
@@ -374,7 +372,13 @@ class PeerDaemon:
                     min_rate=self.options.min_stream_rate,
                     receive_timeout=self.options.trip_timeout,
                 )
+                max_bytes = max(max_bytes, self.kv.servicer.max_bytes)  # relaying for others, K/V too
+            self.relaying = Relaying(self.p2p, self.manifest.run_id, self.options, servicer.serve_stream, self._fetch,
+                                     self.peer_id, max_bytes, lambda: self.label)
+            await self.relaying.start()
+            if self.kv is not None:
                 await self.kv.start()  # never removed, like the trip handler: p2pd stops with the DHT
+                await self.relaying.deliver(KV, self.kv.servicer.serve_stream)  # K/V our relay delivers
             self.reachability = ReachabilityCheck(
                 self.p2p, self._fetch, self.peer_id, self.options.host_maddrs, lambda: self.label, self.relaying.client
             )

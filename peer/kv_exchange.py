@@ -23,7 +23,9 @@ and for `ttl` seconds; beyond a bound it is refused `overloaded`. When the trip 
 trip's codec, is dropped and counted.
 A message for a trip closed here a moment ago is refused `timeout` rather than buffered.
 
-`LaneExchange` is one trip at one lane. Sends go to every destination at once and fail, like receives
+`LaneExchange` is one trip at one lane. Sends go through the trip's `peer/link.py` `Link`, as a trip's boundary
+message does: straight, or through the relay a lane peer's record names (the relay delivers them to this same
+handler, `p2pio.relay_service.KV`). They go to every destination at once and fail, like receives
 that wait too long, as a `WireError` with a code: the caller retries the trip with another group, never
 finishing it with stale K/V. Bytes are message bytes (the K/V message, or the reply), counted per
 exchange and per service (`bytes_in` of a service: every message its handler read, refused ones too);
@@ -43,8 +45,11 @@ import torch
 from hivemind.p2p import P2P, PeerID
 
 from p2pio.framing import GRACE_S, MIN_RATE, receive_deadline
+from p2pio.relay_service import KV
 from peer.kv_early import BufferLimits, EarlyBuffer, EarlyMessage
-from peer.transport import MAX_PER_SENDER, TripServicer, send_trip
+from peer.link import Link, NoRelays
+from peer.relay import TripSender
+from peer.transport import MAX_PER_SENDER, TripServicer
 from swarm.cp_modes import KVCompression
 from swarm.cp_wire import CPCodec, Kind, KVExpectation, KVHeader, decode_kv, encode_kv, parse_kv_header
 from swarm.wire import ErrorCode, WireError, encode_error, raise_if_error
@@ -74,7 +79,13 @@ class LaneExchange:
     """One trip's K/V traffic at one lane; made by `KVService.open`, freed by `close`."""
 
     def __init__(
-        self, service: KVService, trip_id: str, group: Sequence[PeerID | str], lane: int, mode: KVCompression | None
+        self,
+        service: KVService,
+        trip_id: str,
+        group: Sequence[PeerID | str],
+        lane: int,
+        mode: KVCompression | None,
+        link: Link | None = None,
     ):
         codec = service.codec
         if codec is None or mode is None:
@@ -82,7 +93,7 @@ class LaneExchange:
         peers = [p if isinstance(p, PeerID) else PeerID.from_base58(p) for p in group]
         if len(peers) != codec.spec.size or not 0 <= lane < len(peers) or peers[lane] != service.p2p.peer_id:
             raise ValueError(f"a group of {len(peers)} peers not naming this peer at lane {lane} of {codec.spec.size}")
-        self.service, self.trip_id, self.group, self.lane = service, trip_id, peers, lane
+        self.service, self.trip_id, self.group, self.lane, self.link = service, trip_id, peers, lane, link
         self.codec, self.mode = codec, mode
         self.expect: dict[str, KVExpectation] = {kind: codec.expectation(kind, lane, mode) for kind in KINDS}
         self.inbox: dict[tuple[str, int], dict[int, Payload]] = {}
@@ -163,7 +174,7 @@ class LaneExchange:
             return blobs
 
         blobs = await asyncio.to_thread(encode)
-        sends = [self.service.send(self.group[peer_lane], blob) for peer_lane, blob in blobs.items()]
+        sends = [self.service.send(self.group[peer_lane], blob, self.link) for peer_lane, blob in blobs.items()]
         failures = [r for r in await asyncio.gather(*sends, return_exceptions=True) if isinstance(r, BaseException)]
         self.bytes_out += sum(len(blob) for blob in blobs.values())
         if failures:
@@ -212,7 +223,8 @@ class KVService:
         admit: Callable[[PeerID], ErrorCode | None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ):
-        self.p2p, self.namespace = p2p, f"{namespace}.kv"
+        self.p2p, self.namespace = p2p, namespace + KV
+        self.straight = Link(TripSender(p2p, self.namespace), NoRelays())  # for trips opened without a link
         self.min_rate, self.receive_timeout, self.clock = min_rate, receive_timeout, clock
         self.early = EarlyBuffer(limits or BufferLimits())
         self.exchanges: dict[str, LaneExchange] = {}
@@ -249,14 +261,15 @@ class KVService:
             self.early.limits = dataclasses.replace(self.early.limits, trip_count=trip_count)
 
     async def open(
-        self, trip_id: str, group: Sequence[PeerID | str], mode: KVCompression | None = None
+        self, trip_id: str, group: Sequence[PeerID | str], mode: KVCompression | None = None, link: Link | None = None
     ) -> LaneExchange:
         """Register a trip (its group names one peer per lane, by id or base58, this peer at its lane) and hand
         it the early messages its group names as their senders and that decode under the current codec. `mode`:
-        the trip's (`LaneTrip.modes`, fixed for the trip), by default what `serve` was told."""
+        the trip's (`LaneTrip.modes`, fixed for the trip), by default what `serve` was told; `link`: the served
+        stage's (`peer/link.py`, through the relay a lane peer's record names), by default every peer straight."""
         if trip_id in self.exchanges or trip_id in self.closed:
             raise ValueError(f"trip {trip_id!r} is open or was closed here: a retried trip needs a new id")
-        exchange = LaneExchange(self, trip_id, group, self.lane, mode or self.mode)
+        exchange = LaneExchange(self, trip_id, group, self.lane, mode or self.mode, link)
         self.exchanges[trip_id] = exchange
         try:
             for message in self.early.take(trip_id, self.clock()):
@@ -280,8 +293,8 @@ class KVService:
         self.closed[exchange.trip_id] = now + self.early.limits.ttl
         self.early.take(exchange.trip_id, now)
 
-    async def send(self, peer: PeerID, blob: bytes) -> None:
-        """One message to `peer`, answered with ACK; anything else is a WireError.
+    async def send(self, peer: PeerID, blob: bytes, link: Link | None = None) -> None:
+        """One message to `peer` over `link` (by default straight), answered with ACK; anything else is a WireError.
 
         At most `MAX_PER_SENDER` streams go to one peer at once, the receive slots a receiver gives one sender
         (`peer.transport.TripServicer`): further sends wait here instead of being refused `overloaded` there
@@ -293,7 +306,7 @@ class KVService:
         timeout = receive_deadline(len(blob), self.min_rate) + GRACE_S  # + the reply's own grace
         try:
             async with slots:
-                reply = await send_trip(self.p2p, peer, self.namespace, blob, timeout, MAX_REPLY)
+                reply = await (link or self.straight).send(peer, blob, timeout, MAX_REPLY)
         finally:
             self.senders[peer] -= 1
             if not self.senders[peer]:  # kept only while a send to `peer` is waiting or running

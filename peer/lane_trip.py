@@ -34,6 +34,7 @@ from hivemind.p2p import PeerID
 from peer.admission import StagePeers
 from peer.kv_exchange import KVService, LaneExchange, message_limit
 from peer.lanes import EmptyLane, Strikes, pick_group
+from peer.link import Link
 from peer.trip import Hop, HopResult, Reply
 from swarm.context_parallel import CPBasis
 from swarm.cp_lane import LaneTrip
@@ -168,9 +169,10 @@ class LaneHop(Hop):
     driver of whole trips (`drive`). The next hop is the group's, not the router's: a trip never changes
     peers midway (its K/V would go stale); the driver runs it again with another group instead."""
 
-    def __init__(self, *args, lane: int, kv: KVService, peer_id: str, **kwargs):
+    def __init__(self, *args, lane: int, kv: KVService, peer_id: str, kv_link: Link | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.lane, self.kv, self.peer_id = lane, kv, peer_id
+        self.kv_link = kv_link  # K/V to the group's lane peers, through their relays (None: straight)
         self.lanes = self.manifest.lanes
         self.strikes = Strikes()  # groups that failed, per peer: `pick` prefers peers with fewer
         self.stage_peers = StagePeers()  # who may send this lane K/V (`admit_kv_sender`)
@@ -209,7 +211,7 @@ class LaneHop(Hop):
         """This lane's turn: the layers with the exchange, the next stage's lane (or the loss), the layers'
         backward with the exchange, then the gradients applied and the step in one job."""
         runtime = self.runtime
-        exchange = await self.kv.open(trip_id, claim.group[self.index])
+        exchange = await self.kv.open(trip_id, claim.group[self.index], link=self.kv_link)
         try:
             lane = await runtime.run(self._start, claim.lane, tokens, hidden, version)
             await _own(self._forward(lane, exchange))

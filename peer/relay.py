@@ -48,11 +48,13 @@ from hivemind.p2p import P2P, PeerID
 
 from p2pio.relay_service import (
     ACCEPTED,
+    CHANNELS,
     CONNECT_TIMEOUT,
     DELIVER,
     FORWARD,
     HEADER_TIMEOUT,
     REGISTER,
+    TRIPS,
     RelayService,
     handler,
     read_id,
@@ -112,7 +114,15 @@ class RelayClient:
         self.task: asyncio.Task | None = None
 
     async def start(self) -> None:
-        await self.p2p.add_binary_stream_handler(handler(self.namespace, DELIVER), self._deliver)
+        await self.deliver(TRIPS, self.serve)
+
+    async def deliver(self, channel: str, serve: Serve) -> None:
+        """Hand what our relay delivers on `channel` (`p2pio.relay_service.CHANNELS`) to `serve`."""
+
+        async def delivered(info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await self._deliver(info, reader, writer, serve)
+
+        await self.p2p.add_binary_stream_handler(handler(self.namespace + channel, DELIVER), delivered)
 
     def hold(self, on_change: Callable[[str], None]) -> None:
         """Keep a relay from now on (in the background); `on_change(relay)` when it changes."""
@@ -124,7 +134,7 @@ class RelayClient:
             self.task.cancel()
             await asyncio.gather(self.task, return_exceptions=True)
 
-    async def _deliver(self, info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _deliver(self, info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, serve: Serve) -> None:
         if not self.relay or info.peer_id.to_base58() != self.relay:
             writer.close()  # only the relay we chose delivers: nobody else can name senders to us
             return
@@ -134,7 +144,7 @@ class RelayClient:
             writer.close()
             return
         self.delivered += 1
-        await self.serve(sender, reader, writer)
+        await serve(sender, reader, writer)
 
     async def register(self, relay: str) -> bool:
         try:
@@ -212,9 +222,10 @@ class TripSender:
 
 
 class Relaying:
-    """A peer's part in relaying, started once per process: its `sender` (every trip it sends), its `client`
-    (when `--relay` is not off; `peer/reachability.py` decides whether it holds a relay) and its `service`
-    (with `--relay-service on`: it carries trips for others, its counters logged every LOG_INTERVAL)."""
+    """A peer's part in relaying, started once per process: its `senders` (one per channel: every message it
+    sends, `peer/link.py`), its `client` (when `--relay` is not off; `peer/reachability.py` decides whether it
+    holds a relay; `deliver` adds a channel to what it serves) and its `service` (with `--relay-service on`: it
+    carries trips for others, its counters logged every LOG_INTERVAL)."""
 
     def __init__(
         self,
@@ -233,7 +244,7 @@ class Relaying:
             return relay_candidates(await fetch(), own_id, bootstrap)
 
         o = self.options = options
-        self.sender = TripSender(p2p, namespace)
+        self.senders = {channel: TripSender(p2p, namespace + channel) for channel in CHANNELS}
         self.client = RelayClient(p2p, namespace, serve, candidates) if o.relay != "off" else None
         self.service = RelayService(p2p, namespace, o.relay_budget, max_message) if o.relay_service else None
         self.label = label
@@ -245,6 +256,11 @@ class Relaying:
         if self.service is not None:
             await self.service.add_handlers()
             self.log_task = asyncio.create_task(self.service.log_loop(self.label))
+
+    async def deliver(self, channel: str, serve: Serve) -> None:
+        """What a relay delivers to us on `channel` goes to `serve` (trips go to the trip handler already)."""
+        if self.client is not None:
+            await self.client.deliver(channel, serve)
 
     async def stop(self) -> None:
         if self.client is not None:

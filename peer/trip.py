@@ -13,7 +13,8 @@ another peer of the same stage while this hop still holds its activations (the p
 `peer/routing.py` `failover`).
 
 Collaborators are explicit: the stage's `runtime` (torch work on its one thread), the `router`
-(which peer of the next stage), `send` (one message to one peer, a reply back), `fetch` (fresh
+(which peer of the next stage), `link` (one message to one peer, a reply back, straight or through the
+peer's relay: `peer/link.py`), `fetch` (fresh
 records when the router has no candidate) and `stats` (the counters the peer announces).
 """
 
@@ -31,6 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from peer.audit import replies_disagree
+from peer.link import Link
 from peer.routing import Failover, Router
 from peer.runtime import StageRuntime
 from swarm.manifest import Manifest
@@ -41,8 +43,6 @@ logger = logging.getLogger("peer")
 
 SEND_ATTEMPTS = 8  # peers of the next stage tried for one trip before giving up
 
-# (peer id, message, timeout in seconds, largest reply accepted) -> the reply's bytes
-Send = Callable[[str, bytes, float, int], Awaitable[bytes]]
 Fetch = Callable[[], Awaitable[dict[int, list[PeerEntry]]]]
 
 
@@ -129,14 +129,14 @@ class Hop:
         index: int,
         runtime: StageRuntime,
         router: Router,
-        send: Send,
+        link: Link,
         fetch: Fetch,
         stats: Stats,
         label: str,
         trip_timeout: float,
     ):
         self.manifest, self.index, self.runtime, self.router = manifest, index, runtime, router
-        self.send, self.fetch, self.stats, self.label = send, fetch, stats, label
+        self.link, self.fetch, self.stats, self.label = link, fetch, stats, label
         self.trip_timeout = trip_timeout
         self.shadows: dict[str, asyncio.Task] = {}  # peer -> the duplicate in flight to it (one at a time)
 
@@ -301,7 +301,7 @@ class Hop:
         raise WireError(ErrorCode.NO_PEER, f"no peer of stage {target} answered after {SEND_ATTEMPTS} attempts")
 
     async def _ask(self, peer_id: str, message: bytes, max_reply: int) -> Reply:
-        reply = await self.send(peer_id, message, self.hop_timeout(), max_reply)
+        reply = await self.link.send(peer_id, message, self.hop_timeout(), max_reply)
         raise_if_error(reply)
         try:
             return self.check_reply(reply)

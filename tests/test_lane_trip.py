@@ -5,6 +5,7 @@ over a group of 2 stages × 2 lanes, each lane a real `StageRuntime` (hivemind D
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -131,7 +132,8 @@ class Swarm:
             refuse = lambda code, message, hops: encode_error(code, message, hops)  # noqa: E731
             return await asyncio.wait_for(self.hops[to].serve(blob, refuse, peer_id), timeout)
 
-        hop = LaneHop(MANIFEST, stage, runtime, router, send, fetch, Stats(), runtime.label, 60.0,
+        link = SimpleNamespace(send=send)  # a `peer/link.py` Link to the hops of this process
+        hop = LaneHop(MANIFEST, stage, runtime, router, link, fetch, Stats(), runtime.label, 60.0,
                       lane=lane, kv=service, peer_id=peer_id)
         self.services.append(service)
         self.ids.append(peer_id)

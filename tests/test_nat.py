@@ -12,6 +12,7 @@ import os
 import shutil
 import struct
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -263,6 +264,63 @@ def test_swarm_with_its_middle_stage_behind_nat():
         for n in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
         if n.startswith(swarm.net.tag)
     ]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_can_nat() is not None, reason=str(_can_nat()))
+def test_kv_reaches_a_lane_peer_only_through_its_relay():
+    """Two lane peers, each behind its own symmetric NAT, that can reach each other only through the relay their
+    records name: a layer's K/V goes from lane 0 to lane 1 and its gradient back, both through the relay's K/V
+    channel (`peer/link.py`, `p2pio.relay_service.KV`), and arrive as sent (tests/nat_kv_node.py)."""
+    from nat_kv_node import on_wire, payload
+
+    from benchmarks.nat import Internet
+
+    _remove_leftovers()
+    net, workdir = Internet(), Path(tempfile.mkdtemp(prefix="nat-kv-"))
+    children: list[subprocess.Popen] = []
+    node = Path(__file__).resolve().parent / "nat_kv_node.py"
+    env = {**os.environ, "PYTHONPATH": str(node.parent.parent)}
+
+    def spawn(short: str, role: str, options: dict) -> None:
+        with open(workdir / f"{role}.log", "w") as log:
+            argv = ["ip", "netns", "exec", net.name(short), sys.executable, str(node), role, str(workdir),
+                    json.dumps(options)]
+            children.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env))
+
+    def wait(name: str, timeout: float = 180.0) -> dict:
+        deadline = time.monotonic() + timeout
+        while not (workdir / name).exists():
+            assert all(child.poll() is None for child in children), {
+                log.name: log.read_text()[-2000:] for log in workdir.glob("*.log")}
+            assert time.monotonic() < deadline, f"no {name}"
+            time.sleep(0.5)
+        time.sleep(0.2)  # written whole: a small file in one write
+        return json.loads((workdir / name).read_text())
+
+    try:
+        address = net.public_host("r")
+        spawn("r", "relay", {"address": address})
+        net.home("a", 10, "symmetric")
+        net.home("b", 20, "symmetric")
+        spawn("a", "lane0", {"relay_address": address})
+        spawn("b", "lane1", {"relay_address": address})
+        lane0, lane1 = wait("lane0.result.json"), wait("lane1.result.json")
+        assert lane1["received"] == on_wire(payload(0))  # lane 0's K/V, bit for bit
+        assert lane0["received"] == on_wire(payload(1, "backward"))  # and lane 1's gradient of it
+        for result in (lane0, lane1):  # no way straight through two symmetric NATs: the relay carried both
+            assert result["relayed"] == 1 and result["direct"] == 0 and result["delivered"] >= 1, result
+        for _ in range(20):  # the relay counts a circuit when the target closes it
+            if wait("carried.json")["circuits"] >= 2:
+                break
+            time.sleep(0.5)
+        assert wait("carried.json")["circuits"] >= 2
+    finally:
+        for child in children:
+            child.kill()
+            child.wait()
+        net.close()
+        shutil.rmtree(workdir, ignore_errors=True)
 
 
 def test_p2pd_accepts_the_relay_service_flags():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import weakref
+from types import SimpleNamespace
 
 import torch
 
@@ -34,7 +35,8 @@ def test_concurrent_trips_at_the_tail_never_hold_two_graphs(tail_runtime: StageR
     async def nobody(*_):
         raise AssertionError("the tail sends nothing downstream")
 
-    hop = Hop(MANIFEST, 1, runtime, Router(MANIFEST.t_fixed_sha256, "me"), nobody, nobody, Stats(), "[tail]", 30.0)
+    link = SimpleNamespace(send=nobody)
+    hop = Hop(MANIFEST, 1, runtime, Router(MANIFEST.t_fixed_sha256, "me"), link, nobody, Stats(), "[tail]", 30.0)
     batch = MANIFEST.batch
     version = runtime.stage.subspace.version
 

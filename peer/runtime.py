@@ -332,7 +332,7 @@ class StageRuntime:
         if path is None:
             return None
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
+        tmp, subspace = path.with_suffix(".tmp"), self.stage.subspace
         torch.save(
             {
                 "run_id": self.manifest.run_id,
@@ -340,6 +340,12 @@ class StageRuntime:
                 "epoch": self.epoch,
                 "model": self.stage.state_dict(),
                 "optimizer": self.optimizer.state_dict(),
+                # what the stage computed with: `protocol-swarm export` checks them, and a run whose U moved
+                # can only be exported from checkpoints that say which U their constrained tensors are in
+                "t_fixed_sha256": subspace.t_fixed_sha256,
+                "u_version": subspace.version,
+                "u": subspace.basis.detach().cpu().contiguous(),
+                "u_sha256": subspace.basis_sha256,
             },
             tmp,
         )

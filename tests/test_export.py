@@ -422,7 +422,11 @@ def test_a_local_swarms_checkpoints_export_to_the_same_model(tmp_path: Path):
 
         direct = build_stages(manifest)  # the checkpoints as they lie on disk, loaded stage by stage
         for stage, entry in zip(direct, summary["stages"], strict=True):
-            stage.load_state_dict(torch.load(entry["source"], weights_only=True)["model"])
+            saved = torch.load(entry["source"], weights_only=True)
+            stage.load_state_dict(saved["model"])
+            # a peer's checkpoint says what it computed with: the T_fixed and the U of its constrained tensors
+            assert saved["t_fixed_sha256"] == stage.subspace.t_fixed_sha256 and saved["u_version"] == 0
+            assert saved["u_sha256"] == tensor_sha256(saved["u"]) == stage.subspace.basis_sha256
         from_file = load_bundle(out).stages
         seed_loss = evaluate(build_stages(manifest), batches)
         direct_loss, file_loss = evaluate(direct, batches), evaluate(from_file, batches)

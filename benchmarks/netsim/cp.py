@@ -25,6 +25,7 @@ import signal
 import sys
 from pathlib import Path
 
+from benchmarks.netsim.delay import add_delay_arguments
 from benchmarks.netsim.harness import NetSimError, cell_dict, median_cells
 from benchmarks.netsim.net import cleanup_leftovers
 from benchmarks.netsim.run import code_version, measure_cpu_flops, sweep
@@ -69,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup-trips", type=int, default=4)
     parser.add_argument("--records-interval", type=float, default=POLL_INTERVAL)
     parser.add_argument("--repeats", type=int, default=1)
+    add_delay_arguments(parser)
     parser.add_argument("--out", default="benchmarks/netsim/cp.json")
     parser.add_argument("--report", action="store_true", help="print the Markdown section from --out and exit")
     args = parser.parse_args(argv)
@@ -90,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown modes {unknown}; choose from {list(MODES)}")
     data = {"command": " ".join(["python -m benchmarks.netsim.cp", *(argv or sys.argv[1:])]), "stages": args.stages,
             "lanes": args.lanes, "max_inflight": args.max_inflight, "min_stream_kbit": args.min_stream_kbit,
+            "delay_ms": args.delay_ms, "jitter_ms": args.jitter_ms, "loss": args.loss,
             "cpu_flops": measure_cpu_flops(), "cells": [], "loss_traces": {}, "manifests": {}, "code": code_version()}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -26,6 +26,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from benchmarks.netsim.delay import LinkDelay
 from benchmarks.netsim.net import Topology
 from launcher.supervisor import stop_process_groups
 from swarm.manifest import Manifest, save_manifest
@@ -80,12 +81,13 @@ class Child:
 class NetSwarm:
     def __init__(self, manifest: Manifest, workdir: Path, max_inflight: int = 4, trip_timeout: float = 300.0,
                  tag: str | None = None, log=print, records_interval: float = POLL_INTERVAL,
-                 peer_args: tuple[str, ...] = ()):
+                 peer_args: tuple[str, ...] = (), delay: LinkDelay | None = None):
         self.manifest, self.workdir, self.records_interval = manifest, workdir, records_interval
         self.max_inflight, self.trip_timeout, self.peer_args = max_inflight, trip_timeout, list(peer_args)
         self.lanes = manifest.lanes
         # host 0: the bootstrap; host 1 + stage * lanes + lane: that stage's lane
-        self.topology = Topology(manifest.num_stages * self.lanes + 1, tag=tag)
+        # with `delay` every host's link, the bootstrap's too, is a delayed one (net.py)
+        self.topology = Topology(manifest.num_stages * self.lanes + 1, tag=tag, delay=delay)
         self.children: list[Child] = []
         self.series: dict[str, list[Sample]] = {}  # per driver (stage-0 peer id)
         self.drivers: set[str] = set()  # stage-0 peers online at the last poll

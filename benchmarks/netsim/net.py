@@ -4,7 +4,9 @@ pair to a bridge that lives in a namespace of its own, and each host's link is r
 
 Only addresses inside our own namespaces are used (10.77.0.0/24 by default). Every object carries
 a per-run prefix (`psn` + 4 hex digits) so `cleanup_leftovers()` can find what a crashed run left.
-This kernel has no `netem`, so there is no delay or loss emulation: links are rate-limited only.
+This kernel has no `netem`: given a `LinkDelay`, each host's link is instead a pair of TAP devices
+joined by a forwarder process that holds every frame for the link's delay (`delay.py`); without one it
+is a veth pair with no delay.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from benchmarks.netsim.delay import DelayLink, LinkDelay
 
 PREFIX = "psn"  # every namespace and link we create starts with this
 OWNERS = Path(tempfile.gettempdir()) / "netsim-owners"  # one file per live topology: its owner's pid
@@ -68,19 +72,23 @@ class Host:
     index: int
     netns: str
     address: str
-    veth_bridge_side: str  # the veth end in the bridge namespace: its egress is this host's download
+    veth_bridge_side: str  # the link's end in the bridge namespace: its egress is this host's download
 
 
 class Topology:
-    """`hosts` namespaces on one bridge. Use as a context manager; `close()` is idempotent."""
+    """`hosts` namespaces on one bridge. Use as a context manager; `close()` is idempotent.
 
-    def __init__(self, hosts: int, subnet: str = "10.77.0", tag: str | None = None):
+    With `delay` every host's link is a `DelayLink` (its delay can change later, `set_delay`)."""
+
+    def __init__(self, hosts: int, subnet: str = "10.77.0", tag: str | None = None, delay: LinkDelay | None = None):
         if not 1 <= hosts <= 200:
             raise ValueError("hosts must be between 1 and 200")
         self.tag = f"{PREFIX}{tag or secrets.token_hex(2)}"
         self.bridge_ns = f"{self.tag}-br"
         self.hosts = [Host(i, f"{self.tag}-h{i}", f"{subnet}.{i + 1}", f"{self.tag}b{i}") for i in range(hosts)]
         self._created: list[str] = []
+        self.delay = delay
+        self.links: dict[int, DelayLink] = {}  # per host index, when delayed
         self.rate_mbit: float | None = None
         self.shaped: list[tuple[str, str]] = []  # (namespace, device) with a tbf qdisc
         self._sent: dict[tuple[str, str], int] = {}
@@ -104,11 +112,14 @@ class Topology:
             _ip("-n", self.bridge_ns, "link", "set", "lo", "up")
             for host in self.hosts:
                 self._add_ns(host.netns)
-                inner = f"{self.tag}a{host.index}"
-                _ip("link", "add", inner, "type", "veth", "peer", "name", host.veth_bridge_side)
-                _ip("link", "set", inner, "netns", host.netns)
-                _ip("link", "set", host.veth_bridge_side, "netns", self.bridge_ns)
-                _ip("-n", host.netns, "link", "set", inner, "name", "eth0")
+                if self.delay is None:
+                    inner = f"{self.tag}a{host.index}"
+                    _ip("link", "add", inner, "type", "veth", "peer", "name", host.veth_bridge_side)
+                    _ip("link", "set", inner, "netns", host.netns)
+                    _ip("link", "set", host.veth_bridge_side, "netns", self.bridge_ns)
+                    _ip("-n", host.netns, "link", "set", inner, "name", "eth0")
+                else:
+                    self.links[host.index] = DelayLink(host.netns, self.bridge_ns, host.veth_bridge_side, self.delay)
                 _ip("-n", host.netns, "addr", "add", f"{host.address}/24", "dev", "eth0")
                 _ip("-n", host.netns, "link", "set", "eth0", "up")
                 _ip("-n", host.netns, "link", "set", "lo", "up")
@@ -123,6 +134,9 @@ class Topology:
         self._created.append(name)
 
     def close(self) -> None:
+        for link in self.links.values():
+            link.close()
+        self.links.clear()
         for name in reversed(self._created):
             _kill_namespace_processes(name)
             _ip("netns", "del", name, check=False)
@@ -131,6 +145,16 @@ class Topology:
 
     def exec_prefix(self, host: Host) -> list[str]:
         return ["ip", "netns", "exec", host.netns]
+
+    def set_delay(self, delay: LinkDelay, hosts: list[Host] | None = None) -> None:
+        """Change the delay of each host's link (of every host by default); the topology must have been
+        created with a delay."""
+        for host in hosts if hosts is not None else self.hosts:
+            self.links[host.index].set(delay)
+
+    def forwarder_cpu_seconds(self) -> dict[int, float]:
+        """CPU seconds each host's forwarder has used so far (empty without delay)."""
+        return {index: link.cpu_seconds() for index, link in self.links.items()}
 
     def shape(self, rate_mbit: float | None, hosts: list[Host] | None = None) -> None:
         """Rate-limit each host's upload and download to `rate_mbit` (None removes shaping)."""

@@ -23,6 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.netsim.delay import add_delay_arguments, link_delay
 from benchmarks.netsim.harness import NetSimError, NetSwarm, cell_dict, median_cells
 from benchmarks.netsim.net import cleanup_leftovers
 from swarm.manifest import Manifest
@@ -113,7 +114,7 @@ def sweep(mode: str, manifest: Manifest, args, rates: list[float | None], log, e
     rates are halved past the list until this mode runs `args.target_slowdown` times slower than unshaped."""
     workdir = Path(tempfile.mkdtemp(prefix=f"netsim-{mode}-"))
     swarm = NetSwarm(manifest, workdir, max_inflight=args.max_inflight, log=log, records_interval=args.records_interval,
-                     peer_args=peer_args)
+                     peer_args=peer_args, delay=link_delay(args))
     cells = []
     try:
         log(f"{mode}: run {manifest.run_id}, starting {len(swarm.slots())} peers in namespaces {swarm.topology.tag}-*")
@@ -169,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--records-interval", type=float, default=POLL_INTERVAL,
                         help="seconds between the bootstrap's reads of the stage records (default: the tracker's poll)")
     parser.add_argument("--repeats", type=int, default=1, help="sweeps per mode (the same swarm); median per cell")
+    add_delay_arguments(parser)
     parser.add_argument("--out", default="benchmarks/netsim/results.json")
     parser.add_argument("--plot", help="PNG path for tokens/s vs link rate")
     parser.add_argument("--report", action="store_true", help="print the Markdown section from --out and exit")
@@ -205,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     data = {"command": " ".join(["python -m benchmarks.netsim.run", *(argv or sys.argv[1:])]),
             "stages": args.stages, "k": args.k, "max_inflight": args.max_inflight, "repeats": args.repeats,
             "records_interval": args.records_interval,
+            "delay_ms": args.delay_ms, "jitter_ms": args.jitter_ms, "loss": args.loss,
             "cpu_flops": cpu_flops, "cells": [], "loss_traces": {}, "manifests": {}, "code": code_version()}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

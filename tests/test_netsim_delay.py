@@ -22,6 +22,7 @@ if str(REPO) not in sys.path:  # benchmarks/ is not an installed package
 
 from benchmarks.netsim.calibrate import bulk, ping_rtts  # noqa: E402
 from benchmarks.netsim.delay import LinkDelay  # noqa: E402
+from benchmarks.netsim.delay_sweep import points, report  # noqa: E402
 from benchmarks.netsim.forwarder import Direction  # noqa: E402
 from benchmarks.netsim.net import Topology, namespaces  # noqa: E402
 
@@ -62,6 +63,17 @@ def test_jitter_delays_frames_but_never_reorders_them():
         assert link.send_due(now=100.0019) is not None and link.frames == 0  # nothing is early
         assert link.send_due(now=101.0) is None and link.frames == 50
         assert [int.from_bytes(b_out.recv(16), "big") for _ in range(50)] == list(range(50))
+
+
+def test_the_delay_sweep_interleaves_modes_and_reports_ratios_from_its_file():
+    order = points([0.0, 20.0], ["boundary", "dense-bf16"], repeats=2)
+    assert order == [(0, 0.0, "boundary"), (0, 0.0, "dense-bf16"), (0, 20.0, "dense-bf16"), (0, 20.0, "boundary"),
+                     (1, 0.0, "dense-bf16"), (1, 0.0, "boundary"), (1, 20.0, "boundary"), (1, 20.0, "dense-bf16")]
+    cells = [{"mode": m, "rtt_ms": r, "repeat": 0, "tokens_per_s": t}
+             for m, r, t in [("boundary", 0.0, 100.0), ("dense-bf16", 0.0, 50.0), ("boundary", 20.0, 80.0)]]
+    table = report({"cells": cells}).splitlines()
+    assert table[2] == "| 0 | 100 | 1.00 | 50 | 1.00 | 2.00× |"
+    assert table[3] == "| 20 | 80 | 0.80 | — | — | — |"
 
 
 @pytest.mark.slow

@@ -14,7 +14,7 @@ from hivemind.dht.crypto import RSASignatureValidator
 
 from dhtio.records import announce
 from peer.runtime import StageRuntime
-from peer.trip import Stats
+from peer.stats import Stats
 from swarm.manifest import Manifest
 from swarm.records import ANNOUNCE_INTERVAL, SOFTWARE_VERSION, StagePeerRecord
 

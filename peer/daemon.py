@@ -1,9 +1,9 @@
 """The peer's lifecycle: join the DHT, claim a stage, serve it, rebalance, leave.
 
-What a peer does while it serves a stage is each its own piece, built here for each stage it
-serves: the trip (`peer/trip.py` `Hop`), admission of incoming trips (`peer/trip_server.py`), its
-record in the DHT (`peer/announcer.py`), the driver on stage 0 (`peer/driver.py`) and the
-agreement on U (`peer/subspace_sync.py`). This module starts and stops them.
+What a peer does while it serves a stage is each its own piece, built here for each stage it serves: the
+trip (`peer/trip.py` `Hop`, its `peer/next_hop.py` `NextHop` over the stage's `peer/link.py` `Link`s),
+admission of incoming trips (`peer/trip_server.py`), its record (`peer/announcer.py`), the driver on stage 0
+(`peer/driver.py`) and the agreement on U (`peer/subspace_sync.py`). This module starts and stops them.
 
 Stopping. SIGINT or SIGTERM, to the process or to its whole process group (Ctrl-C, systemd):
 the peer leaves its stage, saves its checkpoint and exits; a second SIGINT exits at once. The
@@ -19,41 +19,41 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import random
 import shutil
 import signal
-import tempfile
 import time
 from pathlib import Path
 
 from hivemind.dht import DHT
-from hivemind.p2p import P2P, PeerID
+from hivemind.p2p import PeerID
 
 from dhtio.records import fetch_stages
 from p2pio.relay_service import KV, TRIPS
-from p2pio.sockets import use_own_socket_dir
 from peer.announcer import Announcer, stage_record
 from peer.driver import Driver
+from peer.join import join_dht
 from peer.kv_exchange import KVService
 from peer.lane_trip import LaneHop, lane_codec, largest_kv_message
 from peer.lanes import Slot
 from peer.link import Link
+from peer.next_hop import NextHop
 from peer.options import PeerOptions
 from peer.processes import StopSignals, stop_dht_and_children, stop_signals_ignored_by_children
-from peer.reachability import ReachabilityCheck, daemon_flags, relay_options, relay_service_flags, route_source
+from peer.reachability import ReachabilityCheck
 from peer.rebalance import Placement, StageMove
 from peer.refusals import RefusalLog
 from peer.relay import Relaying
 from peer.routing import REFRESH_INTERVAL, Router, routed_stages
 from peer.runtime import StageRuntime, pick_device
+from peer.stats import Stats
 from peer.status_log import log_progress, write_heartbeats
 from peer.subspace_sync import SubspaceSync
 from peer.transport import TripServicer
-from peer.trip import Hop, Stats
+from peer.trip import Hop
 from peer.trip_server import TripServer
 from swarm.manifest import Manifest
-from swarm.records import StagePeerRecord, load_identity_key, make_validators, plausible_throughput
+from swarm.records import StagePeerRecord, plausible_throughput
 from swarm.wire import ErrorCode, expectation_for
 
 logger = logging.getLogger("peer")
@@ -82,8 +82,8 @@ class PeerDaemon:
         self.announcer: Announcer | None = None
         self.reachability: ReachabilityCheck | None = None
         self.relaying: Relaying | None = None
-        self.rng = random.Random()
-        self.placement = Placement(manifest, options, self._fetch, lambda: self.peer_id, lambda: self.label, self.rng)
+        self.placement = Placement(manifest, options, self._fetch, lambda: self.peer_id, lambda: self.label,
+                                   random.Random())
         self.refusal_log = RefusalLog(interval=max(6 * options.log_interval, 10.0), started=time.monotonic())
         self.server = TripServer(
             self.stats, self._fetch_routed, lambda: self.state, self.overload_cap, self.refusal_log, lambda: self.label
@@ -114,31 +114,9 @@ class PeerDaemon:
     # --- start-up ---------------------------------------------------------------------------------
 
     def start_dht(self) -> None:
-        """Join the DHT. Records are signed with the libp2p identity key itself, so they are bound to this
-        peer id (swarm.records); without --identity a fresh one is made for this run in a private
-        temporary directory. The DHT's child process (and the p2pd it starts) inherit SIGINT and SIGTERM
-        ignored: a signal to the whole process group reaches only this process, which then leaves
-        in order and stops them itself."""
-        use_own_socket_dir()  # before the DHT forks: its p2pd, and every process after it, put their sockets there
-        identity = self.options.identity
-        kwargs: dict = dict(start=True, host_maddrs=self.options.host_maddrs, initial_peers=self.options.initial_peers)
-        if identity is None:
-            self._temp_identity = Path(tempfile.mkdtemp(prefix="protocol-peer-id-"))
-            identity = str(self._temp_identity / "identity")
-        if not os.path.exists(identity):
-            Path(identity).parent.mkdir(parents=True, exist_ok=True)
-            P2P.generate_identity(identity)
-            kwargs["check_if_identity_free"] = False  # made just now: nobody else can hold it
-        self.signer, validators = make_validators(self.manifest, load_identity_key(identity))
-        kwargs["record_validators"] = validators
-        kwargs["identity_path"] = identity
-        if self.options.announce_maddrs:
-            kwargs["announce_maddrs"] = self.options.announce_maddrs
-        o = self.options  # relays: peer/reachability.py
-        kwargs.update(relay_options(o.relay, o.announce_maddrs, o.host_maddrs, route_source()))
-        flags = relay_service_flags(o.relay_service, o.relay_budget)
-        with stop_signals_ignored_by_children(), daemon_flags(flags):
-            self.dht = DHT(**kwargs)
+        """Join the DHT (`peer/join.py`); on a failure `stop_processes` stops what it started."""
+        joined = join_dht(self.manifest, self.options)
+        self.dht, self.signer, self._temp_identity = joined.dht, joined.signer, joined.temp_identity
 
     async def _fetch(self, stages: list[int] | None = None) -> dict:
         """The records of `stages` (None: every stage; placement and rebalancing compare them all)."""
@@ -222,13 +200,12 @@ class PeerDaemon:
         self.runtime = runtime
         subspace = runtime.stage.subspace
         bounds = {s: plausible_throughput(self.manifest, s) for s in range(self.manifest.num_stages)}
-        self.router = router = Router(
-            subspace.t_fixed_sha256, self.peer_id, claim_bounds=bounds, lanes=self.manifest.lanes
-        )
+        self.router = router = Router(subspace.t_fixed_sha256, self.peer_id, claim_bounds=bounds, lanes=self.lanes)
         # messages go straight, or through the relay the peer's record names (peer/link.py)
         link = Link(self.relaying.senders[TRIPS], router)
-        hop_args = (self.manifest, index, runtime, router, link, self._fetch_routed, self.stats, self.label,
-                    self.options.trip_timeout)
+        next_hop = NextHop(self.manifest, index, runtime, router, link, self._fetch_routed, self.stats, self.label,
+                           self.options.trip_timeout)
+        hop_args = (self.manifest, index, runtime, next_hop, self.stats, self.label)
         if self.kv is not None:
             kv_link = Link(self.relaying.senders[KV], router)
             hop = LaneHop(*hop_args, lane=self.lane, kv=self.kv, peer_id=self.peer_id, kv_link=kv_link)
@@ -266,12 +243,8 @@ class PeerDaemon:
         self.state = "online"
         self.online_since = time.monotonic()
         await self.announcer.announce_now()
-        logger.info(
-            "%s online: %.0f tokens/s measured, layers %s",
-            self.label,
-            self.throughput,
-            list(self.manifest.layers_of(index)),
-        )
+        logger.info("%s online: %.0f tokens/s measured, layers %s", self.label, self.throughput,
+                    list(self.manifest.layers_of(index)))
         tasks = [asyncio.create_task(coro) for coro in (self.announcer.run(), self.refresh_loop(), self.log_loop())]
         if not self.placement.pinned:
             moves = self.placement.run(self.move_target, lambda: self.index, self.switch_lane)
@@ -294,8 +267,8 @@ class PeerDaemon:
                     else:
                         raise task.exception()
         finally:
-            # audit duplicates still out belong to this stage too (peer/trip.py `Hop.shadows`)
-            await self.leave([*tasks, stop, *hop.shadows.values()], driver)
+            # audit duplicates still out belong to this stage too (peer/next_hop.py `NextHop.shadows`)
+            await self.leave([*tasks, stop, *hop.next_hop.shadows.values()], driver)
         return target
 
     async def leave(self, tasks: list[asyncio.Task], driver) -> None:

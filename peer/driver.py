@@ -10,8 +10,9 @@ import hashlib
 import logging
 import time
 
+from peer.next_hop import Fetch
 from peer.routing import REFRESH_INTERVAL
-from peer.trip import Fetch, Hop
+from peer.trip import Hop
 from swarm.data import load_splits
 from swarm.wire import ErrorCode, WireError
 

@@ -251,25 +251,23 @@ class KVService:
             exchange.close()
         self.early = EarlyBuffer(self.early.limits)
 
-    def serve(self, codec: CPCodec | None, lane: int = 0, mode: KVCompression | None = None) -> None:
-        """What this peer serves from now on: `codec`'s stage at `lane`, messages in `mode` (the spec's by
-        default; the dense warm-up sends uncompressed ones). Open trips keep what they were opened with."""
+    def serve(self, codec: CPCodec | None, lane: int = 0) -> None:
+        """What this peer serves from now on: `codec`'s stage at `lane`, messages in the spec's mode. Open trips
+        keep what they were opened with."""
         self.codec, self.lane = codec, lane
-        self.mode = mode if mode is not None or codec is None else codec.spec.mode
+        self.mode = None if codec is None else codec.spec.mode
         if codec is not None:  # one message per layer from each other lane, each way
             trip_count = 2 * len(codec.layers) * max(codec.spec.size - 1, 1)
             self.early.limits = dataclasses.replace(self.early.limits, trip_count=trip_count)
 
-    async def open(
-        self, trip_id: str, group: Sequence[PeerID | str], mode: KVCompression | None = None, link: Link | None = None
-    ) -> LaneExchange:
+    async def open(self, trip_id: str, group: Sequence[PeerID | str], link: Link | None = None) -> LaneExchange:
         """Register a trip (its group names one peer per lane, by id or base58, this peer at its lane) and hand
-        it the early messages its group names as their senders and that decode under the current codec. `mode`:
-        the trip's (`LaneTrip.modes`, fixed for the trip), by default what `serve` was told; `link`: the served
-        stage's (`peer/link.py`, through the relay a lane peer's record names), by default every peer straight."""
+        it the early messages its group names as their senders and that decode under the current codec. `link`:
+        the served stage's (`peer/link.py`, through the relay a lane peer's record names), by default every peer
+        straight."""
         if trip_id in self.exchanges or trip_id in self.closed:
             raise ValueError(f"trip {trip_id!r} is open or was closed here: a retried trip needs a new id")
-        exchange = LaneExchange(self, trip_id, group, self.lane, mode or self.mode, link)
+        exchange = LaneExchange(self, trip_id, group, self.lane, self.mode, link)
         self.exchanges[trip_id] = exchange
         try:
             for message in self.early.take(trip_id, self.clock()):

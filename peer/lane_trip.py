@@ -35,13 +35,13 @@ from peer.admission import StagePeers
 from peer.kv_exchange import KVService, LaneExchange, message_limit
 from peer.lanes import EmptyLane, Strikes, pick_group
 from peer.link import Link
-from peer.trip import Hop, HopResult, Reply
+from peer.trip import Hop, HopResult
 from swarm.context_parallel import CPBasis
 from swarm.cp_lane import LaneTrip
 from swarm.cp_modes import DENSE_KV
 from swarm.cp_wire import CPCodec
 from swarm.manifest import Manifest
-from swarm.wire import ErrorCode, Header, WireError, expectation_for
+from swarm.wire import ErrorCode, Header, WireError
 
 logger = logging.getLogger("peer")
 
@@ -177,10 +177,6 @@ class LaneHop(Hop):
         self.strikes = Strikes()  # groups that failed, per peer: `pick` prefers peers with fewer
         self.stage_peers = StagePeers()  # who may send this lane K/V (`admit_kv_sender`)
 
-    @property
-    def tokens_per_trip(self) -> int:
-        return self.manifest.batch.microbatch_size * self.manifest.batch.seq_len // self.lanes
-
     # --- serving one lane -----------------------------------------------------------------------------
 
     def admit_kv_sender(self, peer: PeerID) -> ErrorCode | None:
@@ -224,7 +220,7 @@ class LaneHop(Hop):
             else:
                 output, residual = await runtime.run(lane.output)
                 message = await runtime.run(self._encode, version, output, tokens, trip_id, claim)
-                reply = await self._ask_lane(claim.group[self.index + 1][claim.lane], message)
+                reply = await self.next_hop.ask(claim.group[self.index + 1][claim.lane], message)
                 await runtime.run(lane.backward_output, reply.grad)
                 loss, versions, out_grad = reply.loss, reply.versions + [version], reply.grad
                 sent, received = len(message), reply.size
@@ -257,17 +253,6 @@ class LaneHop(Hop):
     def _encode(self, version: int, output, tokens, trip_id: str, claim: LaneClaim) -> bytes:
         self.runtime.check_version(version)
         return self.runtime.codec.encode_forward(output, tokens, trip_id, self.index + 1, extra=claim.extra())
-
-    async def _ask_lane(self, peer_id: str, message: bytes) -> Reply:
-        """The group's next peer of this lane; any failure there (unreachable too) is one hop down."""
-        max_reply = expectation_for(self.manifest, self.index, "backward", 0, "").max_bytes
-        started = time.monotonic()
-        try:
-            reply = await self._ask(peer_id, message, max_reply)
-        except WireError as exc:
-            raise WireError(exc.code, exc.message, max(exc.hops, 1)) from None
-        self.router.answered(peer_id, time.monotonic() - started, self.tokens_per_trip)
-        return reply
 
     # --- driving whole trips (stage 0) -----------------------------------------------------------------
 
@@ -331,7 +316,7 @@ class LaneHop(Hop):
     async def _remote(self, claim: LaneClaim, chunk: torch.Tensor, trip_id: str) -> HopResult:
         """A lane's chunk to the group's stage-0 peer of that lane, its loss and versions back."""
         message = await self.runtime.run(self._encode_start, chunk, trip_id, claim)
-        reply = await self._ask_lane(claim.group[0][claim.lane], message)
+        reply = await self.next_hop.ask(claim.group[0][claim.lane], message)
         return HopResult(None, reply.loss, reply.versions, len(message), reply.size)
 
     def _encode_start(self, chunk: torch.Tensor, trip_id: str, claim: LaneClaim) -> bytes:

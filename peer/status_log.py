@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from peer.refusals import RefusalLog
-from peer.trip import Stats
+from peer.stats import Stats
 
 logger = logging.getLogger("peer")
 

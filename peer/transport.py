@@ -43,8 +43,8 @@ Receiving is bounded, so that no sender can hold a peer's memory, CPU or receive
   or admission slot here for its remaining timeouts.
 
 hivemind's own protobuf stream handlers in the same process (the averager's) keep hivemind's reader;
-`TripServicer.add_p2p_handlers` also bounds its frames (`limit_hivemind_frames`, 16 MiB) and turns
-its per-stream warning tracebacks into one line a minute (`quiet_hivemind_stream_errors`).
+`TripServicer.add_p2p_handlers` also bounds its frames and quiets its per-stream tracebacks, process-wide
+(`p2pio/hivemind_guards.py`).
 
 Every refusal is counted through `on_refused(code)` (and `on_refused_from(code, peer)` if given),
 answered with an error reply when the stream still takes one, and logged at DEBUG only: garbage
@@ -55,7 +55,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Awaitable, Callable
 from contextlib import closing, suppress
 
@@ -64,6 +63,7 @@ from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
 from hivemind.proto import runtime_pb2
 
 from p2pio.framing import GRACE_S, LINGER_BYTES, LINGER_S, MIN_RATE, READ_PIECE, Frames, receive_deadline, write_message
+from p2pio.hivemind_guards import limit_hivemind_frames, quiet_hivemind_stream_errors
 from swarm.wire import ErrorCode, WireError, encode_error
 
 logger = logging.getLogger(__name__)
@@ -145,7 +145,6 @@ class TripServicer:
         self.deadline = receive_deadline(max_bytes, min_rate, grace)
         if receive_timeout is not None:
             self.deadline = min(self.deadline, receive_timeout)
-        self.receive_timeout = self.deadline  # kept for callers that read it
         self.receiving = asyncio.Semaphore(max_receiving)
         self.senders: dict[PeerID, _Sender] = {}
         self.served = 0
@@ -156,7 +155,7 @@ class TripServicer:
     def handle_name(namespace: str | None) -> str:
         return _HANDLE if namespace is None else f"{namespace}::{_HANDLE}"
 
-    async def add_p2p_handlers(self, p2p: P2P, wrapper=None, *, namespace: str | None = None, balanced=False) -> None:
+    async def add_p2p_handlers(self, p2p: P2P, *, namespace: str | None = None, balanced=False) -> None:
         """Register the raw stream handler (not hivemind's protobuf one, which buffers whole frames),
         and bound and quiet hivemind's own stream handlers in this process (the averager's)."""
         quiet_hivemind_stream_errors()
@@ -252,7 +251,7 @@ class TripServicer:
     async def _receive_in_slot(self, sender: _Sender, reader: asyncio.StreamReader) -> bytes:
         if not self.receiving.locked():
             await self.receiving.acquire()
-        elif self._evict_for(sender):
+        elif self._evict():
             try:
                 await asyncio.wait_for(self.receiving.acquire(), 1.0)
             except asyncio.TimeoutError:
@@ -274,11 +273,10 @@ class TripServicer:
             sender.active.remove(reception)
             self.receiving.release()
 
-    def _evict_for(self, newcomer: _Sender) -> bool:
+    def _evict(self) -> bool:
         """All slots taken: cut the stream with the least progress (`slowest`), whoever sends it and however
         many streams its sender holds, so stalled streams (from one identity or from many, each holding a
-        single stream) cannot starve anyone. `newcomer` is not used: a sender's own streams are already
-        bounded by its per-sender slots."""
+        single stream) cannot starve anyone; a sender's own streams are already bounded by its per-sender slots."""
         now = asyncio.get_running_loop().time()
         live = [r for s in self.senders.values() for r in s.active if not r.evicted]
         i = slowest([(r.frames.start, r.frames.received) for r in live], now)
@@ -366,68 +364,3 @@ async def send_trip(
         raise
     except Exception as exc:  # noqa: BLE001 - any transport failure means: try another peer
         raise WireError(ErrorCode.UNREACHABLE, f"call to {peer} failed: {type(exc).__name__}: {exc}") from None
-
-
-class _QuietStreamErrors(logging.Filter):
-    """hivemind's protobuf stream handlers (the averager's, the DHT's) log every garbage stream as a
-    WARNING with a traceback ("Exception while receiving requests:", "Handler failed with the
-    exception:" in hivemind/p2p/p2p_daemon.py). Keep one line per `interval` per message, with the
-    exception's one-line summary and how many were dropped, and no traceback."""
-
-    MESSAGES = ("Exception while receiving requests:", "Handler failed with the exception:")
-
-    def __init__(self, interval: float = 60.0):
-        super().__init__()
-        self.interval, self.last, self.dropped = interval, {}, {}
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.msg not in self.MESSAGES:
-            return True
-        now = time.monotonic()
-        if now - self.last.get(record.msg, -self.interval) < self.interval:
-            self.dropped[record.msg] = self.dropped.get(record.msg, 0) + 1
-            return False
-        self.last[record.msg] = now
-        exc = record.exc_info[1] if record.exc_info else None
-        dropped = self.dropped.pop(record.msg, 0)
-        record.msg = f"{record.msg} {type(exc).__name__ if exc else ''}: {str(exc)[:200]}" + (
-            f" (and {dropped} more in {self.interval:.0f}s)" if dropped else ""
-        )
-        record.args, record.exc_info, record.exc_text, record.stack_info = None, None, None, None
-        return True
-
-
-def quiet_hivemind_stream_errors(interval: float = 60.0) -> None:
-    """Install `_QuietStreamErrors` on hivemind's P2P logger (idempotent)."""
-    target = logging.getLogger("hivemind.p2p.p2p_daemon")
-    if not any(isinstance(f, _QuietStreamErrors) for f in target.filters):
-        target.addFilter(_QuietStreamErrors(interval))
-
-
-HIVEMIND_MAX_FRAME = 16 << 20
-
-
-def limit_hivemind_frames(max_frame: int = HIVEMIND_MAX_FRAME) -> None:
-    """Bound the frames hivemind's own protobuf streams read (the averager's, in both directions).
-
-    hivemind reads a frame's declared length whole before parsing it (`P2P.receive_raw_data`,
-    hivemind/p2p/p2p_daemon.py: `data = await reader.readexactly(content_length)`, then
-    `protobuf.ParseFromString(...)` in `receive_protobuf`): one 256 MB frame to the averager's
-    handler cost +768 MB peak RSS. This replaces that staticmethod on the `P2P` class of this
-    process (hivemind's files are not touched) with one that refuses a frame over `max_frame`
-    before reading its body; hivemind's handler then logs one line (see `quiet_hivemind_stream_errors`)
-    and closes the stream. hivemind's largest frames here are the averager's 512 KiB tensor parts and
-    64 KiB state chunks, so 16 MiB leaves a wide margin; a frame at the limit costs < 64 MB.
-    Installed once per process (idempotent)."""
-    if getattr(P2P.__dict__["receive_raw_data"].__func__, "frame_limit", None) is not None:
-        return
-
-    async def receive_raw_data(reader: asyncio.StreamReader) -> bytes:
-        header = await reader.readexactly(P2P.HEADER_LEN)
-        length = int.from_bytes(header, P2P.BYTEORDER)
-        if length > max_frame:
-            raise ValueError(f"a frame of {length} bytes (limit {max_frame})")
-        return await reader.readexactly(length)
-
-    receive_raw_data.frame_limit = max_frame
-    P2P.receive_raw_data = staticmethod(receive_raw_data)

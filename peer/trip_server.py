@@ -21,8 +21,10 @@ from collections.abc import Callable
 from hivemind.p2p import PeerID
 
 from peer.admission import StagePeers
+from peer.next_hop import Fetch
 from peer.refusals import RefusalLog, SenderLimits
-from peer.trip import Fetch, Hop, Stats
+from peer.stats import Stats
+from peer.trip import Hop
 from swarm.wire import ErrorCode, encode_error
 
 logger = logging.getLogger("peer")

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from peer.audit import COSINE_MIN, LOSS_RTOL, Ledger, replies_disagree
+from peer.next_hop import check_loss
 from peer.routing import Failover, Router, failover
-from peer.trip import check_loss
 from swarm.presets import preset
 from swarm.records import plausible_loss_bound
 from swarm.wire import ErrorCode, WireError

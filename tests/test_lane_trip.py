@@ -16,6 +16,7 @@ from hivemind.utils.timed_storage import get_dht_time
 from peer.kv_exchange import KVService, message_limit
 from peer.lane_trip import LaneClaim, LaneHop, lane_codec, read_claim, split_claims
 from peer.lanes import Strikes, pick_group
+from peer.next_hop import NextHop
 from peer.routing import Router
 from peer.runtime import StageRuntime
 from peer.trip import Stats
@@ -132,9 +133,9 @@ class Swarm:
             refuse = lambda code, message, hops: encode_error(code, message, hops)  # noqa: E731
             return await asyncio.wait_for(self.hops[to].serve(blob, refuse, peer_id), timeout)
 
-        link = SimpleNamespace(send=send)  # a `peer/link.py` Link to the hops of this process
-        hop = LaneHop(MANIFEST, stage, runtime, router, link, fetch, Stats(), runtime.label, 60.0,
-                      lane=lane, kv=service, peer_id=peer_id)
+        link, stats = SimpleNamespace(send=send), Stats()  # a `peer/link.py` Link to the hops of this process
+        next_hop = NextHop(MANIFEST, stage, runtime, router, link, fetch, stats, runtime.label, 60.0)
+        hop = LaneHop(MANIFEST, stage, runtime, next_hop, stats, runtime.label, lane=lane, kv=service, peer_id=peer_id)
         self.services.append(service)
         self.ids.append(peer_id)
         self.hops[peer_id] = hop

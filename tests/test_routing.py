@@ -73,7 +73,7 @@ def test_a_peer_that_keeps_refusing_trips_is_banned_and_one_answer_clears_its_re
 def test_hop_versions_audit_refuses_malformed_lists():
     import pytest
 
-    from peer.trip import hop_versions
+    from peer.next_hop import hop_versions
     from swarm.wire import ErrorCode, WireError
 
     assert hop_versions({"versions": [3, 3]}, num_stages=3) == [3, 3]

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import torch
 
+from peer.next_hop import NextHop
 from peer.routing import Router
 from peer.runtime import StageRuntime
 from peer.trip import Hop, Stats
@@ -35,8 +36,9 @@ def test_concurrent_trips_at_the_tail_never_hold_two_graphs(tail_runtime: StageR
     async def nobody(*_):
         raise AssertionError("the tail sends nothing downstream")
 
-    link = SimpleNamespace(send=nobody)
-    hop = Hop(MANIFEST, 1, runtime, Router(MANIFEST.t_fixed_sha256, "me"), link, nobody, Stats(), "[tail]", 30.0)
+    link, stats = SimpleNamespace(send=nobody), Stats()
+    next_hop = NextHop(MANIFEST, 1, runtime, Router(MANIFEST.t_fixed_sha256, "me"), link, nobody, stats, "[tail]", 30.0)
+    hop = Hop(MANIFEST, 1, runtime, next_hop, stats, "[tail]")
     batch = MANIFEST.batch
     version = runtime.stage.subspace.version
 

@@ -1,0 +1,257 @@
+"""The next hop: which peer of the next stage gets this stage's part of a trip, and whether its reply is believed.
+
+`NextHop.send` is a pipeline trip's: the best verified peer of the next stage (`peer/routing.py` `Router`, its
+`Ledger` in `peer/audit.py`) gets the message, an unverified candidate (or, now and then, another verified one) a
+duplicate compared in the background, and a failure bans the peer and tries another (`Router.after_failure`).
+`NextHop.ask` is a lane trip's (`peer/lane_trip.py`): its group names the next peer, so there is no failover
+(the driver runs the trip again with another group), and the reply passes the same checks. It gets no audit
+duplicate and no standing yet: a duplicate of one lane hop cannot go alone to another peer (that peer would need
+the other lanes' K/V of the same trip), so auditing a lane peer takes a second group run by the driver; until
+then a lane trip believes its group (issue 25). Gating its loss on a `Ledger` that nothing can verify would stop
+a lane swarm publishing any loss once a peer joined after the first ones were trusted.
+
+Either way the bytes go over the stage's `Link` (`peer/link.py`) and the reply is checked here (`check_reply`:
+the backward message, its loss, its hop versions) before the trip uses it; a reply that fails the checks is the
+next hop's fault (hops=1), so the peer that answered garbage is the one banned, not us upstream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import torch
+
+from peer.audit import replies_disagree
+from peer.link import Link
+from peer.routing import Failover, Router
+from peer.runtime import StageRuntime
+from peer.stats import Stats
+from swarm.manifest import Manifest
+from swarm.records import PeerEntry, plausible_loss_bound
+from swarm.wire import ErrorCode, WireError, expectation_for, raise_if_error
+
+logger = logging.getLogger("peer")
+
+SEND_ATTEMPTS = 8  # peers of the next stage tried for one trip before giving up
+
+Fetch = Callable[[], Awaitable[dict[int, list[PeerEntry]]]]
+
+
+def check_loss(loss: float | None, manifest: Manifest) -> float | None:
+    """A loss carried back by a reply: a non-finite one (or not a number) is refused; a finite one outside
+    [0, plausible_loss_bound] is dropped (None), not refused: an honest run that diverges must not get its
+    peers banned, but its loss is not published either. A fake but plausible loss cannot be told from a real
+    one by looking at it: audit trips (`peer/audit.py`) keep replies of unverified peers from being used."""
+    if loss is None:
+        return None
+    if isinstance(loss, bool) or not isinstance(loss, (int, float)) or not math.isfinite(loss):
+        raise WireError(ErrorCode.NOT_FINITE, f"reported loss {loss!r} is not a finite number")
+    if not 0.0 <= loss <= plausible_loss_bound(manifest):
+        return None
+    return float(loss)
+
+
+def hop_versions(extra: dict, num_stages: int) -> list[int]:
+    """The U version each downstream hop used, as it reported them: audited by the driver."""
+    versions = extra.get("versions")
+    if (
+        not isinstance(versions, list)
+        or not 1 <= len(versions) <= num_stages
+        or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in versions)
+    ):
+        raise WireError(ErrorCode.MALFORMED, "backward message lacks a valid list of hop versions")
+    return versions
+
+
+@dataclass
+class Reply:
+    """What came back from the stages after this one, checked."""
+
+    grad: torch.Tensor  # the gradient of the loss with respect to this stage's output
+    loss: float | None
+    versions: list[int]  # the U version of every downstream hop, the last stage first
+    size: int  # bytes of the reply
+
+
+class NextHop:
+    """This stage's next hop in every trip through it (module docstring)."""
+
+    def __init__(
+        self,
+        manifest: Manifest,
+        index: int,
+        runtime: StageRuntime,
+        router: Router,
+        link: Link,
+        fetch: Fetch,
+        stats: Stats,
+        label: str,
+        trip_timeout: float,
+    ):
+        self.manifest, self.index, self.runtime, self.router = manifest, index, runtime, router
+        self.link, self.fetch, self.stats, self.label = link, fetch, stats, label
+        self.trip_timeout = trip_timeout
+        # a trip's tokens through this stage: a lane carries one chunk of each sequence (1 lane without context
+        # parallelism); what a service time is measured against (`Router.answered`)
+        self.tokens_per_trip = manifest.batch.microbatch_size * manifest.batch.seq_len // manifest.lanes
+        self.max_reply = expectation_for(manifest, index, "backward", 0, "").max_bytes
+        self.shadows: dict[str, asyncio.Task] = {}  # peer -> the duplicate in flight to it (one at a time)
+
+    def timeout(self) -> float:
+        """Time for the rest of the pipeline: a hop waits longer than the hop after it, so a stall far
+        downstream is blamed on the stalled peer, not on the honest peers between."""
+        return self.trip_timeout * max(self.manifest.num_stages - 1 - self.index, 1)
+
+    def check_reply(self, reply: bytes) -> Reply:
+        """Decode a backward reply and its hop-version audit (raises WireError on anything off)."""
+        header, grad = self.runtime.codec.decode_backward(reply, stage=self.index)
+        loss = check_loss(header.loss, self.manifest)
+        return Reply(grad, loss, hop_versions(header.extra, self.manifest.num_stages), len(reply))
+
+    async def send(self, message: bytes) -> Reply:
+        """A pipeline trip: to the best verified peer of the next stage, an audit duplicate beside it, failover
+        on a failure (module docstring)."""
+        target, router, max_reply = self.index + 1, self.router, self.max_reply
+        failures: dict[str, int] = {}
+        skip: set[str] = set()  # peers that asked us to back off during this trip
+        for attempt in range(1, SEND_ATTEMPTS + 1):
+            candidates = router.candidates(target)
+            if not candidates:
+                router.update(await self.fetch())
+                candidates = router.candidates(target)
+            if not candidates:
+                raise WireError(ErrorCode.NO_PEER, f"stage {target} has no live compatible peer")
+            ids = [e.record.peer_id for e in candidates]
+            plan = router.ledger.plan([p for p in ids if p not in skip] or ids, busy=set(self.shadows))
+            peer_id = plan.primary
+            shadow = self._duplicate(plan.shadow, message, max_reply) if plan.shadow else None
+            router.sending(peer_id)
+            started = time.monotonic()
+            try:
+                checked = await self._ask(peer_id, message, max_reply)
+                router.answered(peer_id, time.monotonic() - started, self.tokens_per_trip)
+                self._believe(peer_id, checked)
+                if shadow is not None:
+                    self._compare_later(peer_id, checked, plan.shadow, shadow)
+                return checked
+            except WireError as exc:
+                if shadow is not None:
+                    shadow.cancel()
+                    self.shadows.pop(plan.shadow, None)
+                router.ledger.failed(peer_id)
+                failures[peer_id] = failures.get(peer_id, 0) + 1
+                action, banned = router.after_failure(peer_id, exc.code, exc.hops, len(candidates), failures[peer_id])
+                if action is not Failover.BACKOFF:  # a next hop asking us to wait is not at fault: the refusal
+                    self.stats.error(exc.code)  # is counted once, by the peer that refused
+                self._log_failure(peer_id, exc, action, banned, attempt)
+                if action is Failover.GIVE_UP:
+                    raise
+                if action is Failover.BACKOFF:
+                    skip.add(peer_id)
+                if action in (Failover.RETRY, Failover.BACKOFF):
+                    # a peer that does not know us yet re-reads the DHT at most every 2 s: give it that long
+                    pause = 1.0 if exc.code is ErrorCode.UNKNOWN_SENDER else 0.2
+                    await asyncio.sleep(pause * failures[peer_id])
+            finally:
+                router.done_sending(peer_id)
+        raise WireError(ErrorCode.NO_PEER, f"no peer of stage {target} answered after {SEND_ATTEMPTS} attempts")
+
+    async def ask(self, peer_id: str, message: bytes) -> Reply:
+        """A lane trip: to the peer its group names, no failover; any failure there (unreachable too) is one hop
+        down. Not audited yet, and no `Ledger` asked: see the module docstring."""
+        started = time.monotonic()
+        try:
+            reply = await self._ask(peer_id, message, self.max_reply)
+        except WireError as exc:
+            raise WireError(exc.code, exc.message, max(exc.hops, 1)) from None
+        self.router.answered(peer_id, time.monotonic() - started, self.tokens_per_trip)
+        return reply
+
+    def _believe(self, peer_id: str, checked: Reply) -> None:
+        """Only a trusted peer's loss is published (verified, or trust on first use while nobody is verified): an
+        untrusted one's gradient keeps trips going when no trusted peer is left, its loss is not told. A clean
+        answer while nobody is verified counts toward trust on first use."""
+        ledger = self.router.ledger
+        if not ledger.trusted(peer_id):
+            checked.loss = None
+        if ledger.clean_trip(peer_id, time.monotonic(), tofu=True):
+            logger.info("%s next hop %s verified (trust on first use)", self.label, peer_id[-6:])
+
+    async def _ask(self, peer_id: str, message: bytes, max_reply: int) -> Reply:
+        reply = await self.link.send(peer_id, message, self.timeout(), max_reply)
+        raise_if_error(reply)
+        try:
+            return self.check_reply(reply)
+        except WireError as exc:
+            raise WireError(exc.code, exc.message, hops=1) from None
+
+    def _duplicate(self, peer_id: str, message: bytes, max_reply: int) -> asyncio.Task:
+        """Send the same message to `peer_id` as an audit duplicate; its reply is only ever compared."""
+        router = self.router
+        router.sending(peer_id)
+
+        async def ask() -> tuple[Reply, float]:
+            started = time.monotonic()
+            try:
+                return await self._ask(peer_id, message, max_reply), time.monotonic() - started
+            finally:
+                router.done_sending(peer_id)
+
+        task = asyncio.ensure_future(ask())
+        self.shadows[peer_id] = task  # busy until its reply is compared (`_compare_later`) or it is cancelled
+        return task
+
+    def _compare_later(self, primary: str, used: Reply, shadow: str, task: asyncio.Task) -> None:
+        """Once the duplicate is back, compare it with the reply we used: agreement counts toward the shadow's
+        verification, disagreement costs the peer with the shorter verified history its standing and a long ban."""
+        router, ledger = self.router, self.router.ledger
+
+        def done(t: asyncio.Task) -> None:
+            self.shadows.pop(shadow, None)  # a fast liar gets no second duplicate before the first is judged
+            if t.cancelled():
+                return
+            exc = t.exception()
+            if isinstance(exc, WireError):
+                self.stats.error(exc.code)
+                ledger.failed(shadow)
+                action, banned = router.after_failure(shadow, exc.code, exc.hops, 2, 1)
+                self._log_failure(shadow, exc, action, banned, 0)
+                return
+            if exc is not None:
+                logger.warning("%s audit duplicate to %s failed: %r", self.label, shadow[-6:], exc)
+                return
+            reply, seconds = t.result()
+            why = replies_disagree(used.grad, used.loss, reply.grad, reply.loss)
+            if why is None:
+                router.answered(shadow, seconds, self.tokens_per_trip)
+                if ledger.clean_trip(shadow, time.monotonic(), tofu=False):
+                    logger.info("%s next hop %s verified by audit trips", self.label, shadow[-6:])
+                return
+            loser = ledger.loser(primary, shadow)
+            ledger.distrust(loser)
+            banned = router.ban(loser, lied=True)
+            logger.warning("%s audit: replies of %s and %s disagree (%s); %s banned %.0fs", self.label,
+                           primary[-6:], shadow[-6:], why, loser[-6:], banned)
+
+        task.add_done_callback(done)
+
+    def _log_failure(self, peer_id: str, exc: WireError, action: Failover, banned: float, attempt: int) -> None:
+        short = peer_id[-6:]
+        if action is Failover.GIVE_UP:
+            if banned:
+                logger.warning("%s next hop %s kept refusing trips for our U version; banned %.0fs", self.label, short,
+                               banned)
+        elif action is Failover.BACKOFF:
+            logger.debug("%s next hop %s asked us to back off (%s)", self.label, short, exc)
+        elif action is Failover.RETRY:
+            logger.warning("%s next hop %s failed (%s); retrying it (attempt %d)", self.label, short, exc, attempt)
+        else:
+            logger.warning(
+                "%s next hop %s failed (%s); banned %.0fs, failing over (attempt %d)", self.label, short, exc, banned,
+                attempt,
+            )

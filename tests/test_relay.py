@@ -155,5 +155,66 @@ def test_a_trip_through_the_relay():
     asyncio.run(run())
 
 
+def test_kv_through_the_relay_to_the_lane_peer_the_record_names():
+    """A lane's K/V goes through the `Link` of its trip: with no connection to the lane peer and a record naming
+    its relay, the relay's K/V channel carries it to that peer's `KVService` (the NAT lab, tests/test_nat.py,
+    shows the same where no direct path exists)."""
+    from nat_kv_node import SPEC, codec, on_wire, payload
+
+    from p2pio.relay_service import KV
+    from peer.kv_exchange import KVService, message_limit
+    from peer.link import Link
+
+    class Named:
+        def __init__(self, relay: str):
+            self.relay = relay
+
+        def relay_of(self, peer_id: str) -> str:
+            return self.relay
+
+    async def run():
+        relay = await _p2p()
+        sender, target = await _p2p(relay), await _p2p(relay)
+        services = []
+        try:
+            await RelayService(relay, "ns", Budget(4, 64 << 20, 30.0), max_message=1 << 20).add_handlers()
+            for lane, p2p in enumerate((sender, target)):
+                service = KVService(p2p, "ns", message_limit(codec(), lane, SPEC.mode))
+                service.serve(codec(), lane)
+                await service.start()
+                services.append(service)
+            relay_id = relay.peer_id.to_base58()
+
+            async def candidates() -> list[str]:
+                return [relay_id]
+
+            async def no_trips(_sender, _reader, writer) -> None:
+                writer.close()
+
+            client = RelayClient(target, "ns", no_trips, candidates)
+            await client.start()
+            await client.deliver(KV, services[1].servicer.serve_stream)
+            client.hold(lambda _: None)
+            await asyncio.wait_for(client.changed.wait(), 20)
+            link = Link(TripSender(sender, "ns" + KV), Named(relay_id))
+            link.sender.connected, link.sender.listed = set(), float("inf")  # as if no connection to the target
+            group = [sender.peer_id, target.peer_id]
+            lane0 = await services[0].open("trip", group, link=link)
+            lane1 = await services[1].open("trip", group)
+            await lane0.send_forward(0, *payload(0))
+            received = await lane1.receive_forward(0, timeout=20.0)
+            assert on_wire(received[0]) == on_wire(payload(0))
+            assert link.sender.relayed == 1 and link.sender.direct == 0 and client.delivered == 1
+            for exchange in (lane0, lane1):
+                exchange.close()
+        finally:
+            for service in services:
+                await service.stop()
+            for p2p in (sender, target, relay):
+                await p2p.shutdown()
+
+    asyncio.run(run())
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))

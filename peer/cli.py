@@ -156,6 +156,13 @@ def resolve(args: argparse.Namespace) -> tuple[Manifest, PeerOptions]:
         raise StartupError("no initial peers: pass --initial-peers, --tracker, or --new-swarm to start a run")
     if args.fault_t_fixed_seed is None:
         verify_hashes(manifest)
+    spec = manifest.context_parallel
+    if spec is not None and spec.compressed and spec.warm_start_steps > 0:
+        # the simulator crosses K/V dense for these steps, then switches to a PCA basis; peers run no such warm-up,
+        # so they would train another run than the simulator's under the same run id
+        raise StartupError(
+            f"context_parallel.warm_start_steps is {spec.warm_start_steps}: peers run no dense K/V warm-up (use 0)"
+        )
     if args.stage != "auto":
         try:
             stage = int(args.stage)

@@ -132,7 +132,8 @@ def lane_codec(manifest: Manifest, stage) -> CPCodec:
 
 
 def largest_kv_message(manifest: Manifest) -> int:
-    """The transport's bound for K/V messages of this run: the larger of its compressed and dense (warm-up) ones."""
+    """The transport's bound for K/V messages of this run: the larger of its compressed and dense ones (peers send
+    the spec's mode only, and run no dense warm-up: `peer/cli.py` refuses a manifest that asks for one)."""
     spec, shape, batch = manifest.context_parallel, manifest.model, manifest.batch
     codec = CPCodec(spec, shape, batch.seq_len, batch.microbatch_size, manifest.run_id,
                     CPBasis.for_spec(spec, shape, manifest.seed))

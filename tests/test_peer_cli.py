@@ -87,6 +87,12 @@ def test_lane_out_of_range_or_without_context_parallelism(tmp_path: Path, manife
     )
 
 
+def test_a_cp_warm_up_peers_do_not_run_is_refused(tmp_path: Path):
+    warm = tmp_path / "warm.json"
+    save_manifest(preset("tiny-long", context_parallel={"warm_start_steps": 2}), warm)  # compressed, size 4
+    assert_one_line_error(run_peer("--new-swarm", "--manifest", str(warm)), "warm_start_steps is 2", "no dense K/V")
+
+
 def test_min_stream_rate_must_be_positive(manifest_file: Path):
     for value in ("0", "-5", "nan"):
         assert_one_line_error(

@@ -64,6 +64,7 @@ def stage_record(
         state_sha256=runtime.state_sha256,
         state_hashes=list(runtime.state_hashes),
         loaded_state=runtime.loaded_state,
+        served_states=list(runtime.served_states),
         trip_versions=[f"{v}:{n}" for v, n in sorted(stats.trip_versions.items())][-16:],
         mixed_trips=stats.mixed_trips,
         reachability=reachability,

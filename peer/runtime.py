@@ -48,8 +48,10 @@ def pick_device(requested: str) -> torch.device:
     return torch.device(requested)
 
 
-def parameters_sha256(stage: PipelineStage) -> str:
-    flat = torch.cat([p.detach().float().flatten().cpu() for p in stage.parameters()])
+def parameters_sha256(stage: PipelineStage, replaced: dict[int, torch.Tensor] | None = None) -> str:
+    """The hash of the stage's parameters, or of them with some replaced by copies (keyed by the parameter's id)."""
+    replaced = replaced or {}
+    flat = torch.cat([replaced.get(id(p), p).detach().float().flatten().cpu() for p in stage.parameters()])
     return tensor_sha256(flat)
 
 
@@ -99,11 +101,14 @@ class StageRuntime:
             offload_optimizer=False,
             verbose=False,
         )
+        self.optimizer.state_averager.after_averaging = self._averaged_state_landed
         self.checkpoint_dir = Path(checkpoint_dir) / manifest.run_id if checkpoint_dir else None
         self.checkpoint_every = max(checkpoint_every, 1)
         self.state_sha256 = parameters_sha256(self.stage)
         self.state_hashes: deque[str] = deque(maxlen=16)
         self.loaded_state = ""
+        self.served_states: deque[str] = deque(maxlen=4)
+        self.optimizer.state_averager.after_serving = self._state_served
         self._hashed_epoch = -1
         self._skipped_steps = 0
         self.guard = FiniteStateGuard(self.stage, self.optimizer, device, label)
@@ -266,12 +271,27 @@ class StageRuntime:
         if not self.guard.is_finite():  # averaging with peers, or a download, brought NaN or inf
             self._restore_finite_state("non-finite parameters replaced by the last finite state")
         if self.epoch != self._hashed_epoch:
-            # parameter averaging with peers may have landed: wash any drift out of span(U)
-            self.stage.reproject_()
+            # the step left constrained tensors in span(U) (SubspaceAdamW projects them); averaged parameters are
+            # re-projected and hashed where they land (_averaged_state_landed)
             self._note_state()
             self.guard.keep()
             if self.checkpoint_dir and self.epoch and self.epoch % self.checkpoint_every == 0:
                 self.save_checkpoint()
+
+    def _averaged_state_landed(self) -> None:
+        """Parameters averaged with the stage's peers just replaced ours (hivemind applies them between two
+        microbatches, here under the optimizer lock): wash float drift out of span(U) and hash the state a joiner
+        may download from now on. A round that found no peer copies back our own parameters: hashed again, same
+        bits up to the re-projection."""
+        self.stage.reproject_()
+        self._note_state()
+
+    def _state_served(self, epoch: int, parameters: list[torch.Tensor]) -> None:
+        """A joiner was sent these copies of our parameters (hivemind's thread, off the stage thread): note their
+        hash, computed as the joiner computes it, so its loaded_state can be checked against our record."""
+        main = self.optimizer.state_averager.main_parameters
+        digest = parameters_sha256(self.stage, {id(p): copy for p, copy in zip(main, parameters, strict=True)})
+        self.served_states.append(f"{epoch}:{digest[:16]}")
 
     def _restore_finite_state(self, why: str) -> None:
         self.guard.restore(why)

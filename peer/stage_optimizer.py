@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 
+import torch
 from hivemind.optim.grad_averager import GradientAverager
 from hivemind.optim.optimizer import Optimizer
 from hivemind.optim.state_averager import TrainingStateAverager
@@ -36,7 +38,16 @@ class SnapshotStateAverager(RobustAveraging, TrainingStateAverager):
     def __init__(self, *args, **kwargs):
         # before hivemind starts the averager's process, which runs the declarations
         self._declared_at, self._declare_pending = -float("inf"), False
+        self.after_averaging: Callable[[], None] | None = None
+        self.after_serving: Callable[[int, list[torch.Tensor]], None] | None = None
         super().__init__(*args, **kwargs)
+
+    def _apply_averaging_results_(self):
+        # under the optimizer lock, with the owner's fix-up: a joiner downloads the state before both or after both
+        with self.lock_optimizer:
+            super()._apply_averaging_results_()
+            if self.after_averaging is not None:
+                self.after_averaging()
 
     async def _trigger_declare_load_state(self):
         if self._declare_pending:
@@ -54,7 +65,10 @@ class SnapshotStateAverager(RobustAveraging, TrainingStateAverager):
         # optimizer lock, held just for the copy: the stage thread never waits on a download
         metadata, tensors, infos = super().get_current_state()
         with self.lock_optimizer:
-            return metadata, [tensor.clone() for tensor in tensors], infos
+            tensors = [tensor.clone() for tensor in tensors]
+        if self.after_serving is not None:  # the parameters lead the list, in main_parameters' order
+            self.after_serving(metadata["epoch"], tensors[: len(self.main_parameters)])
+        return metadata, tensors, infos
 
 
 class StageOptimizer(Optimizer):

@@ -89,6 +89,9 @@ class StagePeerRecord(pydantic.BaseModel):
     # "epoch:hash-prefix" of the parameters as downloaded from the stage's peers when this peer joined
     # ("" if it started from the seed or a checkpoint): proof of what it joined with, kept for good
     loaded_state: pydantic.constr(strict=True, max_length=48) = ""
+    # "epoch:hash-prefix" of the last states this peer served joiners, each hashed from the copy it sent (a state
+    # it held): a joiner's loaded_state is found here, however many epochs the donor stepped before announcing
+    served_states: pydantic.conlist(pydantic.constr(strict=True, max_length=48), max_items=4) = []
     # drivers: completed trips per U version ("version:count"), and trips whose hops disagreed on U
     trip_versions: pydantic.conlist(pydantic.constr(strict=True, max_length=48), max_items=16) = []
     mixed_trips: _Count = 0

@@ -83,7 +83,7 @@ def test_delayed_links_are_calibrated():
     """ICMP echo at RTT 0 and 40 ms (4 links crossed, 10 ms each at 40), one TCP stream at 4 Mbit/s.
 
     Other work on the machine can only delay a frame further, so the check is on the lower quartile
-    and on no echo arriving early; the median is reported in benchmarks/netsim/DELAY.md."""
+    and on no echo arriving early; the median is reported in benchmarks/RESULTS.md (Latency)."""
     with Topology(2, subnet="10.81.0", delay=LinkDelay()) as topology:
         for target in (0.0, 40.0):
             topology.set_delay(LinkDelay.symmetric(target / 4))

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers  # the test extra: the export must load where users load it
 
 from launcher.cli import build_parser, main
 from swarm.bundle import chain_logits, load_bundle
@@ -378,7 +379,6 @@ def test_a_plain_llama_run_is_exported_as_the_same_function(tmp_path, capsys, ov
     assert "hf-llama: wrote" in capsys.readouterr().out
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert config["model_type"] == "llama" and config["num_hidden_layers"] == 4
-    transformers = pytest.importorskip("transformers")
     hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()
     stages = load_bundle(tmp_path / "m.pt").stages
     tokens = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(2))

@@ -301,6 +301,7 @@ def test_page_in_chromium_shows_stages_chart_and_escapes_names(swarm):
             rows = page.locator("#stage-table tbody tr")
             assert rows.count() == 3
             assert [rows.nth(i).locator("td.peers-online").inner_text() for i in range(3)] == ["1", "2", "1"]
+            assert [rows.nth(i).locator("td.audited").inner_text() for i in range(3)] == ["no", "yes", "no"]
             assert page.locator("#verdict").inner_text() == "healthy"
             assert page.locator("#loss-chart svg path.series").count() == 1
             assert page.locator("#throughput-chart svg path.series").count() >= 1

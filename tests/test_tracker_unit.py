@@ -85,6 +85,8 @@ def test_every_stage_online_is_healthy_and_capacity_is_the_bottleneck():
     s = summarize(MANIFEST, stages, NOW)
     assert s["healthy"] is True and s["warnings"] == []
     assert [row["peers_online"] for row in s["stages"]] == [1, 2, 1]
+    # only stage 1 has a second peer to audit the first against; a lone peer is trusted on first use
+    assert [row["audited"] for row in s["stages"]] == [False, True, False]
     assert [row["throughput"] for row in s["stages"]] == [100.0, 150.0, 30.0]
     assert s["totals"]["capacity_tokens_per_s"] == 30.0
 
@@ -219,6 +221,7 @@ def test_lanes_per_stage_and_capacity_is_the_weakest_lane():
     }
     s = summarize(CP2, stages, NOW)
     assert s["healthy"] and s["lanes"] == 2
+    assert not any(row["audited"] for row in s["stages"])  # lane trips are not audited yet
     assert [(lane["peers_serving"], lane["throughput"], lane["empty"]) for lane in s["stages"][0]["lanes"]] == [
         (2, 150.0, False),
         (1, 120.0, False),

@@ -66,7 +66,8 @@
       const tr = el("tr", { "data-stage": row.stage, class: serves ? "ok" : "empty" });
       tr.append(el("td", {}, row.stage), el("td", {}, row.layers[0] + "–" + (row.layers[1] - 1)),
         el("td", { class: "peers-online" }, row.peers_online), el("td", { class: "peers-total" }, row.peers_total),
-        el("td", {}, num(row.throughput, 0) + " tok/s"), el("td", {}, row.load));
+        el("td", {}, num(row.throughput, 0) + " tok/s"), el("td", {}, row.load),
+        el("td", { class: "audited " + (row.audited ? "ok" : "unaudited") }, row.audited ? "yes" : "no"));
       if (s.lanes > 1) tr.append(lanesCell(row));
       return tr;
     });

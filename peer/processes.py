@@ -101,9 +101,24 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+def is_torch_shm_manager(pid: int) -> bool:
+    """Whether `pid` is torch's shared-memory manager (hivemind shares tensors through files, which starts it)."""
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip() == "torch_shm_manager"[:15]  # comm keeps 15 chars
+    except OSError:
+        return False
+
+
 def kill_descendants() -> None:
-    """SIGKILL what is left below us (DHT and averager processes, p2pd): they ignore the stop signals."""
+    """SIGKILL what is left below us (DHT and averager processes, p2pd): they ignore the stop signals.
+
+    Not torch's shared-memory manager: it leaves by itself once its last client has gone, unlinking the shared
+    files, and this process still frees shared tensors after the kill; each free is a message to the manager,
+    and a message to a killed one aborts the process from a C++ destructor ("terminate called after throwing
+    an instance of 'std::system_error' ... Broken pipe")."""
     for pid in descendants(os.getpid()):
+        if is_torch_shm_manager(pid):
+            continue
         with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGKILL)
     deadline = time.monotonic() + 1.0

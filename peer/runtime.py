@@ -399,6 +399,10 @@ class StageRuntime:
         """Release the stage: hivemind's optimizer (its averager processes and tracker thread), the stage thread,
         the loop hivemind's tracker leaves behind with a task pending, and the freed heap. Blocking: call it off
         the event loop."""
+        # the averager's hooks are bound to this runtime and something outside the runtime keeps the stopped
+        # averager referenced: cleared here, or every stage a peer leaves stays in memory (test_stage_moves.py)
+        self.optimizer.state_averager.after_averaging = None
+        self.optimizer.state_averager.after_serving = None
         self.optimizer.shutdown()
         self.executor.shutdown(wait=True, cancel_futures=True)
         close_abandoned_loops()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 
 from peer.processes import stop_signals_ignored_by_children
 
@@ -40,3 +42,25 @@ def test_children_survive_stop_signals_and_a_signal_in_the_block_reaches_the_par
     finally:
         for sig, old in before.items():
             signal.signal(sig, old)
+
+
+_FREE_AFTER_KILL = """
+import gc
+import torch
+import hivemind.utils.mpfuture  # noqa: F401  (hivemind's file-backed tensor sharing: starts torch_shm_manager)
+from peer.processes import descendants, kill_descendants, is_torch_shm_manager
+import os
+shared = torch.zeros(1000).share_memory_()
+assert any(is_torch_shm_manager(pid) for pid in descendants(os.getpid()))
+kill_descendants()
+del shared
+gc.collect()
+print("freed", flush=True)
+"""
+
+
+def test_a_shared_tensor_freed_after_the_children_are_killed_does_not_abort_the_peer():
+    """CI saw a peer abort at exit in a C++ destructor: it had killed torch's shared-memory manager with its other
+    children, then freed a shared tensor, which messages the manager."""
+    done = subprocess.run([sys.executable, "-c", _FREE_AFTER_KILL], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "freed", done.stderr[-2000:]

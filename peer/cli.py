@@ -13,6 +13,7 @@ import traceback
 
 from p2pio.budget import add_budget_flags, budget_from_flags
 from p2pio.framing import MIN_RATE
+from peer.audit import AUDIT_RATE
 from peer.daemon import PeerDaemon
 from peer.lanes import lane_refusal
 from peer.options import PeerOptions
@@ -98,6 +99,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--checkpoint-every", type=int, default=50, help="optimizer epochs between checkpoints")
     parser.add_argument("--max-inflight", type=int, default=4, help="trips a driver (stage 0) keeps in flight")
+    parser.add_argument(
+        "--audit-rate",
+        type=float,
+        default=AUDIT_RATE,
+        help="share of a verified next-hop peer's trips also sent to another peer of its stage to compare replies",
+    )
     parser.add_argument("--data", help="text file or directory for drivers (default: the manifest's dataset)")
     parser.add_argument("--trip-timeout", type=float, default=60.0, help="seconds to wait for the next hop")
     parser.add_argument(
@@ -172,6 +179,8 @@ def resolve(args: argparse.Namespace) -> tuple[Manifest, PeerOptions]:
             raise StartupError(f"--stage {stage} is out of range: the run has stages 0..{manifest.num_stages - 1}")
     if args.max_inflight < 1:
         raise StartupError("--max-inflight must be at least 1")
+    if not 0.0 <= args.audit_rate <= 1.0:
+        raise StartupError(f"--audit-rate must be within 0..1, got {args.audit_rate}")
     if not args.min_stream_kbit > 0:
         raise StartupError(f"--min-stream-kbit must be positive, got {args.min_stream_kbit}")
     try:
@@ -199,6 +208,7 @@ def resolve(args: argparse.Namespace) -> tuple[Manifest, PeerOptions]:
         log_interval=float(args.log_interval),
         fault_t_fixed_seed=args.fault_t_fixed_seed,
         fault_cp_version=args.fault_cp_version,
+        audit_rate=float(args.audit_rate),
         relay=args.relay,
         relay_service=args.relay_service == "on",
         relay_budget=budget,

@@ -31,6 +31,7 @@ from hivemind.p2p import PeerID
 from dhtio.records import fetch_stages
 from p2pio.relay_service import KV, TRIPS
 from peer.announcer import Announcer, stage_record
+from peer.audit import Ledger
 from peer.driver import Driver
 from peer.join import join_dht
 from peer.kv_exchange import KVService
@@ -200,7 +201,9 @@ class PeerDaemon:
         self.runtime = runtime
         subspace = runtime.stage.subspace
         bounds = {s: plausible_throughput(self.manifest, s) for s in range(self.manifest.num_stages)}
-        self.router = router = Router(subspace.t_fixed_sha256, self.peer_id, claim_bounds=bounds, lanes=self.lanes)
+        ledger = Ledger(audit_rate=self.options.audit_rate)
+        self.router = router = Router(subspace.t_fixed_sha256, self.peer_id, claim_bounds=bounds, lanes=self.lanes,
+                                     ledger=ledger)
         # messages go straight, or through the relay the peer's record names (peer/link.py)
         link = Link(self.relaying.senders[TRIPS], router)
         next_hop = NextHop(self.manifest, index, runtime, router, link, self._fetch_routed, self.stats, self.label,

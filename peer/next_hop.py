@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from peer.audit import replies_disagree
+from peer.audit import agreement, replies_disagree
 from peer.link import Link
 from peer.routing import Failover, Router
 from peer.runtime import StageRuntime
@@ -226,7 +226,10 @@ class NextHop:
                 logger.warning("%s audit duplicate to %s failed: %r", self.label, shadow[-6:], exc)
                 return
             reply, seconds = t.result()
-            why = replies_disagree(used.grad, used.loss, reply.grad, reply.loss)
+            seen = agreement(used.grad, used.loss, reply.grad, reply.loss)
+            why = replies_disagree(used.grad, used.loss, reply.grad, reply.loss, seen=seen)
+            logger.debug("%s audit of %s against %s: loss rdiff %s, cosine %s, norms %.4g %.4g, %s", self.label,
+                         shadow[-6:], primary[-6:], seen.loss_rdiff, seen.cosine, *seen.norms, why or "agree")
             if why is None:
                 router.answered(shadow, seconds, self.tokens_per_trip)
                 if ledger.clean_trip(shadow, time.monotonic(), tofu=False):

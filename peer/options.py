@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from p2pio.budget import Budget
 from p2pio.framing import MIN_RATE
+from peer.audit import AUDIT_RATE
 from peer.placement import Hysteresis
 
 
@@ -31,6 +32,7 @@ class PeerOptions:
     log_interval: float = 5.0
     fault_t_fixed_seed: int | None = None
     fault_cp_version: int | None = None  # a peer that claims another CP basis version (its K/V are refused)
+    audit_rate: float = AUDIT_RATE  # share of a verified next-hop peer's trips duplicated to another (peer/audit.py)
     checkpoint_every: int = 50
     heartbeat_file: str | None = None
     relay: str = "auto"  # peer/reachability.py `relay_options`

@@ -100,6 +100,13 @@ def test_min_stream_rate_must_be_positive(manifest_file: Path):
         )
 
 
+def test_audit_rate_must_be_a_share(manifest_file: Path):
+    for value in ("-0.1", "1.5", "nan"):
+        assert_one_line_error(
+            run_peer("--new-swarm", "--manifest", str(manifest_file), "--audit-rate", value), "--audit-rate", "0..1"
+        )
+
+
 def test_needs_a_way_in(manifest_file: Path):
     assert_one_line_error(run_peer("--manifest", str(manifest_file)), "initial peers")
     assert_one_line_error(run_peer(), "--tracker")

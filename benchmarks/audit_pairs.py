@@ -1,0 +1,120 @@
+"""How far two honest replies to one audit duplicate differ, and how often the audit policy calls an honest peer a
+liar: its false positives.
+
+A local swarm of real peers (the tiny preset, 2 stages x 2 peers, `protocol-swarm local`), every trip a driver
+sends to a verified peer also duplicated to the other (`--audit-rate 1`, `PROTOCOL_PEER_AUDIT_RATE`), and every
+comparison logged by the drivers at DEBUG (peer/next_hop.py). Every peer is honest, so each refusal (and the ban
+that follows it) is a false positive. It reports how many pairs, the gradient cosine (min, 1st percentile,
+median), the relative loss difference (max, 99th percentile, median), the ratio of the gradients' norms, and the
+refusals with the reason each gave.
+
+    OMP_NUM_THREADS=1 python benchmarks/audit_pairs.py --steps 150 --runs 2 --json benchmarks/results/audit-pairs.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from peer.audit import COSINE_MIN, LOSS_RTOL  # noqa: E402
+
+LINE = re.compile(
+    r"audit of \S+ against \S+: loss rdiff (?P<loss>\S+), cosine (?P<cosine>\S+), norms (?P<na>\S+) (?P<nb>\S+), "
+    r"(?P<verdict>.*)$"
+)
+
+
+def parse(log_text: str) -> list[dict]:
+    """Every audit comparison a driver logged: its loss difference, cosine, norm ratio and verdict."""
+    pairs = []
+    for line in log_text.splitlines():
+        match = LINE.search(line)
+        if not match:
+            continue
+        na, nb = float(match["na"]), float(match["nb"])
+        pairs.append(
+            dict(
+                loss_rdiff=None if match["loss"] == "None" else float(match["loss"]),
+                cosine=None if match["cosine"] == "None" else float(match["cosine"]),
+                norm_ratio=max(na, nb) / min(na, nb) if min(na, nb) > 0 else math.inf,
+                verdict=match["verdict"],
+            )
+        )
+    return pairs
+
+
+def quantile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+
+def summary(pairs: list[dict]) -> dict:
+    cosines = [p["cosine"] for p in pairs if p["cosine"] is not None]
+    losses = [p["loss_rdiff"] for p in pairs if p["loss_rdiff"] is not None]
+    ratios = [p["norm_ratio"] for p in pairs]
+    return dict(
+        pairs=len(pairs),
+        cosine_min=min(cosines, default=None),
+        cosine_p01=quantile(cosines, 0.01),
+        cosine_median=quantile(cosines, 0.5),
+        loss_rdiff_max=max(losses, default=None),
+        loss_rdiff_p99=quantile(losses, 0.99),
+        loss_rdiff_median=quantile(losses, 0.5),
+        norm_ratio_max=max(ratios, default=None),
+        norm_ratio_p99=quantile(ratios, 0.99),
+        refused=[p["verdict"] for p in pairs if p["verdict"] != "agree"],
+        tolerances=dict(cosine_min=COSINE_MIN, loss_rtol=LOSS_RTOL),
+    )
+
+
+def run_swarm(steps: int, timeout: float) -> tuple[dict, str]:
+    """A local swarm whose drivers duplicate every trip and log every comparison; its summary and driver logs."""
+    env = dict(os.environ, PROTOCOL_PEER_AUDIT_RATE="1", PROTOCOL_PEER_LOG_LEVEL="DEBUG", OMP_NUM_THREADS="1")
+    command = [sys.executable, "-m", "launcher.cli", "local", "--stages", "2", "--peers-per-stage", "2",
+               "--steps", str(steps), "--timeout", str(timeout), "--keep-logs", "--json"]
+    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout + 120)
+    if result.returncode != 0:
+        raise SystemExit(f"the local swarm failed: {result.stderr[-2000:]}")
+    run = json.loads(result.stdout.strip().splitlines()[-1])
+    workdir = Path(run["workdir"])
+    logs = "\n".join(path.read_text(errors="replace") for path in sorted(workdir.rglob("*.log")))
+    shutil.rmtree(workdir, ignore_errors=True)
+    return run, logs
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--runs", type=int, default=1, help="swarms to run, each added to the runs in --json")
+    parser.add_argument("--timeout", type=float, default=1200)
+    parser.add_argument("--json", type=Path, required=True)
+    args = parser.parse_args()
+    runs = json.loads(args.json.read_text())["runs"] if args.json.exists() else []  # resumable: runs accumulate
+    for number in range(args.runs):
+        print(f"run {number + 1} of {args.runs} ({len(runs)} recorded before)", file=sys.stderr, flush=True)
+        run, logs = run_swarm(args.steps, args.timeout)
+        pairs = parse(logs)
+        bans = sum("audit: replies of" in line for line in logs.splitlines())  # every peer is honest: false positives
+        runs.append(dict(steps=run["steps"], loss_first=run.get("loss_first"), loss_last=run.get("loss_last"),
+                         honest_peers_banned=bans, summary=summary(pairs), pairs=pairs))
+        everything = [pair for r in runs for pair in r["pairs"]]
+        result = dict(summary=summary(everything), honest_peers_banned=sum(r["honest_peers_banned"] for r in runs),
+                      runs=runs)
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=1))
+        print(json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=1), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -30,6 +30,7 @@ from hivemind.utils.timed_storage import get_dht_time
 
 from dhtio.records import fetch_stages
 from p2pio.sockets import make_socket_dir, sockets_in
+from peer.status_log import kv_bytes_per_token
 from swarm.manifest import Manifest, save_manifest
 from swarm.records import ANNOUNCE_INTERVAL, RECORD_TTL, PeerEntry, load_or_create_rsa_key, make_validators
 
@@ -187,18 +188,16 @@ class LocalSwarm:
         """The heartbeat file of peer `name` (context parallelism only: it carries the peer's K/V bytes)."""
         return self.workdir / f"{name}.heartbeat.json"
 
-    def cp_bytes_per_token(self) -> float:
-        """K/V bytes the peers sent in the lane trips they completed per token their drivers completed, as their
-        heartbeats (every 5 s, so both counts are as fresh) last said; a restarted peer's counts start over."""
-        kv = tokens = 0
+    def cp_bytes_per_token(self) -> float | None:
+        """K/V bytes per token of the whole sequence, from the peers' heartbeats (`kv_bytes_per_token`): None
+        until every lane has finished a trip; a restarted peer's counts start over."""
+        beats = []
         for child in self.children:
             try:
-                beat = json.loads(self.heartbeat(child.name).read_text())
-                kv += int(beat.get("kv_bytes", 0))
-                tokens += int(beat.get("tokens", 0)) if beat.get("stage") == 0 else 0
-            except (OSError, ValueError, TypeError):
+                beats.append(json.loads(self.heartbeat(child.name).read_text()))
+            except (OSError, ValueError):
                 continue  # the tracker, or a peer that has not written one yet
-        return kv / max(tokens, 1)
+        return kv_bytes_per_token(beats, self.manifest.lanes)
 
     def check_children(self) -> None:
         """Any child that exits before the end fails the run: a dead peer stalls its stage, a dead

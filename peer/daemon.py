@@ -312,8 +312,8 @@ class PeerDaemon:
     async def heartbeat_loop(self) -> None:
         def describe() -> dict:
             described = {"time": time.time(), "state": self.state, "stage": self.index, "peer_id": self.peer_id}
-            if self.lanes > 1:  # `protocol-swarm local` sums it into CP bytes per token
-                described.update(lane=self.lane, kv_bytes=self.stats.kv_bytes, tokens=self.stats.tokens)
+            if self.lanes > 1:  # read by `kv_bytes_per_token` (`protocol-swarm local`, benchmarks/netsim)
+                described.update(lane=self.lane, kv_bytes=self.stats.kv_bytes, kv_tokens=self.stats.kv_tokens)
             return described
 
         await write_heartbeats(

@@ -228,6 +228,7 @@ class LaneHop(Hop):
             await _own(self._backward(lane, exchange))
             input_grad = await runtime.run(runtime.learn_lane, lane, tokens, residual, out_grad, version)
             self.stats.kv_bytes += exchange.bytes_out
+            self.stats.kv_tokens += tokens.numel()
             return HopResult(input_grad, loss, versions, sent, received)
         finally:
             exchange.close()

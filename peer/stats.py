@@ -21,6 +21,7 @@ class Stats:
     bytes_out: int = 0
     load: int = 0  # trips this peer is serving right now
     kv_bytes: int = 0  # K/V message bytes this peer sent in the lane trips it completed (context parallelism)
+    kv_tokens: int = 0  # the tokens of those lane trips (this lane's chunks): kv_bytes / kv_tokens is consistent
     errors: Counter = field(default_factory=Counter)
     trip_versions: Counter = field(default_factory=Counter)  # drivers: completed trips per U version
     mixed_trips: int = 0

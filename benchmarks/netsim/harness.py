@@ -29,6 +29,7 @@ from pathlib import Path
 from benchmarks.netsim.delay import LinkDelay
 from benchmarks.netsim.net import Topology
 from launcher.supervisor import stop_process_groups
+from peer.status_log import kv_bytes_per_token
 from swarm.manifest import Manifest, save_manifest
 from tracker.summary import POLL_INTERVAL
 
@@ -68,7 +69,7 @@ class Cell:
     upload_kbit_s: list[float] = field(default_factory=list)  # per peer host, mean over the window
     unwedged: int = 0  # stalled shaped queues restarted during settle + window (Topology.unwedge)
     errors: int = 0
-    kv_bytes_per_token: float | None = None  # K/V messages sent by every lane (heartbeats) per driver token
+    kv_bytes_per_token: float | None = None  # K/V messages sent by every lane (heartbeats) per sequence token
 
 
 @dataclass
@@ -146,17 +147,17 @@ class NetSwarm:
     def heartbeat(self, name: str) -> Path:
         return self.workdir / f"{name}.heartbeat.json"
 
-    def kv_counts(self) -> tuple[int, int]:
-        """(K/V bytes every peer sent, tokens its stage-0 peers drove), as their heartbeat files last said."""
-        kv = tokens = 0
+    def kv_per_token(self) -> float | None:
+        """K/V bytes per token of the whole sequence since the peers started (`kv_bytes_per_token`: each
+        peer's bytes against its own chunk tokens, so heartbeats written at other moments than the drivers'
+        announcements do not cut it; the shape fixes it, so the whole run measures the window's)."""
+        beats = []
         for stage, lane in self.slots():
             try:
-                beat = json.loads(self.heartbeat(self.peer_name(stage, lane)).read_text())
+                beats.append(json.loads(self.heartbeat(self.peer_name(stage, lane)).read_text()))
             except (OSError, ValueError):
                 continue  # not written yet
-            kv += int(beat.get("kv_bytes", 0))
-            tokens += int(beat.get("tokens", 0)) if stage == 0 else 0
-        return kv, tokens
+        return kv_bytes_per_token(beats, self.lanes)
 
     def check_children(self) -> None:
         for child in self.children:
@@ -237,7 +238,7 @@ class NetSwarm:
             last = self._wait_fresh(_newest(self.latest()), announce)
             if _delta(first, last, "trips") >= settle_trips:
                 break
-        start, kv_start = self.latest(), self.kv_counts()
+        start = self.latest()
         counters_start, wall_start = self.topology.counters(), time.time()
         while True:
             end = self._wait_fresh(_newest(self.latest()), announce)
@@ -246,13 +247,12 @@ class NetSwarm:
             trips = _delta(start, end, "trips")
             if (elapsed >= min_window and trips >= min_trips) or elapsed >= max_window:
                 break
-        counters_end, wall_end, kv_end = self.topology.counters(), time.time(), self.kv_counts()
+        counters_end, wall_end = self.topology.counters(), time.time()
         tokens = _delta(start, end, "tokens")
         seconds = statistics.mean(end[peer].at - start[peer].at for peer in both) if both else 0.0
         # each driver's tokens over its own announcements: their announce times differ by up to 10 s
         rate = sum((end[p].tokens - start[p].tokens) / (end[p].at - start[p].at) for p in both
                    if end[p].at > start[p].at)
-        kv_tokens = kv_end[1] - kv_start[1]
         upload = sum(counters_end[i][0] - counters_start[i][0] for i in range(1, len(self.topology.hosts)))
         wire_tokens = rate * (wall_end - wall_start)
         epochs = [max((r["optimizer_epoch"] for r in self.records if r["stage"] == s), default=0)
@@ -270,7 +270,7 @@ class NetSwarm:
             upload_kbit_s=[8e-3 * (counters_end[i][0] - counters_start[i][0]) / max(wall_end - wall_start, 1e-9)
                            for i in range(1, len(self.topology.hosts))],
             unwedged=self.topology.unwedged - unwedged,
-            kv_bytes_per_token=(kv_end[0] - kv_start[0]) / kv_tokens if self.lanes > 1 and kv_tokens > 0 else None,
+            kv_bytes_per_token=self.kv_per_token() if self.lanes > 1 else None,
         )
         self.log(f"  {mode:<10} {_rate_label(rate_mbit):>9}: {rate:8.1f} tokens/s over {seconds:.0f}s "
                  f"({cell.trips} trips), {cell.app_bytes_per_token:.1f} B/token at the driver, "

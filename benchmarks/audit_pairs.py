@@ -6,9 +6,12 @@ sends to a verified peer also duplicated to the other (`--audit-rate 1`, `PROTOC
 comparison logged by the drivers at DEBUG (peer/next_hop.py). Every peer is honest, so each refusal (and the ban
 that follows it) is a false positive. It reports how many pairs, the gradient cosine (min, 1st percentile,
 median), the relative loss difference (max, 99th percentile, median), the ratio of the gradients' norms, and the
-refusals with the reason each gave.
+refusals with the reason each gave. With `--context-parallel 2` every stage has 2 lanes of 2 peers each and
+every lane trip is forked for an audit (`peer/lane_claim.py`): the lane peers' comparisons, measured the same way.
 
     OMP_NUM_THREADS=1 python benchmarks/audit_pairs.py --steps 150 --runs 2 --json benchmarks/results/audit-pairs.json
+    OMP_NUM_THREADS=1 python benchmarks/audit_pairs.py --context-parallel 2 --steps 60 \
+        --json benchmarks/results/audit-pairs-lanes.json
 """
 
 from __future__ import annotations
@@ -78,11 +81,14 @@ def summary(pairs: list[dict]) -> dict:
     )
 
 
-def run_swarm(steps: int, timeout: float) -> tuple[dict, str]:
-    """A local swarm whose drivers duplicate every trip and log every comparison; its summary and driver logs."""
+def run_swarm(steps: int, timeout: float, lanes: int) -> tuple[dict, str]:
+    """A local swarm whose drivers duplicate (with lanes: fork) every trip and log every comparison; its summary
+    and peer logs."""
     env = dict(os.environ, PROTOCOL_PEER_AUDIT_RATE="1", PROTOCOL_PEER_LOG_LEVEL="DEBUG", OMP_NUM_THREADS="1")
     command = [sys.executable, "-m", "launcher.cli", "local", "--stages", "2", "--peers-per-stage", "2",
                "--steps", str(steps), "--timeout", str(timeout), "--keep-logs", "--json"]
+    if lanes > 1:
+        command += ["--context-parallel", str(lanes)]
     result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout + 120)
     if result.returncode != 0:
         raise SystemExit(f"the local swarm failed: {result.stderr[-2000:]}")
@@ -99,11 +105,12 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=1, help="swarms to run, each added to the runs in --json")
     parser.add_argument("--timeout", type=float, default=1200)
     parser.add_argument("--json", type=Path, required=True)
+    parser.add_argument("--context-parallel", type=int, default=1, metavar="P", help="lanes per stage")
     args = parser.parse_args()
     runs = json.loads(args.json.read_text())["runs"] if args.json.exists() else []  # resumable: runs accumulate
     for number in range(args.runs):
         print(f"run {number + 1} of {args.runs} ({len(runs)} recorded before)", file=sys.stderr, flush=True)
-        run, logs = run_swarm(args.steps, args.timeout)
+        run, logs = run_swarm(args.steps, args.timeout, args.context_parallel)
         pairs = parse(logs)
         bans = sum("audit: replies of" in line for line in logs.splitlines())  # every peer is honest: false positives
         runs.append(dict(steps=run["steps"], loss_first=run.get("loss_first"), loss_last=run.get("loss_last"),

@@ -58,6 +58,9 @@ COSINE_MIN = -0.5  # see the measurements above: direction is only checked for a
 LOSS_RTOL = 0.25
 VERIFY_AFTER = 3  # consecutive matching duplicates (or clean trust-on-first-use trips) to be verified
 AUDIT_RATE = 0.02  # share of a verified peer's trips duplicated to another verified peer
+# share of lane trips a driver forks for an audit (`peer/lane_claim.py`): every slot's peers are checked only
+# through forks, so newcomers need them; each costs the forked stage and those after it one more lane trip
+LANE_AUDIT_RATE = 0.1
 
 
 @dataclass(frozen=True)

@@ -7,12 +7,10 @@ lane's stage-0 peer; lane c of stage s hands its boundary message to the group's
 and waits for its reply, like a `Hop`, while every layer's K/V crosses between the lanes of the stage
 (`peer/kv_exchange.py`, computed by `swarm.cp_lane.LaneTrip`).
 
-Every boundary message of a lane trip carries its `LaneClaim` in the header's `extra`: the lane, the
-group (S × P peer ids), the sequence length, and the first token of the next chunk (the tail's last
-target; none on the last lane). `read_claim` checks it before any compute, as decode checks the rest:
-shape, bounded strings, no peer twice in a stage, this peer named at (its stage, its lane), and the
-sender named where it must be (the lane-c peer of the stage before, or a stage-0 peer of the group for a
-chunk the driver hands to stage 0).
+Every boundary message of a lane trip carries its claim (`peer/lane_claim.py`: the group, the chunk's place, and
+on an audited trip the audit fork, the lane trips' equivalent of a pipeline hop's duplicate), checked before any
+compute. The driver forks a trip at `pick_audit`'s rate; the lanes of the stage before the fork send both
+messages through `NextHop.ask`, which compares the replies and believes only a trusted peer's loss.
 
 A lane's parameter gradients stay in its `LaneTrip` until the trip's last backward here; they are then
 applied, checked and stepped in one stage-thread job (`StageRuntime.learn_lane`). A failure before that
@@ -24,16 +22,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 import uuid
-from dataclasses import dataclass
 
 import torch
 from hivemind.p2p import PeerID
 
 from peer.admission import StagePeers
+from peer.audit import LANE_AUDIT_RATE
 from peer.kv_exchange import KVService, LaneExchange, message_limit
-from peer.lanes import EmptyLane, Strikes, pick_group
+from peer.lane_claim import Group, LaneClaim, audit_trip_id, read_claim, split_claims
+from peer.lanes import EmptyLane, Strikes, pick_audit, pick_group
 from peer.link import Link
 from peer.trip import Hop, HopResult
 from swarm.context_parallel import CPBasis
@@ -45,81 +45,7 @@ from swarm.wire import ErrorCode, Header, WireError
 
 logger = logging.getLogger("peer")
 
-MAX_PEER_ID = 128  # characters of one peer id in a claim (base58 ids are ~52)
 GROUP_ATTEMPTS = 3  # groups tried for one trip before it is dropped
-
-
-@dataclass(frozen=True)
-class LaneClaim:
-    """What a lane trip's boundary message says about the trip beyond its chunk."""
-
-    lane: int
-    group: tuple[tuple[str, ...], ...]  # group[stage][lane]: the peer serving it for this trip
-    seq_len: int
-    next_tokens: tuple[int, ...] | None  # the first token of the next chunk, per sequence (None: last lane)
-
-    def extra(self) -> dict:
-        return {
-            "lane": self.lane,
-            "group": [list(peers) for peers in self.group],
-            "seq": self.seq_len,
-            "next": None if self.next_tokens is None else list(self.next_tokens),
-        }
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def read_claim(
-    extra: dict, manifest: Manifest, stage: int, lane: int, own_id: str, sender: str, tokens_shape: tuple[int, ...]
-) -> LaneClaim:
-    """The claim of a lane trip's forward message to lane `lane` of `stage` (this peer, `own_id`), from `sender`,
-    whose chunk has `tokens_shape` (B, n); WireError with a code for anything off."""
-    lanes, stages = manifest.lanes, manifest.num_stages
-    group, seq, nxt, claimed = extra.get("group"), extra.get("seq"), extra.get("next"), extra.get("lane")
-    shape_ok = (
-        isinstance(group, list)
-        and len(group) == stages
-        and all(isinstance(peers, list) and len(peers) == lanes for peers in group)
-        and all(isinstance(p, str) and 0 < len(p) <= MAX_PEER_ID for peers in group for p in peers)
-    )
-    if not shape_ok or not _is_int(claimed) or not _is_int(seq):
-        raise WireError(ErrorCode.MALFORMED, f"a lane trip names its lane, sequence and {stages}×{lanes} peers")
-    if any(len(set(peers)) != lanes for peers in group):
-        raise WireError(ErrorCode.MALFORMED, "a lane trip names one peer twice in a stage")
-    if claimed != lane or group[stage][lane] != own_id:
-        raise WireError(ErrorCode.WRONG_STAGE, f"trip is for lane {claimed}; this peer serves lane {lane} of {stage}")
-    batch, chunk = tokens_shape
-    if seq != chunk * lanes or seq > manifest.model.max_seq_len:
-        raise WireError(ErrorCode.WRONG_SHAPE, f"sequence of {seq} is not {lanes} chunks of {chunk}")
-    last = lane == lanes - 1
-    if last:
-        next_tokens = None
-        if nxt is not None:
-            raise WireError(ErrorCode.MALFORMED, "the last lane has no next chunk")
-    else:
-        vocab = manifest.model.vocab_size
-        if not isinstance(nxt, list) or len(nxt) != batch or not all(_is_int(t) and 0 <= t < vocab for t in nxt):
-            raise WireError(ErrorCode.BAD_TOKENS, f"the next chunk's first tokens: {batch} ids in [0, {vocab})")
-        next_tokens = tuple(nxt)
-    senders = group[0] if stage == 0 else [group[stage - 1][lane]]
-    if sender not in senders:
-        raise WireError(ErrorCode.UNKNOWN_SENDER, "the trip's group does not name the sender where it sent from")
-    return LaneClaim(lane, tuple(tuple(peers) for peers in group), seq, next_tokens)
-
-
-def split_claims(tokens: torch.Tensor, group: tuple[tuple[str, ...], ...]) -> list[tuple[LaneClaim, torch.Tensor]]:
-    """The P chunks of `tokens` (B, L) and their claims: chunk c with the first token of chunk c+1."""
-    lanes, seq = len(group[0]), tokens.shape[1]
-    n = seq // lanes
-    if n * lanes != seq:
-        raise ValueError(f"a sequence of {seq} tokens is not {lanes} chunks")
-    out = []
-    for c in range(lanes):
-        nxt = None if c == lanes - 1 else tuple(int(t) for t in tokens[:, (c + 1) * n])
-        out.append((LaneClaim(c, group, seq, nxt), tokens[:, c * n : (c + 1) * n]))
-    return out
 
 
 def lane_codec(manifest: Manifest, stage) -> CPCodec:
@@ -177,6 +103,10 @@ class LaneHop(Hop):
         self.lanes = self.manifest.lanes
         self.strikes = Strikes()  # groups that failed, per peer: `pick` prefers peers with fewer
         self.stage_peers = StagePeers()  # who may send this lane K/V (`admit_kv_sender`)
+        # the driver cannot see which lane peers its partners have verified, so it forks at a fixed rate (raised
+        # by --audit-rate), not on every trip with an unverified peer as a pipeline hop duplicates
+        self.audit_rate = max(LANE_AUDIT_RATE, self.router.ledger.audit_rate)
+        self.audit_rng = random.Random()
 
     # --- serving one lane -----------------------------------------------------------------------------
 
@@ -221,7 +151,11 @@ class LaneHop(Hop):
             else:
                 output, residual = await runtime.run(lane.output)
                 message = await runtime.run(self._encode, version, output, tokens, trip_id, claim)
-                reply = await self.next_hop.ask(claim.group[self.index + 1][claim.lane], message)
+                fork, duplicate = claim.forked(self.index), None
+                if fork is not None:  # the driver audits the next stage on this trip
+                    blob = await runtime.run(self._encode, version, output, tokens, audit_trip_id(trip_id), fork)
+                    duplicate = (fork.group[self.index + 1][claim.lane], blob)
+                reply = await self.next_hop.ask(claim.group[self.index + 1][claim.lane], message, duplicate)
                 await runtime.run(lane.backward_output, reply.grad)
                 loss, versions, out_grad = reply.loss, reply.versions + [version], reply.grad
                 sent, received = len(message), reply.size
@@ -258,8 +192,9 @@ class LaneHop(Hop):
 
     # --- driving whole trips (stage 0) -----------------------------------------------------------------
 
-    def pick(self) -> tuple[tuple[str, ...], ...]:
-        """One peer per lane of every stage, this peer at its own lane of stage 0; NO_PEER for an empty lane."""
+    def pick(self) -> tuple[Group, tuple[int, tuple[str, ...]] | None]:
+        """One peer per lane of every stage, this peer at its own lane of stage 0 (NO_PEER for an empty lane), and
+        the trip's audit fork, if it gets one (`pick_audit`, at `audit_rate`)."""
         now, groups = time.monotonic(), []
         listed = {e.record.peer_id for entries in self.router.stages.values() for e in entries}
         strikes = self.strikes.current(listed, now)
@@ -269,7 +204,7 @@ class LaneHop(Hop):
             if isinstance(group, EmptyLane):
                 raise WireError(ErrorCode.NO_PEER, str(group))
             groups.append(group.peers)
-        return tuple(groups)
+        return tuple(groups), pick_audit(self.router, groups, self.audit_rate, self.audit_rng, now, strikes)
 
     async def drive(self, tokens: torch.Tensor) -> None:
         """Stage 0: one microbatch as P lane trips, run again with another group (`pick` prefers peers with fewer
@@ -277,22 +212,25 @@ class LaneHop(Hop):
         failure: BaseException | None = None
         for _ in range(GROUP_ATTEMPTS):
             try:
-                group = self.pick()
+                group, audit = self.pick()
             except WireError:
                 self.router.update(await self.fetch())
-                group = self.pick()
+                group, audit = self.pick()
             try:
-                return await self.drive_group(tokens, group)
+                return await self.drive_group(tokens, group, audit)
             except WireError as exc:
                 failure = exc
         raise failure if failure is not None else WireError(ErrorCode.NO_PEER, "no group")
 
-    async def drive_group(self, tokens: torch.Tensor, group: tuple[tuple[str, ...], ...]) -> None:
-        """One trip over `group`; on any lane's failure the other lanes are cancelled (their exchanges close), the
+    async def drive_group(
+        self, tokens: torch.Tensor, group: Group, audit: tuple[int, tuple[str, ...]] | None = None
+    ) -> None:
+        """One trip over `group` (and its audit fork, if any: the fork's replies are only compared, by the lanes
+        of the stage before it); on any lane's failure the other lanes are cancelled (their exchanges close), the
         group's peers get a strike each, and the first failure is raised."""
         version, trip_id = self.runtime.stage.subspace.version, uuid.uuid4().hex
         tasks = []
-        for claim, chunk in split_claims(tokens, group):
+        for claim, chunk in split_claims(tokens, group, audit):
             if claim.lane == self.lane:
                 tasks.append(asyncio.ensure_future(self.lane_hop(claim, None, chunk, version, trip_id)))
             else:
@@ -318,7 +256,7 @@ class LaneHop(Hop):
     async def _remote(self, claim: LaneClaim, chunk: torch.Tensor, trip_id: str) -> HopResult:
         """A lane's chunk to the group's stage-0 peer of that lane, its loss and versions back."""
         message = await self.runtime.run(self._encode_start, chunk, trip_id, claim)
-        reply = await self.next_hop.ask(claim.group[0][claim.lane], message)
+        reply = await self.next_hop.hand(claim.group[0][claim.lane], message)
         return HopResult(None, reply.loss, reply.versions, len(message), reply.size)
 
     def _encode_start(self, chunk: torch.Tensor, trip_id: str, claim: LaneClaim) -> bytes:

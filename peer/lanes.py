@@ -202,6 +202,45 @@ def pick_group(
     return LaneGroup(stage, tuple(chosen[lane] for lane in range(lanes)))
 
 
+def pick_audit(
+    router: Router,
+    group: Sequence[Sequence[str]],
+    rate: float,
+    rng: random.Random,
+    now: float | None = None,
+    strikes: Mapping[str, int] | None = None,
+) -> tuple[int, tuple[str, ...]] | None:
+    """With probability `rate`, an audit fork for a trip over `group` (`peer/lane_claim.py`): a stage s >= 1, at
+    random among those where some lane has a candidate the group does not use, and for each of its lanes such a
+    peer (at random among the fewest `strikes`, so every peer of a slot is audited in turn) or, where the lane
+    has none, the group's own (it serves both trips, and that lane compares nothing). None: no fork."""
+    if rng.random() >= rate:
+        return None
+    now = time.monotonic() if now is None else now
+    strikes = strikes or {}
+    lanes, forks = len(group[0]), []
+    for stage in range(1, len(group)):
+        others: dict[int, list[str]] = {}
+        for entry in router.candidates(stage, now):
+            lane, peer = entry.record.lane, entry.record.peer_id
+            if valid_lane(entry.record, lanes) and peer not in group[stage]:
+                others.setdefault(lane, []).append(peer)
+        if others:
+            forks.append((stage, others))
+    if not forks:
+        return None
+    stage, others = rng.choice(forks)
+    peers = []
+    for lane in range(lanes):
+        pool = others.get(lane)
+        if not pool:
+            peers.append(group[stage][lane])
+            continue
+        fewest = min(strikes.get(p, 0) for p in pool)
+        peers.append(rng.choice([p for p in pool if strikes.get(p, 0) == fewest]))
+    return stage, tuple(peers)
+
+
 def lane_refusal(lane: int, lanes: int) -> str | None:
     """Why `--lane lane` cannot serve a run with `lanes` lanes, or None if it can."""
     if lanes == 1 and lane != 0:

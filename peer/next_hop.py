@@ -4,11 +4,10 @@
 `Ledger` in `peer/audit.py`) gets the message, an unverified candidate (or, now and then, another verified one) a
 duplicate compared in the background, and a failure bans the peer and tries another (`Router.after_failure`).
 `NextHop.ask` is a lane trip's (`peer/lane_trip.py`): its group names the next peer, so there is no failover
-(the driver runs the trip again with another group), and the reply passes the same checks. It gets no audit
-duplicate and no standing yet: a duplicate of one lane hop cannot go alone to another peer (that peer would need
-the other lanes' K/V of the same trip), so auditing a lane peer takes a second group run by the driver; until
-then a lane trip believes its group (issue 25). Gating its loss on a `Ledger` that nothing can verify would stop
-a lane swarm publishing any loss once a peer joined after the first ones were trusted.
+(the driver runs the trip again with another group). One lane hop cannot be duplicated alone (its duplicate's
+peer would need the other lanes' K/V of the same trip), so the driver forks whole stages now and then
+(`peer/lane_claim.py`); a fork's message comes here beside the trip's, and its reply is compared like a pipeline
+duplicate's, against the same `Ledger`. As in a pipeline trip, only a trusted peer's loss goes back up.
 
 Either way the bytes go over the stage's `Link` (`peer/link.py`) and the reply is checked here (`check_reply`:
 the backward message, its loss, its hop versions) before the trip uses it; a reply that fails the checks is the
@@ -161,9 +160,34 @@ class NextHop:
                 router.done_sending(peer_id)
         raise WireError(ErrorCode.NO_PEER, f"no peer of stage {target} answered after {SEND_ATTEMPTS} attempts")
 
-    async def ask(self, peer_id: str, message: bytes) -> Reply:
-        """A lane trip: to the peer its group names, no failover; any failure there (unreachable too) is one hop
-        down. Not audited yet, and no `Ledger` asked: see the module docstring."""
+    async def ask(self, peer_id: str, message: bytes, duplicate: tuple[str, bytes] | None = None) -> Reply:
+        """A lane trip's next stage: to the peer its group names, no failover; any failure there (unreachable too)
+        is one hop down, and a peer this hop banned for lying is refused (the driver strikes the group and picks
+        another). `duplicate` (peer, message) is the trip's audit fork (`peer/lane_claim.py`): sent beside, its
+        reply only compared, as a pipeline duplicate's; the reply used is believed (its loss published) only if
+        trusted."""
+        if peer_id in self.router.liars():
+            raise WireError(ErrorCode.NO_PEER, f"the group names {peer_id[-6:]}, banned here for lying", hops=1)
+        shadow = None
+        if duplicate is not None:
+            shadow = self._duplicate(*duplicate, self.max_reply) if duplicate[0] != peer_id else None
+            if shadow is None:  # the fork kept this lane's peer: it serves both trips, there is nothing to compare
+                asyncio.ensure_future(self._ask(*duplicate, self.max_reply)).add_done_callback(_retrieve)
+        try:
+            reply = await self.hand(peer_id, message)
+        except WireError:
+            if shadow is not None:
+                shadow.cancel()
+                self.shadows.pop(duplicate[0], None)
+            raise
+        self._believe(peer_id, reply)
+        if shadow is not None:
+            self._compare_later(peer_id, reply, duplicate[0], shadow)
+        return reply
+
+    async def hand(self, peer_id: str, message: bytes) -> Reply:
+        """A lane trip's message to a named peer, its reply checked; nothing audited or believed here (the driver
+        hands its stage-0 lane partners their chunks this way: peers of its own stage, not its next hops)."""
         started = time.monotonic()
         try:
             reply = await self._ask(peer_id, message, self.max_reply)
@@ -232,8 +256,10 @@ class NextHop:
                          shadow[-6:], primary[-6:], seen.loss_rdiff, seen.cosine, *seen.norms, why or "agree")
             if why is None:
                 router.answered(shadow, seconds, self.tokens_per_trip)
-                if ledger.clean_trip(shadow, time.monotonic(), tofu=False):
-                    logger.info("%s next hop %s verified by audit trips", self.label, shadow[-6:])
+                # the unverified one of the two counts the match (a lane trip's primary may be the unverified one)
+                checked = primary if ledger.verified(shadow) and not ledger.verified(primary) else shadow
+                if ledger.clean_trip(checked, time.monotonic(), tofu=False):
+                    logger.info("%s next hop %s verified by audit trips", self.label, checked[-6:])
                 return
             loser = ledger.loser(primary, shadow)
             ledger.distrust(loser)
@@ -258,3 +284,9 @@ class NextHop:
                 "%s next hop %s failed (%s); banned %.0fs, failing over (attempt %d)", self.label, short, exc, banned,
                 attempt,
             )
+
+
+def _retrieve(task: asyncio.Task) -> None:
+    """A fork's reply nobody compares: its failure is the fork's, noted at DEBUG and dropped."""
+    if not task.cancelled() and task.exception() is not None:
+        logger.debug("an audit fork's uncompared trip failed: %s", task.exception())

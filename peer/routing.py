@@ -90,6 +90,7 @@ class Ban:
     until: float
     strikes: int
     struck: float = 0.0  # when the last strike was given
+    lied: bool = False  # the last ban was for a reply an audit refuted
 
 
 @dataclass
@@ -205,6 +206,11 @@ class Router:
         now = time.monotonic() if now is None else now
         return {peer for peer, ban in self.bans.items() if ban.until > now}
 
+    def liars(self, now: float | None = None) -> set[str]:
+        """Peers banned now for a reply an audit refuted."""
+        now = time.monotonic() if now is None else now
+        return {peer for peer, ban in self.bans.items() if ban.lied and ban.until > now}
+
     def ban(self, peer_id: str, now: float | None = None, lied: bool = False) -> float:
         """Ban `peer_id`, doubling with its strikes; a peer caught lying by an audit (`lied`) for far longer.
         Returns the ban in seconds."""
@@ -214,7 +220,7 @@ class Router:
         base, cap = (self.audit_ban, self.max_audit_ban) if lied else (self.base_ban, self.max_ban)
         seconds = min(base * 2 ** (strikes - 1), cap)
         self.bans[peer_id] = Ban(until=max(now + seconds, previous.until if previous else 0.0), strikes=strikes,
-                                 struck=now)
+                                 struck=now, lied=lied)
         return seconds
 
     def refused(self, peer_id: str, now: float | None = None) -> float:

@@ -5,6 +5,8 @@ over a group of 2 stages × 2 lanes, each lane a real `StageRuntime` (hivemind D
 from __future__ import annotations
 
 import asyncio
+import random
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -14,12 +16,13 @@ from hivemind.dht import DHT
 from hivemind.utils.timed_storage import get_dht_time
 
 from peer.kv_exchange import KVService, message_limit
-from peer.lane_trip import LaneClaim, LaneHop, lane_codec, read_claim, split_claims
-from peer.lanes import Strikes, pick_group
+from peer.lane_claim import LaneClaim, read_claim, split_claims
+from peer.lane_trip import LaneHop, lane_codec
+from peer.lanes import Strikes, pick_audit, pick_group
 from peer.next_hop import NextHop
 from peer.routing import Router
 from peer.runtime import StageRuntime
-from peer.trip import Stats
+from peer.trip import HopResult, Stats
 from swarm.model import build_stages, next_token_loss
 from swarm.records import RECORD_TTL, PeerEntry
 from swarm.wire import ErrorCode, WireError, encode_error
@@ -65,6 +68,41 @@ def test_claims_are_checked_before_any_compute():
     assert refusal(claim_extra(0, next=[1]), lane=0, own="b0", sender="a0") is ErrorCode.BAD_TOKENS
 
 
+def test_an_audit_fork_is_checked_and_forks_only_the_stage_before_it():
+    fork = [1, ["b0", "x1"]]
+    assert refusal(claim_extra(audit=fork)) is None
+    for bad in ([0, ["b0", "x1"]], [2, ["b0", "x1"]], [1, ["x1"]], [1, ["x1", "x1"]], [1, ["b0", 7]], [True, []],
+                [1, ["b0", "x" * 200]], "b0"):
+        assert refusal(claim_extra(audit=bad)) is ErrorCode.MALFORMED, bad
+    claim = read_claim(claim_extra(1, audit=fork), MANIFEST, 0, 1, "a1", "a0", (2, 16))
+    assert claim.forked(1) is None  # stage 1 is the fork itself: it sends nothing twice
+    forked = claim.forked(0)
+    assert forked.group == (("a0", "a1"), ("b0", "x1")) and forked.audit is None
+    # the fork's peer of lane 1 reads the forked claim: it names it at its lane and the same sender
+    assert read_claim(forked.extra(), MANIFEST, 1, 1, "x1", "a1", (2, 16)).group == forked.group
+
+
+def entry(stage: int, name: str, lane: int) -> PeerEntry:
+    return PeerEntry(record=stage_record(stage, name, MANIFEST, lane=lane), expiration=get_dht_time() + RECORD_TTL,
+                     owner=b"")
+
+
+def test_an_audit_fork_takes_the_slots_other_peers_and_keeps_a_lane_that_has_none():
+    router = Router(MANIFEST.t_fixed_sha256, "me", lanes=2)
+    entries = {name: entry(1, name, lane) for name, lane in (("b0", 0), ("b1", 1), ("x1", 1), ("y1", 1))}
+    router.update({1: list(entries.values())})
+    b0, b1, x1, y1 = (entries[name].record.peer_id for name in ("b0", "b1", "x1", "y1"))
+    group, rng = (("a0", "a1"), (b0, b1)), random.Random(3)
+    assert pick_audit(router, group, 0.0, rng) is None
+    forks = {pick_audit(router, group, 1.0, rng) for _ in range(40)}
+    assert forks == {(1, (b0, x1)), (1, (b0, y1))}  # both other peers of lane 1, in turn; lane 0 has no other
+    struck = {pick_audit(router, group, 1.0, rng, strikes={x1: 1}) for _ in range(20)}
+    assert struck == {(1, (b0, y1))}  # fewer strikes first
+    router.ban(x1)
+    router.ban(y1)
+    assert pick_audit(router, group, 1.0, rng) is None  # nobody else to fork to
+
+
 def test_split_claims_hand_each_lane_the_next_chunks_first_token():
     batch = tokens()
     (first, chunk0), (last, chunk1) = split_claims(batch, GROUP)
@@ -96,11 +134,22 @@ def test_strikes_are_cleared_by_a_good_trip_and_forgotten_a_while_after_the_last
     assert strikes.current(listed, now=41.0) == {}  # a peer whose record is gone is forgotten at once
 
 
-class Swarm:
-    """Four lane peers: stage s lane c is `peers[2 * s + c]`."""
+class LyingLaneHop(LaneHop):
+    """A lane peer that runs its lane honestly (its partners' K/V keep flowing) and answers with a fake reply: a
+    zero gradient and a hundredth of its loss."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop):
+    async def lane_hop(self, *args, **kwargs) -> HopResult:
+        result = await super().lane_hop(*args, **kwargs)
+        loss = None if result.loss is None else result.loss / 100
+        return HopResult(torch.zeros_like(result.input_grad), loss, result.versions, result.sent, result.received)
+
+
+class Swarm:
+    """Lane peers: stage s lane c is `peers[2 * s + c]`, then `extra` ones (slot, hop class)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, extra: tuple = ()):
         self.loop = loop
+        self.slots = [((stage, lane), LaneHop) for stage in range(2) for lane in range(2)] + list(extra)
         self.dhts: list[DHT] = []
         self.runtimes: list[StageRuntime] = []
         self.services: list[KVService] = []
@@ -108,16 +157,15 @@ class Swarm:
         self.ids: list[str] = []
 
     def start(self) -> None:
-        for slot in range(4):
-            stage, lane = divmod(slot, 2)
+        for (stage, lane), hop_class in self.slots:
             initial = [str(a) for a in self.dhts[0].get_visible_maddrs()] if self.dhts else []
             dht = DHT(start=True, initial_peers=initial)
             runtime = StageRuntime(MANIFEST, stage, dht, torch.device("cpu"), f"[lane test {stage}.{lane}]")
             self.dhts.append(dht)
             self.runtimes.append(runtime)
-            self.loop.run_until_complete(self._serve(dht, runtime, stage, lane))
+            self.loop.run_until_complete(self._serve(dht, runtime, stage, lane, hop_class))
 
-    async def _serve(self, dht: DHT, runtime: StageRuntime, stage: int, lane: int) -> None:
+    async def _serve(self, dht: DHT, runtime: StageRuntime, stage: int, lane: int, hop_class: type) -> None:
         p2p = await dht.replicate_p2p()
         codec = lane_codec(MANIFEST, runtime.stage)
         service = KVService(p2p, MANIFEST.run_id, message_limit(codec, lane, codec.spec.mode))
@@ -135,14 +183,15 @@ class Swarm:
 
         link, stats = SimpleNamespace(send=send), Stats()  # a `peer/link.py` Link to the hops of this process
         next_hop = NextHop(MANIFEST, stage, runtime, router, link, fetch, stats, runtime.label, 60.0)
-        hop = LaneHop(MANIFEST, stage, runtime, next_hop, stats, runtime.label, lane=lane, kv=service, peer_id=peer_id)
+        hop = hop_class(MANIFEST, stage, runtime, next_hop, stats, runtime.label, lane=lane, kv=service,
+                        peer_id=peer_id)
         self.services.append(service)
         self.ids.append(peer_id)
         self.hops[peer_id] = hop
 
     @property
     def group(self) -> tuple[tuple[str, ...], ...]:
-        return (tuple(self.ids[:2]), tuple(self.ids[2:]))
+        return (tuple(self.ids[:2]), tuple(self.ids[2:4]))
 
     def accumulated(self) -> list[int]:
         return [runtime.optimizer.grad_averager.local_samples_accumulated for runtime in self.runtimes]
@@ -157,8 +206,10 @@ class Swarm:
 
 @pytest.fixture(scope="module")
 def swarm():
+    """The four peers of `Swarm.group`, and a fifth on stage 1 lane 1 that lies (`LyingLaneHop`), outside the group
+    unless a test names it."""
     loop = asyncio.new_event_loop()
-    running = Swarm(loop)
+    running = Swarm(loop, (((1, 1), LyingLaneHop),))
     try:
         running.start()
         yield running
@@ -195,14 +246,14 @@ def test_a_trip_over_two_stages_of_two_lanes_is_the_whole_sequence(swarm):
     loss, grads = in_process(batch)
     assert driver.stats.losses[0] == pytest.approx(loss, rel=1e-4)  # the lanes' losses sum to the mean loss
     # every lane stepped its chunk once (B sequences), nothing else
-    assert [after - was for after, was in zip(swarm.accumulated(), before, strict=True)] == [2, 2, 2, 2]
+    assert [after - was for after, was in zip(swarm.accumulated(), before, strict=True)] == [2, 2, 2, 2, 0]
     # the two lanes of a stage together hold the stage's gradient (each unclipped: its norm is below grad_clip)
     for stage in range(2):
         lanes = [accumulated_grads(runtime) for runtime in swarm.runtimes[2 * stage : 2 * stage + 2]]
         for name, want in grads[stage].items():
             got = lanes[0][name] + lanes[1][name]
             assert float((got - want).abs().max()) <= 1e-4 * float(want.abs().max()) + 1e-7, name
-    assert all(hop.stats.kv_bytes > 0 for hop in swarm.hops.values())
+    assert all(swarm.hops[peer].stats.kv_bytes > 0 for peers in swarm.group for peer in peers)
     assert all(not service.exchanges for service in swarm.services)  # every exchange closed
 
 
@@ -221,3 +272,30 @@ def test_a_lane_peer_gone_fails_the_whole_trip_and_applies_nothing(swarm):
     assert all(runtime.stage.t_s.grad is None for runtime in swarm.runtimes[:1])
     swarm.loop.run_until_complete(asyncio.sleep(0.5))  # the cancelled lanes' exchanges close
     assert all(not service.exchanges for service in swarm.services)
+
+
+def test_a_lying_lane_peer_is_audited_by_a_fork_and_banned(swarm):
+    driver, partner = swarm.hops[swarm.ids[0]], swarm.hops[swarm.ids[1]]  # a0 and a1, the stage-0 lanes
+    b0, b1, liar = swarm.ids[2], swarm.ids[3], swarm.ids[4]
+    run, stats = swarm.loop.run_until_complete, driver.stats
+    for seed in range(3):  # trust on first use: a1 verifies b1, its only next hop so far
+        run(driver.drive_group(tokens(seed), swarm.group))
+    ledger = partner.router.ledger
+    trips, losses = stats.trips, len(stats.losses)
+    assert ledger.verified(b1) and not ledger.verified(liar)
+    # a trip through the liar, unverified: its gradient is used (trips go on), its loss is not published
+    run(driver.drive_group(tokens(3), ((swarm.ids[0], swarm.ids[1]), (b0, liar))))
+    assert (stats.trips, len(stats.losses)) == (trips + 1, losses)
+    # a trip forked at stage 1: lane 0 keeps b0 (no other peer), lane 1 duplicates to the liar and compares
+    run(driver.drive_group(tokens(4), swarm.group, audit=(1, (b0, liar))))
+    assert (stats.trips, len(stats.losses)) == (trips + 2, losses + 1)  # the trip's own replies are honest
+    deadline = time.monotonic() + 60
+    while liar not in partner.router.liars() and time.monotonic() < deadline:
+        run(asyncio.sleep(0.2))
+    assert liar in partner.router.liars() and ledger.verified(b1) and not ledger.verified(liar)
+    assert not driver.router.liars()  # lane 0 compared nothing: b0 served both trips
+    # a group naming the liar now fails at a1 (the driver strikes the group and picks another)
+    with pytest.raises(WireError) as refused:
+        run(asyncio.wait_for(driver.drive_group(tokens(5), ((swarm.ids[0], swarm.ids[1]), (b0, liar))), 90))
+    assert refused.value.code is ErrorCode.NO_PEER
+    run(asyncio.sleep(0.5))  # the cancelled lanes' exchanges close

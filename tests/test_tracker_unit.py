@@ -221,7 +221,10 @@ def test_lanes_per_stage_and_capacity_is_the_weakest_lane():
     }
     s = summarize(CP2, stages, NOW)
     assert s["healthy"] and s["lanes"] == 2
-    assert not any(row["audited"] for row in s["stages"])  # lane trips are not audited yet
+    # a lane is audited by forks to a second peer of the lane: stage 0's lane 1 and stage 1 have one each
+    assert not any(row["audited"] for row in s["stages"])
+    stages[0].append(lane_view(0, 1, "f", 10.0))
+    assert [row["audited"] for row in summarize(CP2, stages, NOW)["stages"]] == [True, False]
     assert [(lane["peers_serving"], lane["throughput"], lane["empty"]) for lane in s["stages"][0]["lanes"]] == [
         (2, 150.0, False),
         (1, 120.0, False),

@@ -300,9 +300,9 @@ def summarize(
                 peers_total=len(views),
                 peers_online=len(online),
                 peers_serving=len(serving),
-                # drivers audit a peer's replies against a second serving peer of its stage; a lone one is trusted on
-                # first use, and lane trips are not audited yet (peer/next_hop.py)
-                audited=lanes == 1 and len(serving) >= 2,
+                # drivers audit a peer's replies against a second serving peer of its stage (with lanes: of its
+                # lane, by audit forks, peer/lane_claim.py); a lone one is trusted on first use
+                audited=all(len(group) >= 2 for group in lane_peers),
                 throughput=stage_capacity,  # claimed by its peers, each claim clamped to the bound
                 claimed_throughput=stage_capacity,
                 throughput_bound=bound,

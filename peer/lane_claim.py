@@ -1,0 +1,141 @@
+"""What a lane trip's boundary message claims about the trip beyond its chunk, and the check of that claim.
+
+Every boundary message of a lane trip (`peer/lane_trip.py`) carries its `LaneClaim` in the header's `extra`:
+the lane, the group (S × P peer ids), the sequence length, the first token of the next chunk (the tail's last
+target; none on the last lane) and, on an audited trip, its *audit fork*. `read_claim` checks it before any
+compute, as decode checks the rest: shape, bounded strings, no peer twice in a stage, this peer named at (its
+stage, its lane), and the sender named where it must be (the lane-c peer of the stage before, or a stage-0 peer
+of the group for a chunk the driver hands to stage 0).
+
+The audit fork is how lane peers are verified (issue 25). A pipeline hop audits its next peer by sending the
+same message to a second one, but one lane hop cannot be duplicated alone: the duplicate's peer needs the other
+lanes' K/V of the same trip. So the driver forks a whole stage: `audit = (s, peers)` makes every lane of stage
+s-1 send its boundary message also to `peers[lane]`, as a second trip (`audit_trip_id`) over the same group with
+stage s replaced (`LaneClaim.forked`). The peers of the fork exchange K/V among themselves, like any group;
+each lane of stage s-1 compares the two replies it got, as a pipeline hop compares a duplicate's
+(`peer/next_hop.py`), and bans the liar. Only the lanes whose fork peer differs compare anything.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from swarm.manifest import Manifest
+from swarm.wire import ErrorCode, WireError
+
+MAX_PEER_ID = 128  # characters of one peer id in a claim (base58 ids are ~52)
+AUDIT_SUFFIX = ".audit"  # a fork's trip id: the trip's, marked (header trip ids hold 128 characters)
+
+Group = tuple[tuple[str, ...], ...]  # group[stage][lane]: the peer serving it for this trip
+
+
+@dataclass(frozen=True)
+class LaneClaim:
+    """What a lane trip's boundary message says about the trip beyond its chunk."""
+
+    lane: int
+    group: Group
+    seq_len: int
+    next_tokens: tuple[int, ...] | None  # the first token of the next chunk, per sequence (None: last lane)
+    audit: tuple[int, tuple[str, ...]] | None = None  # (stage s, one peer per lane): the fork (module docstring)
+
+    def extra(self) -> dict:
+        extra = {
+            "lane": self.lane,
+            "group": [list(peers) for peers in self.group],
+            "seq": self.seq_len,
+            "next": None if self.next_tokens is None else list(self.next_tokens),
+        }
+        if self.audit is not None:
+            extra["audit"] = [self.audit[0], list(self.audit[1])]
+        return extra
+
+    def forked(self, stage: int) -> LaneClaim | None:
+        """The claim of the audit fork that this trip's lane of `stage` sends, or None if it forks elsewhere."""
+        if self.audit is None or self.audit[0] != stage + 1:
+            return None
+        group = tuple(self.audit[1] if s == stage + 1 else peers for s, peers in enumerate(self.group))
+        return replace(self, group=group, audit=None)
+
+
+def audit_trip_id(trip_id: str) -> str:
+    return trip_id + AUDIT_SUFFIX
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _peer_ids(value, lanes: int) -> bool:
+    """A list of `lanes` distinct, bounded peer id strings."""
+    return (
+        isinstance(value, list)
+        and len(value) == lanes
+        and all(isinstance(p, str) and 0 < len(p) <= MAX_PEER_ID for p in value)
+        and len(set(value)) == lanes
+    )
+
+
+def _read_audit(value, stages: int, lanes: int) -> tuple[int, tuple[str, ...]] | None:
+    if value is None:
+        return None
+    if not (isinstance(value, list) and len(value) == 2 and _is_int(value[0]) and 1 <= value[0] < stages
+            and _peer_ids(value[1], lanes)):
+        raise WireError(ErrorCode.MALFORMED, f"an audit fork names a stage in 1..{stages - 1} and {lanes} peers")
+    return value[0], tuple(value[1])
+
+
+def read_claim(
+    extra: dict, manifest: Manifest, stage: int, lane: int, own_id: str, sender: str, tokens_shape: tuple[int, ...]
+) -> LaneClaim:
+    """The claim of a lane trip's forward message to lane `lane` of `stage` (this peer, `own_id`), from `sender`,
+    whose chunk has `tokens_shape` (B, n); WireError with a code for anything off."""
+    lanes, stages = manifest.lanes, manifest.num_stages
+    group, seq, nxt, claimed = extra.get("group"), extra.get("seq"), extra.get("next"), extra.get("lane")
+    shape_ok = (
+        isinstance(group, list)
+        and len(group) == stages
+        and all(isinstance(peers, list) and len(peers) == lanes for peers in group)
+        and all(isinstance(p, str) and 0 < len(p) <= MAX_PEER_ID for peers in group for p in peers)
+    )
+    if not shape_ok or not _is_int(claimed) or not _is_int(seq):
+        raise WireError(ErrorCode.MALFORMED, f"a lane trip names its lane, sequence and {stages}×{lanes} peers")
+    if any(len(set(peers)) != lanes for peers in group):
+        raise WireError(ErrorCode.MALFORMED, "a lane trip names one peer twice in a stage")
+    audit = _read_audit(extra.get("audit"), stages, lanes)
+    if claimed != lane or group[stage][lane] != own_id:
+        raise WireError(ErrorCode.WRONG_STAGE, f"trip is for lane {claimed}; this peer serves lane {lane} of {stage}")
+    batch, chunk = tokens_shape
+    if seq != chunk * lanes or seq > manifest.model.max_seq_len:
+        raise WireError(ErrorCode.WRONG_SHAPE, f"sequence of {seq} is not {lanes} chunks of {chunk}")
+    last = lane == lanes - 1
+    if last:
+        next_tokens = None
+        if nxt is not None:
+            raise WireError(ErrorCode.MALFORMED, "the last lane has no next chunk")
+    else:
+        vocab = manifest.model.vocab_size
+        if not isinstance(nxt, list) or len(nxt) != batch or not all(_is_int(t) and 0 <= t < vocab for t in nxt):
+            raise WireError(ErrorCode.BAD_TOKENS, f"the next chunk's first tokens: {batch} ids in [0, {vocab})")
+        next_tokens = tuple(nxt)
+    senders = group[0] if stage == 0 else [group[stage - 1][lane]]
+    if sender not in senders:
+        raise WireError(ErrorCode.UNKNOWN_SENDER, "the trip's group does not name the sender where it sent from")
+    return LaneClaim(lane, tuple(tuple(peers) for peers in group), seq, next_tokens, audit)
+
+
+def split_claims(
+    tokens: torch.Tensor, group: Group, audit: tuple[int, tuple[str, ...]] | None = None
+) -> list[tuple[LaneClaim, torch.Tensor]]:
+    """The P chunks of `tokens` (B, L) and their claims: chunk c with the first token of chunk c+1."""
+    lanes, seq = len(group[0]), tokens.shape[1]
+    n = seq // lanes
+    if n * lanes != seq:
+        raise ValueError(f"a sequence of {seq} tokens is not {lanes} chunks")
+    out = []
+    for c in range(lanes):
+        nxt = None if c == lanes - 1 else tuple(int(t) for t in tokens[:, (c + 1) * n])
+        out.append((LaneClaim(c, group, seq, nxt, audit), tokens[:, c * n : (c + 1) * n]))
+    return out

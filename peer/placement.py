@@ -24,8 +24,7 @@ import random
 from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass
 
-from swarm.manifest import Manifest
-from swarm.records import ANNOUNCE_INTERVAL, RECORD_TTL, PeerEntry, StagePeerRecord, claimed_throughput
+from swarm.records import ANNOUNCE_INTERVAL, RECORD_TTL, PeerEntry, StagePeerRecord
 
 StageLoads = Mapping[int, Sequence[float]]  # stage → throughputs (tokens/s) of its live peers
 
@@ -64,26 +63,6 @@ def counts_for_placement(
         and record.peer_id not in unreachable
         and record_age(entry.expiration, now) <= LIVENESS_WINDOW
     )
-
-
-def online_loads(
-    stages: Mapping[int, Sequence[PeerEntry]],
-    manifest: Manifest,
-    t_fixed_sha256: str,
-    own_peer_id: str,
-    now: float,
-    unreachable: Set[str] = frozenset(),
-) -> dict[int, list[float]]:
-    """Claimed throughputs of the other live peers per stage (`counts_for_placement`), each clamped to the
-    stage's plausible bound."""
-    return {
-        stage: [
-            claimed_throughput(e.record, manifest)
-            for e in entries
-            if counts_for_placement(e, now, t_fixed_sha256, own_peer_id, unreachable)
-        ]
-        for stage, entries in stages.items()
-    }
 
 
 def placement_wait(up_for: float) -> float:

@@ -4,11 +4,12 @@ import random
 
 from builders import TINY, stage_record
 
+from peer.lanes import lane_loads
 from peer.placement import (
     LIVENESS_WINDOW,
     Hysteresis,
     choose_stage,
-    online_loads,
+    counts_for_placement,
     placement_wait,
     record_age,
     should_move,
@@ -73,8 +74,15 @@ def entry(stage: int, name: str, age: float = 0.0, **changes) -> PeerEntry:
     return PeerEntry(stage_record(stage, name, **changes), NOW - age + RECORD_TTL, name.encode())
 
 
+def stage_loads(stages, own: str, now: float, unreachable=frozenset()) -> dict[int, list[float]]:
+    """What a peer's rebalancer counts per stage (`peer/lanes.py` `lane_loads`; one lane without context
+    parallelism)."""
+    counts = lambda e: counts_for_placement(e, now, TINY.t_fixed_sha256, own, unreachable)  # noqa: E731
+    return {stage: lanes[0] for stage, lanes in lane_loads(stages, TINY, counts).items()}
+
+
 def loads_of(stages, unreachable=frozenset()) -> dict[int, list[float]]:
-    return online_loads(stages, TINY, TINY.t_fixed_sha256, "me", NOW, unreachable)
+    return stage_loads(stages, "me", NOW, unreachable)
 
 
 def test_a_record_not_refreshed_within_the_window_does_not_count():
@@ -130,7 +138,7 @@ class SimulatedSwarm:
         return out
 
     def loads(self, own: str) -> dict[int, list[float]]:
-        return online_loads(self.view(own), TINY, TINY.t_fixed_sha256, f"12D3Koo-{own}", self.t)
+        return stage_loads(self.view(own), f"12D3Koo-{own}", self.t)
 
     def announce(self, name: str, peer: dict) -> None:
         record = stage_record(peer["stage"], name, peer_id=f"12D3Koo-{name}", state=peer["state"])

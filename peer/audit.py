@@ -8,7 +8,8 @@ time to it and to the best verified peer of the stage; the verified peer's reply
 `VERIFY_AFTER` consecutive matching duplicates make it verified. A mismatch bans it for a long, escalating
 time. Verified peers are audited at a low random rate (`AUDIT_RATE` of their trips duplicated to another
 verified peer; the message is the same one, so the audited peer cannot tell); on a mismatch the peer with
-the shorter verified history loses its status and is banned.
+the shorter verified history loses its status and is banned. Lane trips are audited by forks
+(`peer/lane_claim.py`, whose limit says which lane peers can tell a forked trip).
 
 Bootstrapping is trust on first use: when no peer of the stage is verified from this hop's point of view
 (a new swarm, or every peer new), the best candidate is used normally and becomes verified after

@@ -9,15 +9,23 @@ of the group for a chunk the driver hands to stage 0).
 
 The audit fork is how lane peers are verified (issue 25). A pipeline hop audits its next peer by sending the
 same message to a second one, but one lane hop cannot be duplicated alone: the duplicate's peer needs the other
-lanes' K/V of the same trip. So the driver forks a whole stage: `audit = (s, peers)` makes every lane of stage
-s-1 send its boundary message also to `peers[lane]`, as a second trip (`audit_trip_id`) over the same group with
-stage s replaced (`LaneClaim.forked`). The peers of the fork exchange K/V among themselves, like any group;
-each lane of stage s-1 compares the two replies it got, as a pipeline hop compares a duplicate's
-(`peer/next_hop.py`), and bans the liar. Only the lanes whose fork peer differs compare anything.
+lanes' K/V of the same trip. So the driver forks a whole stage: `audit = (s, peers, fork id)` makes every lane of
+stage s-1 send its boundary message also to `peers[lane]`, as a second trip with the fork's own random id over
+the same group with stage s replaced (`LaneClaim.forked`). Both messages leave stage s-1 without the audit
+(`LaneClaim.onward`), so the audited peers cannot tell the trip from its fork, nor either from a trip that is not
+audited. The peers of the fork exchange K/V among themselves, like any group; each lane of stage s-1 compares
+the two replies it got, as a pipeline hop compares a duplicate's (`peer/next_hop.py`). Only the lanes whose fork
+peer differs compare anything.
+
+Limit: stages 0..s-2 carry the audit on, so they can tell that this trip audits a later stage, not them; a liar
+there can lie on such trips (at most the fork rate of them) unseen, and must answer honestly on all others, where
+it cannot tell whether it is audited. Hiding the fork from them needs it encrypted to the stage before it.
 """
 
 from __future__ import annotations
 
+import re
+import uuid
 from dataclasses import dataclass, replace
 
 import torch
@@ -26,9 +34,10 @@ from swarm.manifest import Manifest
 from swarm.wire import ErrorCode, WireError
 
 MAX_PEER_ID = 128  # characters of one peer id in a claim (base58 ids are ~52)
-AUDIT_SUFFIX = ".audit"  # a fork's trip id: the trip's, marked (header trip ids hold 128 characters)
+TRIP_ID = re.compile(r"[0-9a-f]{32}")  # a fork's id looks like any trip's (`uuid4().hex`)
 
 Group = tuple[tuple[str, ...], ...]  # group[stage][lane]: the peer serving it for this trip
+Fork = tuple[int, tuple[str, ...], str]  # an audit fork: (stage s, one peer per lane of s, the fork's trip id)
 
 
 @dataclass(frozen=True)
@@ -39,7 +48,7 @@ class LaneClaim:
     group: Group
     seq_len: int
     next_tokens: tuple[int, ...] | None  # the first token of the next chunk, per sequence (None: last lane)
-    audit: tuple[int, tuple[str, ...]] | None = None  # (stage s, one peer per lane): the fork (module docstring)
+    audit: Fork | None = None  # (stage s, one peer per lane, the fork's trip id): module docstring
 
     def extra(self) -> dict:
         extra = {
@@ -49,19 +58,28 @@ class LaneClaim:
             "next": None if self.next_tokens is None else list(self.next_tokens),
         }
         if self.audit is not None:
-            extra["audit"] = [self.audit[0], list(self.audit[1])]
+            extra["audit"] = [self.audit[0], list(self.audit[1]), self.audit[2]]
         return extra
 
-    def forked(self, stage: int) -> LaneClaim | None:
-        """The claim of the audit fork that this trip's lane of `stage` sends, or None if it forks elsewhere."""
-        if self.audit is None or self.audit[0] != stage + 1:
+    def forks_after(self, stage: int) -> bool:
+        """Whether the lanes of `stage` fork this trip (the audit is of the stage after it)."""
+        return self.audit is not None and self.audit[0] == stage + 1
+
+    def onward(self, stage: int) -> LaneClaim:
+        """The claim the lanes of `stage` send on: without the audit once it is theirs to carry out."""
+        return replace(self, audit=None) if self.forks_after(stage) else self
+
+    def forked(self, stage: int) -> tuple[LaneClaim, str] | None:
+        """The claim and trip id of the audit fork that this trip's lane of `stage` sends, or None."""
+        if not self.forks_after(stage):
             return None
-        group = tuple(self.audit[1] if s == stage + 1 else peers for s, peers in enumerate(self.group))
-        return replace(self, group=group, audit=None)
+        audited, peers, fork_id = self.audit
+        group = tuple(peers if s == audited else others for s, others in enumerate(self.group))
+        return replace(self, group=group, audit=None), fork_id
 
 
-def audit_trip_id(trip_id: str) -> str:
-    return trip_id + AUDIT_SUFFIX
+def new_fork(stage: int, peers: tuple[str, ...]) -> Fork:
+    return stage, peers, uuid.uuid4().hex
 
 
 def _is_int(value) -> bool:
@@ -78,13 +96,13 @@ def _peer_ids(value, lanes: int) -> bool:
     )
 
 
-def _read_audit(value, stages: int, lanes: int) -> tuple[int, tuple[str, ...]] | None:
+def _read_audit(value, stages: int, lanes: int) -> Fork | None:
     if value is None:
         return None
-    if not (isinstance(value, list) and len(value) == 2 and _is_int(value[0]) and 1 <= value[0] < stages
-            and _peer_ids(value[1], lanes)):
-        raise WireError(ErrorCode.MALFORMED, f"an audit fork names a stage in 1..{stages - 1} and {lanes} peers")
-    return value[0], tuple(value[1])
+    if not (isinstance(value, list) and len(value) == 3 and _is_int(value[0]) and 1 <= value[0] < stages
+            and _peer_ids(value[1], lanes) and isinstance(value[2], str) and TRIP_ID.fullmatch(value[2])):
+        raise WireError(ErrorCode.MALFORMED, f"an audit fork names a stage in 1..{stages - 1}, {lanes} peers and an id")
+    return value[0], tuple(value[1]), value[2]
 
 
 def read_claim(
@@ -126,9 +144,7 @@ def read_claim(
     return LaneClaim(lane, tuple(tuple(peers) for peers in group), seq, next_tokens, audit)
 
 
-def split_claims(
-    tokens: torch.Tensor, group: Group, audit: tuple[int, tuple[str, ...]] | None = None
-) -> list[tuple[LaneClaim, torch.Tensor]]:
+def split_claims(tokens: torch.Tensor, group: Group, audit: Fork | None = None) -> list[tuple[LaneClaim, torch.Tensor]]:
     """The P chunks of `tokens` (B, L) and their claims: chunk c with the first token of chunk c+1."""
     lanes, seq = len(group[0]), tokens.shape[1]
     n = seq // lanes

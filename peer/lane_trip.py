@@ -32,7 +32,7 @@ from hivemind.p2p import PeerID
 from peer.admission import StagePeers
 from peer.audit import LANE_AUDIT_RATE
 from peer.kv_exchange import KVService, LaneExchange, message_limit
-from peer.lane_claim import Group, LaneClaim, audit_trip_id, read_claim, split_claims
+from peer.lane_claim import Fork, Group, LaneClaim, new_fork, read_claim, split_claims
 from peer.lanes import EmptyLane, Strikes, pick_audit, pick_group
 from peer.link import Link
 from peer.trip import Hop, HopResult
@@ -150,11 +150,13 @@ class LaneHop(Hop):
                 versions = [version]
             else:
                 output, residual = await runtime.run(lane.output)
-                message = await runtime.run(self._encode, version, output, tokens, trip_id, claim)
+                onward = claim.onward(self.index)  # the audited stage cannot tell a forked trip
+                message = await runtime.run(self._encode, version, output, tokens, trip_id, onward)
                 fork, duplicate = claim.forked(self.index), None
                 if fork is not None:  # the driver audits the next stage on this trip
-                    blob = await runtime.run(self._encode, version, output, tokens, audit_trip_id(trip_id), fork)
-                    duplicate = (fork.group[self.index + 1][claim.lane], blob)
+                    fork_claim, fork_id = fork
+                    blob = await runtime.run(self._encode, version, output, tokens, fork_id, fork_claim)
+                    duplicate = (fork_claim.group[self.index + 1][claim.lane], blob)
                 reply = await self.next_hop.ask(claim.group[self.index + 1][claim.lane], message, duplicate)
                 await runtime.run(lane.backward_output, reply.grad)
                 loss, versions, out_grad = reply.loss, reply.versions + [version], reply.grad
@@ -192,7 +194,7 @@ class LaneHop(Hop):
 
     # --- driving whole trips (stage 0) -----------------------------------------------------------------
 
-    def pick(self) -> tuple[Group, tuple[int, tuple[str, ...]] | None]:
+    def pick(self) -> tuple[Group, Fork | None]:
         """One peer per lane of every stage, this peer at its own lane of stage 0 (NO_PEER for an empty lane), and
         the trip's audit fork, if it gets one (`pick_audit`, at `audit_rate`)."""
         now, groups = time.monotonic(), []
@@ -204,7 +206,8 @@ class LaneHop(Hop):
             if isinstance(group, EmptyLane):
                 raise WireError(ErrorCode.NO_PEER, str(group))
             groups.append(group.peers)
-        return tuple(groups), pick_audit(self.router, groups, self.audit_rate, self.audit_rng, now, strikes)
+        audit = pick_audit(self.router, groups, self.audit_rate, self.audit_rng, now, strikes)
+        return tuple(groups), None if audit is None else new_fork(*audit)
 
     async def drive(self, tokens: torch.Tensor) -> None:
         """Stage 0: one microbatch as P lane trips, run again with another group (`pick` prefers peers with fewer
@@ -223,7 +226,7 @@ class LaneHop(Hop):
         raise failure if failure is not None else WireError(ErrorCode.NO_PEER, "no group")
 
     async def drive_group(
-        self, tokens: torch.Tensor, group: Group, audit: tuple[int, tuple[str, ...]] | None = None
+        self, tokens: torch.Tensor, group: Group, audit: Fork | None = None
     ) -> None:
         """One trip over `group` (and its audit fork, if any: the fork's replies are only compared, by the lanes
         of the stage before it); on any lane's failure the other lanes are cancelled (their exchanges close), the

@@ -210,10 +210,11 @@ def pick_audit(
     now: float | None = None,
     strikes: Mapping[str, int] | None = None,
 ) -> tuple[int, tuple[str, ...]] | None:
-    """With probability `rate`, an audit fork for a trip over `group` (`peer/lane_claim.py`): a stage s >= 1, at
-    random among those where some lane has a candidate the group does not use, and for each of its lanes such a
-    peer (at random among the fewest `strikes`, so every peer of a slot is audited in turn) or, where the lane
-    has none, the group's own (it serves both trips, and that lane compares nothing). None: no fork."""
+    """With probability `rate`, where an audit fork of a trip over `group` goes (`peer/lane_claim.py`): a stage
+    s >= 1, at random among those where some lane has a candidate the group does not use, and for each of its
+    lanes such a peer (at random among the fewest `strikes`, so every peer of a slot is audited in turn) or, where
+    the lane has none, the group's own (it serves both trips, and that lane compares nothing). None: no fork (or
+    nobody to fork to, so a swarm with one peer per slot is never audited)."""
     if rng.random() >= rate:
         return None
     now = time.monotonic() if now is None else now

@@ -21,7 +21,7 @@ import logging
 import math
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -134,9 +134,10 @@ class NextHop:
             try:
                 checked = await self._ask(peer_id, message, max_reply)
                 router.answered(peer_id, time.monotonic() - started, self.tokens_per_trip)
+                used = replace(checked)  # compared with its loss, before `_believe` may drop it
                 self._believe(peer_id, checked)
                 if shadow is not None:
-                    self._compare_later(peer_id, checked, plan.shadow, shadow)
+                    self._compare_later(peer_id, used, plan.shadow, shadow)
                 return checked
             except WireError as exc:
                 if shadow is not None:
@@ -163,26 +164,27 @@ class NextHop:
     async def ask(self, peer_id: str, message: bytes, duplicate: tuple[str, bytes] | None = None) -> Reply:
         """A lane trip's next stage: to the peer its group names, no failover; any failure there (unreachable too)
         is one hop down, and a peer this hop banned for lying is refused (the driver strikes the group and picks
-        another). `duplicate` (peer, message) is the trip's audit fork (`peer/lane_claim.py`): sent beside, its
-        reply only compared, as a pipeline duplicate's; the reply used is believed (its loss published) only if
-        trusted."""
-        if peer_id in self.router.liars():
+        another). `duplicate` (peer, message) is the trip's audit fork (`peer/lane_claim.py`): sent beside (never
+        to a liar), cancelled if this lane fails, its reply only compared (`_compare_later`); the reply used is
+        believed (its loss published) only if trusted."""
+        liars = self.router.liars()
+        if peer_id in liars:
             raise WireError(ErrorCode.NO_PEER, f"the group names {peer_id[-6:]}, banned here for lying", hops=1)
-        shadow = None
-        if duplicate is not None:
-            shadow = self._duplicate(*duplicate, self.max_reply) if duplicate[0] != peer_id else None
-            if shadow is None:  # the fork kept this lane's peer: it serves both trips, there is nothing to compare
-                asyncio.ensure_future(self._ask(*duplicate, self.max_reply)).add_done_callback(_retrieve)
+        fork = None
+        if duplicate is not None and duplicate[0] not in liars:  # a liar's honest answer must not clear its ban
+            fork = self._duplicate(*duplicate, self.max_reply, register=False)
         try:
             reply = await self.hand(peer_id, message)
-        except WireError:
-            if shadow is not None:
-                shadow.cancel()
-                self.shadows.pop(duplicate[0], None)
+        except BaseException:  # refused, failed or cancelled: the fork cannot complete without this lane
+            if fork is not None:
+                fork.cancel()
             raise
+        used = replace(reply)  # compared with its loss, before `_believe` may drop it
         self._believe(peer_id, reply)
-        if shadow is not None:
-            self._compare_later(peer_id, reply, duplicate[0], shadow)
+        if fork is not None and duplicate[0] != peer_id:
+            self._compare_later(peer_id, used, duplicate[0], fork, fork_failures_ban=False)
+        elif fork is not None:  # the fork kept this lane's peer: it serves both trips, there is nothing to compare
+            fork.add_done_callback(_retrieve)
         return reply
 
     async def hand(self, peer_id: str, message: bytes) -> Reply:
@@ -214,8 +216,9 @@ class NextHop:
         except WireError as exc:
             raise WireError(exc.code, exc.message, hops=1) from None
 
-    def _duplicate(self, peer_id: str, message: bytes, max_reply: int) -> asyncio.Task:
-        """Send the same message to `peer_id` as an audit duplicate; its reply is only ever compared."""
+    def _duplicate(self, peer_id: str, message: bytes, max_reply: int, register: bool = True) -> asyncio.Task:
+        """Send the same message to `peer_id` as an audit duplicate; its reply is only ever compared. A pipeline
+        duplicate keeps its peer busy for `plan` (`register`); a lane fork's peer is the driver's choice."""
         router = self.router
         router.sending(peer_id)
 
@@ -227,24 +230,35 @@ class NextHop:
                 router.done_sending(peer_id)
 
         task = asyncio.ensure_future(ask())
-        self.shadows[peer_id] = task  # busy until its reply is compared (`_compare_later`) or it is cancelled
+        if register:
+            self.shadows[peer_id] = task  # busy until its reply is compared (`_compare_later`) or it is cancelled
         return task
 
-    def _compare_later(self, primary: str, used: Reply, shadow: str, task: asyncio.Task) -> None:
-        """Once the duplicate is back, compare it with the reply we used: agreement counts toward the shadow's
-        verification, disagreement costs the peer with the shorter verified history its standing and a long ban."""
+    def _compare_later(
+        self, primary: str, used: Reply, shadow: str, task: asyncio.Task, fork_failures_ban: bool = True
+    ) -> None:
+        """Once the duplicate is back, compare it with the reply we used. Only a verified peer's reply can check
+        another's: a match counts toward the unverified one's verification, a mismatch costs it its standing and
+        a long ban; between two verified peers the shorter verified history loses. Two unverified replies (a lane
+        fork's, which the driver chose) prove nothing either way. A duplicate that failed bans its peer as a failed
+        trip would, except a lane fork's (`fork_failures_ban` False): the driver shaped it, and a hostile driver
+        must not get honest peers banned by naming them in forks that cannot succeed."""
         router, ledger = self.router, self.router.ledger
 
         def done(t: asyncio.Task) -> None:
-            self.shadows.pop(shadow, None)  # a fast liar gets no second duplicate before the first is judged
+            if self.shadows.get(shadow) is t:
+                del self.shadows[shadow]  # a fast liar gets no second duplicate before the first is judged
             if t.cancelled():
                 return
             exc = t.exception()
             if isinstance(exc, WireError):
                 self.stats.error(exc.code)
                 ledger.failed(shadow)
-                action, banned = router.after_failure(shadow, exc.code, exc.hops, 2, 1)
-                self._log_failure(shadow, exc, action, banned, 0)
+                if fork_failures_ban:
+                    action, banned = router.after_failure(shadow, exc.code, exc.hops, 2, 1)
+                    self._log_failure(shadow, exc, action, banned, 0)
+                else:
+                    logger.info("%s audit fork to %s failed: %s", self.label, shadow[-6:], exc)
                 return
             if exc is not None:
                 logger.warning("%s audit duplicate to %s failed: %r", self.label, shadow[-6:], exc)
@@ -254,12 +268,14 @@ class NextHop:
             why = replies_disagree(used.grad, used.loss, reply.grad, reply.loss, seen=seen)
             logger.debug("%s audit of %s against %s: loss rdiff %s, cosine %s, norms %.4g %.4g, %s", self.label,
                          shadow[-6:], primary[-6:], seen.loss_rdiff, seen.cosine, *seen.norms, why or "agree")
+            verified = {peer for peer in (primary, shadow) if ledger.verified(peer)}
+            if not verified:
+                return
             if why is None:
                 router.answered(shadow, seconds, self.tokens_per_trip)
-                # the unverified one of the two counts the match (a lane trip's primary may be the unverified one)
-                checked = primary if ledger.verified(shadow) and not ledger.verified(primary) else shadow
-                if ledger.clean_trip(checked, time.monotonic(), tofu=False):
-                    logger.info("%s next hop %s verified by audit trips", self.label, checked[-6:])
+                for checked in {primary, shadow} - verified:
+                    if ledger.clean_trip(checked, time.monotonic(), tofu=False):
+                        logger.info("%s next hop %s verified by audit trips", self.label, checked[-6:])
                 return
             loser = ledger.loser(primary, shadow)
             ledger.distrust(loser)

@@ -220,7 +220,7 @@ class Router:
         base, cap = (self.audit_ban, self.max_audit_ban) if lied else (self.base_ban, self.max_ban)
         seconds = min(base * 2 ** (strikes - 1), cap)
         self.bans[peer_id] = Ban(until=max(now + seconds, previous.until if previous else 0.0), strikes=strikes,
-                                 struck=now, lied=lied)
+                                 struck=now, lied=lied or bool(previous and previous.lied and previous.until > now))
         return seconds
 
     def refused(self, peer_id: str, now: float | None = None) -> float:

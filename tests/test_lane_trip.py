@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import re
 import time
 from types import SimpleNamespace
 
@@ -16,7 +17,7 @@ from hivemind.dht import DHT
 from hivemind.utils.timed_storage import get_dht_time
 
 from peer.kv_exchange import KVService, message_limit
-from peer.lane_claim import LaneClaim, read_claim, split_claims
+from peer.lane_claim import LaneClaim, new_fork, read_claim, split_claims
 from peer.lane_trip import LaneHop, lane_codec
 from peer.lanes import Strikes, pick_audit, pick_group
 from peer.next_hop import NextHop
@@ -69,15 +70,22 @@ def test_claims_are_checked_before_any_compute():
 
 
 def test_an_audit_fork_is_checked_and_forks_only_the_stage_before_it():
-    fork = [1, ["b0", "x1"]]
+    fork_id = "0123456789abcdef" * 2
+    fork = [1, ["b0", "x1"], fork_id]
     assert refusal(claim_extra(audit=fork)) is None
-    for bad in ([0, ["b0", "x1"]], [2, ["b0", "x1"]], [1, ["x1"]], [1, ["x1", "x1"]], [1, ["b0", 7]], [True, []],
-                [1, ["b0", "x" * 200]], "b0"):
+    for bad in ([0, ["b0", "x1"], fork_id], [2, ["b0", "x1"], fork_id], [1, ["x1"], fork_id],
+                [1, ["x1", "x1"], fork_id], [1, ["b0", 7], fork_id], [True, [], fork_id],
+                [1, ["b0", "x" * 200], fork_id], [1, ["b0", "x1"]], [1, ["b0", "x1"], "trip.audit"],
+                [1, ["b0", "x1"], 7], "b0"):
         assert refusal(claim_extra(audit=bad)) is ErrorCode.MALFORMED, bad
     claim = read_claim(claim_extra(1, audit=fork), MANIFEST, 0, 1, "a1", "a0", (2, 16))
-    assert claim.forked(1) is None  # stage 1 is the fork itself: it sends nothing twice
-    forked = claim.forked(0)
-    assert forked.group == (("a0", "a1"), ("b0", "x1")) and forked.audit is None
+    assert claim.forked(1) is None and claim.onward(1) == claim  # stage 1 is the fork itself
+    forked, trip_id = claim.forked(0)
+    assert forked.group == (("a0", "a1"), ("b0", "x1")) and trip_id == fork_id
+    # neither message to the audited stage says that the trip is audited: the trip's and the fork's claims differ
+    # only in the peer they name at stage 1, and the fork's id looks like any trip's
+    assert claim.onward(0).audit is None and forked.audit is None
+    assert forked.extra() == claim.onward(0).extra() | {"group": [["a0", "a1"], ["b0", "x1"]]}
     # the fork's peer of lane 1 reads the forked claim: it names it at its lane and the same sender
     assert read_claim(forked.extra(), MANIFEST, 1, 1, "x1", "a1", (2, 16)).group == forked.group
 
@@ -135,11 +143,14 @@ def test_strikes_are_cleared_by_a_good_trip_and_forgotten_a_while_after_the_last
 
 
 class LyingLaneHop(LaneHop):
-    """A lane peer that runs its lane honestly (its partners' K/V keep flowing) and answers with a fake reply: a
-    zero gradient and a hundredth of its loss."""
+    """A lane peer that runs its lane honestly (its partners' K/V keep flowing) and answers with a fake reply (a
+    zero gradient, a hundredth of its loss) whenever it sees no sign of an audit: none in its claim, a trip id
+    like any other."""
 
-    async def lane_hop(self, *args, **kwargs) -> HopResult:
-        result = await super().lane_hop(*args, **kwargs)
+    async def lane_hop(self, claim, hidden, tokens, version, trip_id) -> HopResult:
+        result = await super().lane_hop(claim, hidden, tokens, version, trip_id)
+        if claim.audit is not None or not re.fullmatch(r"[0-9a-f]{32}", trip_id):
+            return result
         loss = None if result.loss is None else result.loss / 100
         return HopResult(torch.zeros_like(result.input_grad), loss, result.versions, result.sent, result.received)
 
@@ -287,7 +298,7 @@ def test_a_lying_lane_peer_is_audited_by_a_fork_and_banned(swarm):
     run(driver.drive_group(tokens(3), ((swarm.ids[0], swarm.ids[1]), (b0, liar))))
     assert (stats.trips, len(stats.losses)) == (trips + 1, losses)
     # a trip forked at stage 1: lane 0 keeps b0 (no other peer), lane 1 duplicates to the liar and compares
-    run(driver.drive_group(tokens(4), swarm.group, audit=(1, (b0, liar))))
+    run(driver.drive_group(tokens(4), swarm.group, audit=new_fork(1, (b0, liar))))
     assert (stats.trips, len(stats.losses)) == (trips + 2, losses + 1)  # the trip's own replies are honest
     deadline = time.monotonic() + 60
     while liar not in partner.router.liars() and time.monotonic() < deadline:

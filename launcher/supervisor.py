@@ -30,7 +30,7 @@ from hivemind.utils.timed_storage import get_dht_time
 
 from dhtio.records import fetch_stages
 from p2pio.sockets import make_socket_dir, sockets_in
-from peer.status_log import kv_bytes_per_token
+from swarm.context_parallel import kv_bytes_per_token
 from swarm.manifest import Manifest, save_manifest
 from swarm.records import ANNOUNCE_INTERVAL, RECORD_TTL, PeerEntry, load_or_create_rsa_key, make_validators
 

@@ -1,5 +1,5 @@
 """What a peer tells its operator: a progress line every few seconds, and a heartbeat file for health checks
-(read back by `kv_bytes_per_token`)."""
+(with context parallelism read back by `swarm.context_parallel.kv_bytes_per_token`)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,7 @@ import json
 import logging
 import os
 import time
-from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
 
 from peer.refusals import RefusalLog
@@ -59,23 +58,3 @@ async def write_heartbeats(
             logger.warning("%s cannot write heartbeat %s: %s", label(), path, exc)
         await asyncio.sleep(interval)
 
-
-def kv_bytes_per_token(heartbeats: Iterable[dict], lanes: int) -> float | None:
-    """Context parallelism's K/V bytes per token of the whole sequence, from the peers' heartbeats.
-
-    Each peer's ratio uses its own two counters (bytes and chunk tokens of the same lane trips), so heartbeats
-    written at different moments, trips still in flight and trips that failed elsewhere do not skew it; a
-    driver's token count against other peers' byte counts did (a stale heartbeat dropped half a trip's bytes).
-    A lane's chunk is 1/`lanes` of the sequence, so the slots' bytes per chunk token, summed and divided by
-    `lanes`, is the swarm's bytes per sequence token; peers sharing a slot are averaged. None until every
-    slot that wrote a heartbeat has a peer that finished a lane trip."""
-    ratios: dict[tuple[int, int], list[float]] = defaultdict(list)
-    for beat in heartbeats:
-        if "lane" not in beat:
-            continue  # not a lane peer (the tracker, or a peer without context parallelism)
-        slot, tokens = ratios[int(beat["stage"]), int(beat["lane"])], int(beat.get("kv_tokens", 0))
-        if tokens > 0:
-            slot.append(int(beat["kv_bytes"]) / tokens)
-    if not ratios or not all(ratios.values()):
-        return None
-    return sum(sum(slot) / len(slot) for slot in ratios.values()) / lanes

@@ -35,6 +35,8 @@ to later chunks is compressed).
 from __future__ import annotations
 
 import hashlib
+from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -156,6 +158,28 @@ class ContextParallelSpec:
         per_message_token = (width_k + width_v) * WIRE_ITEMSIZE[self.wire_dtype] + self.n_theta * THETA_ITEMSIZE / n
         dense = 2 * kv_width(shape) * WIRE_ITEMSIZE[self.wire_dtype]
         return {"compressed": crossings * per_message_token, "dense": crossings * dense}
+
+
+def kv_bytes_per_token(heartbeats: Iterable[dict], lanes: int) -> float | None:
+    """Context parallelism's K/V bytes per token of the whole sequence, measured: from the counters each lane
+    peer writes in its heartbeat (`stage`, `lane`, `kv_bytes`, `kv_tokens`; `peer/daemon.py`).
+
+    Each peer's ratio uses its own two counters (bytes and chunk tokens of the same lane trips), so heartbeats
+    written at different moments, trips still in flight and trips that failed elsewhere do not skew it; a
+    driver's token count against other peers' byte counts did (a stale heartbeat dropped half a trip's bytes).
+    A lane's chunk is 1/`lanes` of the sequence, so the slots' bytes per chunk token, summed and divided by
+    `lanes`, is the swarm's bytes per sequence token; peers sharing a slot are averaged. None until every
+    slot that wrote a heartbeat has a peer that finished a lane trip."""
+    ratios: dict[tuple[int, int], list[float]] = defaultdict(list)
+    for beat in heartbeats:
+        if "lane" not in beat:
+            continue  # not a lane peer (the tracker, or a peer without context parallelism)
+        slot, tokens = ratios[int(beat["stage"]), int(beat["lane"])], int(beat.get("kv_tokens", 0))
+        if tokens > 0:
+            slot.append(int(beat["kv_bytes"]) / tokens)
+    if not ratios or not all(ratios.values()):
+        return None
+    return sum(sum(slot) / len(slot) for slot in ratios.values()) / lanes
 
 
 def kv_width(shape) -> int:

@@ -29,7 +29,7 @@ from pathlib import Path
 from benchmarks.netsim.delay import LinkDelay
 from benchmarks.netsim.net import Topology
 from launcher.supervisor import stop_process_groups
-from peer.status_log import kv_bytes_per_token
+from swarm.context_parallel import kv_bytes_per_token
 from swarm.manifest import Manifest, save_manifest
 from tracker.summary import POLL_INTERVAL
 

@@ -1,6 +1,7 @@
-"""K/V bytes per token from the peers' heartbeats: each peer's own counters, whatever moment it wrote them."""
+"""K/V bytes per token from the peers' heartbeats (`swarm.context_parallel.kv_bytes_per_token`): each
+peer's own counters, whatever moment it wrote them."""
 
-from peer.status_log import kv_bytes_per_token
+from swarm.context_parallel import kv_bytes_per_token
 
 
 def beat(stage: int, lane: int, trips: int, bytes_per_trip: int = 1000, chunk: int = 64) -> dict:

@@ -87,12 +87,11 @@ def _is_int(value) -> bool:
 
 
 def _peer_ids(value, lanes: int) -> bool:
-    """A list of `lanes` distinct, bounded peer id strings."""
+    """A list of `lanes` bounded peer id strings (one stage's row of a group, or a fork's)."""
     return (
         isinstance(value, list)
         and len(value) == lanes
         and all(isinstance(p, str) and 0 < len(p) <= MAX_PEER_ID for p in value)
-        and len(set(value)) == lanes
     )
 
 
@@ -100,7 +99,8 @@ def _read_audit(value, stages: int, lanes: int) -> Fork | None:
     if value is None:
         return None
     if not (isinstance(value, list) and len(value) == 3 and _is_int(value[0]) and 1 <= value[0] < stages
-            and _peer_ids(value[1], lanes) and isinstance(value[2], str) and TRIP_ID.fullmatch(value[2])):
+            and _peer_ids(value[1], lanes) and len(set(value[1])) == lanes
+            and isinstance(value[2], str) and TRIP_ID.fullmatch(value[2])):
         raise WireError(ErrorCode.MALFORMED, f"an audit fork names a stage in 1..{stages - 1}, {lanes} peers and an id")
     return value[0], tuple(value[1]), value[2]
 
@@ -112,12 +112,7 @@ def read_claim(
     whose chunk has `tokens_shape` (B, n); WireError with a code for anything off."""
     lanes, stages = manifest.lanes, manifest.num_stages
     group, seq, nxt, claimed = extra.get("group"), extra.get("seq"), extra.get("next"), extra.get("lane")
-    shape_ok = (
-        isinstance(group, list)
-        and len(group) == stages
-        and all(isinstance(peers, list) and len(peers) == lanes for peers in group)
-        and all(isinstance(p, str) and 0 < len(p) <= MAX_PEER_ID for peers in group for p in peers)
-    )
+    shape_ok = isinstance(group, list) and len(group) == stages and all(_peer_ids(peers, lanes) for peers in group)
     if not shape_ok or not _is_int(claimed) or not _is_int(seq):
         raise WireError(ErrorCode.MALFORMED, f"a lane trip names its lane, sequence and {stages}×{lanes} peers")
     if any(len(set(peers)) != lanes for peers in group):

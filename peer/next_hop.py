@@ -134,11 +134,9 @@ class NextHop:
             try:
                 checked = await self._ask(peer_id, message, max_reply)
                 router.answered(peer_id, time.monotonic() - started, self.tokens_per_trip)
-                used = replace(checked)  # compared with its loss, before `_believe` may drop it
-                self._believe(peer_id, checked)
                 if shadow is not None:
-                    self._compare_later(peer_id, used, plan.shadow, shadow)
-                return checked
+                    self._compare_later(peer_id, checked, plan.shadow, shadow)
+                return self._believe(peer_id, checked)
             except WireError as exc:
                 if shadow is not None:
                     shadow.cancel()
@@ -179,13 +177,11 @@ class NextHop:
             if fork is not None:
                 fork.cancel()
             raise
-        used = replace(reply)  # compared with its loss, before `_believe` may drop it
-        self._believe(peer_id, reply)
         if fork is not None and duplicate[0] != peer_id:
-            self._compare_later(peer_id, used, duplicate[0], fork, fork_failures_ban=False)
+            self._compare_later(peer_id, reply, duplicate[0], fork, fork_failures_ban=False)
         elif fork is not None:  # the fork kept this lane's peer: it serves both trips, there is nothing to compare
             fork.add_done_callback(_retrieve)
-        return reply
+        return self._believe(peer_id, reply)
 
     async def hand(self, peer_id: str, message: bytes) -> Reply:
         """A lane trip's message to a named peer, its reply checked; nothing audited or believed here (the driver
@@ -198,15 +194,16 @@ class NextHop:
         self.router.answered(peer_id, time.monotonic() - started, self.tokens_per_trip)
         return reply
 
-    def _believe(self, peer_id: str, checked: Reply) -> None:
-        """Only a trusted peer's loss is published (verified, or trust on first use while nobody is verified): an
-        untrusted one's gradient keeps trips going when no trusted peer is left, its loss is not told. A clean
-        answer while nobody is verified counts toward trust on first use."""
+    def _believe(self, peer_id: str, checked: Reply) -> Reply:
+        """The reply as the trip uses it: only a trusted peer's loss is published (verified, or trust on first use
+        while nobody is verified); an untrusted one's gradient keeps trips going when no trusted peer is left, its
+        loss is not told. `checked` itself keeps its loss, for an audit to compare. A clean answer while nobody is
+        verified counts toward trust on first use."""
         ledger = self.router.ledger
-        if not ledger.trusted(peer_id):
-            checked.loss = None
+        trusted = ledger.trusted(peer_id)
         if ledger.clean_trip(peer_id, time.monotonic(), tofu=True):
             logger.info("%s next hop %s verified (trust on first use)", self.label, peer_id[-6:])
+        return checked if trusted else replace(checked, loss=None)
 
     async def _ask(self, peer_id: str, message: bytes, max_reply: int) -> Reply:
         reply = await self.link.send(peer_id, message, self.timeout(), max_reply)

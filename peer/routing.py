@@ -90,7 +90,7 @@ class Ban:
     until: float
     strikes: int
     struck: float = 0.0  # when the last strike was given
-    lied: bool = False  # the last ban was for a reply an audit refuted
+    lied: bool = False  # banned for a reply an audit refuted; a later ban keeps it while this one lasts
 
 
 @dataclass

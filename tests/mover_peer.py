@@ -86,6 +86,7 @@ class Mover(PeerDaemon):
                     children=len(kids),
                     children_rss_mib=sum(rss_mib(pid) for pid in kids),
                     threads=threading.active_count(),
+                    thread_names=sorted(t.name for t in threading.enumerate()),
                     tasks=len(asyncio.all_tasks()),
                     runtimes_alive=sum(ref() is not None for ref in self.released),
                 )

@@ -82,15 +82,21 @@ def test_the_delay_sweep_interleaves_modes_and_reports_ratios_from_its_file():
 def test_delayed_links_are_calibrated():
     """ICMP echo at RTT 0 and 40 ms (4 links crossed, 10 ms each at 40), one TCP stream at 4 Mbit/s.
 
-    Other work on the machine can only delay a frame further, so the check is on the lower quartile
-    and on no echo arriving early; the median is reported in benchmarks/RESULTS.md (Latency)."""
+    Other work on the machine can only delay a frame further, so the check is on no echo arriving early
+    and on the lower quartile of the quietest of up to three windows (a CI run once measured 41.01 ms in
+    a window shared with other tests); the median is reported in benchmarks/RESULTS.md (Latency)."""
     with Topology(2, subnet="10.81.0", delay=LinkDelay()) as topology:
         for target in (0.0, 40.0):
             topology.set_delay(LinkDelay.symmetric(target / 4))
-            rtts = ping_rtts(topology, 0, 1, count=30, interval=0.02)
-            assert None not in rtts, rtts
-            low = statistics.quantiles(rtts, n=4)[0]
-            assert target - 0.05 <= min(rtts) and low <= target + 1.0, (target, sorted(rtts))
+            windows = []
+            for _ in range(3):
+                rtts = ping_rtts(topology, 0, 1, count=30, interval=0.02)
+                assert None not in rtts, rtts
+                assert target - 0.05 <= min(rtts), (target, sorted(rtts))
+                windows.append(sorted(rtts))
+                if statistics.quantiles(rtts, n=4)[0] <= target + 1.0:
+                    break
+            assert statistics.quantiles(windows[-1], n=4)[0] <= target + 1.0, (target, windows)
         topology.shape(4.0)
         mbit, cpu = bulk(topology, 0, 1, seconds=4.0, skip=1.0)
         assert 0.9 * 4.0 <= mbit <= 1.1 * 4.0, mbit

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -17,6 +19,20 @@ from swarm.presets import preset
 
 MOVES = 5
 REPO = Path(__file__).resolve().parents[1]
+POOL_BOUND = min(32, (os.cpu_count() or 1) + 4)  # concurrent.futures' default max_workers, asyncio's default executor's
+
+
+def thread_families(names: list[str]) -> tuple[Counter, list[str]]:
+    """(workers per thread-pool executor, by name prefix; every other thread) from thread names."""
+    pools: Counter = Counter()
+    others = []
+    for name in names:
+        worker = re.fullmatch(r"(asyncio|ThreadPoolExecutor-\d+)_\d+", name)
+        if worker:
+            pools[worker[1]] += 1
+        else:
+            others.append(name)
+    return pools, others
 
 
 @pytest.mark.slow
@@ -50,5 +66,12 @@ def test_five_moves_release_every_stage(tmp_path: Path):
     # the check is the net growth after move 2 (the peer has held both stages), against two leaked moves' worth.
     rss = [r["rss_mib"] for r in moves]
     assert rss[-1] - rss[1] <= 90, moves
-    assert last["children"] == first["children"] and last["threads"] <= first["threads"] + 1, moves
+    assert last["children"] == first["children"], moves
+    # Threads: a leaked stage keeps its threads or its executor. Executor workers are started lazily, up to the
+    # executor's bound, when the load makes calls overlap (a CI run: 8 threads at move 1, 10 at move 5), so they
+    # are checked per executor against that bound, and every other thread by count.
+    first_pools, first_others = thread_families(first["thread_names"])
+    last_pools, last_others = thread_families(last["thread_names"])
+    assert set(last_pools) == set(first_pools) and max(last_pools.values()) <= POOL_BOUND, moves
+    assert len(last_others) <= len(first_others) + 1, moves
     assert last["tasks"] <= first["tasks"], moves

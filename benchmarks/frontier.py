@@ -53,7 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import frontier_report  # noqa: E402
 
 import swarm.data  # noqa: E402
-from swarm.manifest import BatchSpec, Manifest, OptimizerSpec, token_id_itemsize, wire_payload_bytes  # noqa: E402
+from swarm.manifest import BatchSpec, Manifest, OptimizerSpec, token_id_itemsize  # noqa: E402
 from swarm.modes import MODES  # noqa: E402
 from swarm.presets import preset  # noqa: E402
 from swarm.simulate import simulate  # noqa: E402
@@ -135,7 +135,7 @@ def make_manifest(point: dict, settings: dict) -> Manifest:
 def formula_bytes(manifest: Manifest) -> float:
     """Payload per token per boundary, forward (coefficients or residual, plus token ids) + backward."""
     width = manifest.k if manifest.mode.compressed else manifest.model.d_model
-    one_way = wire_payload_bytes(manifest.wire_dtype, 1, width)
+    one_way = manifest.wire.payload_bytes(1, width)
     return 2 * one_way + token_id_itemsize(manifest.model.vocab_size)
 
 

@@ -168,7 +168,7 @@ class SubspaceSync:
             return None
         current = self.runtime.stage.subspace.basis.detach().cpu().double().numpy()
         try:
-            return basis_from_contributions(current, per_stage, manifest.subspace_driver, manifest.subspace_step)
+            return basis_from_contributions(current, per_stage, manifest.u_driver, manifest.subspace_step)
         except ValueError:
             return None
 
@@ -300,7 +300,7 @@ class SubspaceSync:
 
     def _stage_contributes(self, stage: int) -> bool:
         manifest = self.manifest
-        return manifest.mode.stage_contributes(stage, manifest.num_stages, manifest.subspace_driver)
+        return manifest.u_driver.stage_contributes(manifest.mode, stage, manifest.num_stages)
 
     async def run(self) -> None:
         await self.publish_version()

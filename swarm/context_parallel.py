@@ -46,11 +46,10 @@ from pydantic import ConfigDict
 
 from swarm.cp_modes import CP_MODES, KVCompression
 from swarm.subspace import _uniform_pm1, orthonormalize, tensor_sha256
+from swarm.wire_dtype import CAST_DTYPES, WireDType, wire_dtype
 
 VARIANTS = ("paper", "remote")
-WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-WIRE_ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2}
-THETA_ITEMSIZE = 4  # θ always travels in float32
+THETA_WIRE = wire_dtype("fp32")  # θ always travels in float32
 _CP_STREAM = 0xC70000  # PCG64 streams of the CP bases: distinct from T_fixed's and U's
 ORTHONORMAL_TOL = 1e-5
 
@@ -90,10 +89,8 @@ class ContextParallelSpec:
             raise ValueError(f"context_parallel.theta_max must lie in [0, 1], got {self.theta_max!r}")
         if self.n_generators < 1:
             raise ValueError(f"context_parallel.n_generators must be at least 1, got {self.n_generators}")
-        if self.wire_dtype not in WIRE_DTYPES:
-            raise ValueError(
-                f"context_parallel.wire_dtype must be one of {tuple(WIRE_DTYPES)}, got {self.wire_dtype!r}"
-            )
+        if self.wire_dtype not in CAST_DTYPES:  # K/V are rounded by a cast: no per-token scale crosses
+            raise ValueError(f"context_parallel.wire_dtype must be one of {CAST_DTYPES}, got {self.wire_dtype!r}")
         if self.warm_start_steps < 0:
             raise ValueError("context_parallel.warm_start_steps must be >= 0")
         digest = self.basis_sha256
@@ -104,6 +101,11 @@ class ContextParallelSpec:
     def mode(self) -> KVCompression:
         """The compression mode's answers (`swarm.cp_modes`): what a chunk's K/V message holds."""
         return CP_MODES[self.compression]
+
+    @property
+    def wire(self) -> WireDType:
+        """The K/V messages' wire dtype (`swarm/wire_dtype.py`): a cast, never int8."""
+        return wire_dtype(self.wire_dtype)
 
     @property
     def compressed(self) -> bool:
@@ -155,8 +157,8 @@ class ContextParallelSpec:
         width_k, width_v = self.widths(shape)
         n = self.chunk_len(seq_len)
         crossings = (self.size - 1) / 2
-        per_message_token = (width_k + width_v) * WIRE_ITEMSIZE[self.wire_dtype] + self.n_theta * THETA_ITEMSIZE / n
-        dense = 2 * kv_width(shape) * WIRE_ITEMSIZE[self.wire_dtype]
+        per_message_token = (width_k + width_v) * self.wire.itemsize + self.n_theta * THETA_WIRE.itemsize / n
+        dense = 2 * kv_width(shape) * self.wire.itemsize
         return {"compressed": crossings * per_message_token, "dense": crossings * dense}
 
 

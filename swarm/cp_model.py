@@ -22,7 +22,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from swarm.context_parallel import (
-    WIRE_DTYPES,
     ContextParallelSpec,
     CPBasis,
     block_attention,
@@ -98,7 +97,7 @@ class CPAttention(nn.Module):
         if not mode.owner_uses_message(self.spec.variant):
             return k_full, v_full
         if round_wire:  # the owner uses exactly what its receivers decode; no message goes back
-            dtype = WIRE_DTYPES[self.spec.wire_dtype]
+            dtype = self.spec.wire.torch_dtype
             p_k, p_v = wire_round(p_k, dtype, False), wire_round(p_v, dtype, False)
             theta = None if theta is None else wire_round(theta, torch.float32, False)
         return self.rebuild(p_k, p_v, theta, mode)
@@ -109,7 +108,7 @@ class CPAttention(nn.Module):
         spec, mode = self.spec, self.mode
         if xn.shape[1] % spec.size:
             raise ValueError(f"sequence of {xn.shape[1]} tokens does not split into {spec.size} chunks")
-        dtype = WIRE_DTYPES[spec.wire_dtype]
+        dtype = spec.wire.torch_dtype
         sent, outs = [], []
         for c, chunk in enumerate(xn.split(xn.shape[1] // spec.size, dim=1)):
             q, k_full, v_full, theta = self.project(chunk, mode)

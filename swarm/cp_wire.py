@@ -23,10 +23,11 @@ from typing import Literal
 
 import torch
 
-from swarm.context_parallel import THETA_ITEMSIZE, WIRE_DTYPES, WIRE_ITEMSIZE, ContextParallelSpec, CPBasis, kv_width
+from swarm.context_parallel import THETA_WIRE, ContextParallelSpec, CPBasis, kv_width
 from swarm.cp_lane import LaneTrip
 from swarm.cp_modes import KVCompression
 from swarm.wire import MAX_ACTIVATION_NORM, MAX_GRADIENT_NORM, ErrorCode, WireError, check_range
+from swarm.wire_dtype import wire_dtype
 
 CP_MAGIC = b"PCP1"
 MAX_HEADER_BYTES = 4096
@@ -76,26 +77,12 @@ class KVExpectation:
     theta_max: float
 
     def payload_bytes(self, batch: int) -> int:
-        z = batch * self.chunk_len * (self.width_k + self.width_v) * WIRE_ITEMSIZE[self.dtype]
-        return z + batch * self.n_theta * THETA_ITEMSIZE
+        z = wire_dtype(self.dtype).payload_bytes(batch * self.chunk_len, self.width_k + self.width_v)
+        return z + THETA_WIRE.payload_bytes(batch, self.n_theta)
 
     @property
     def max_bytes(self) -> int:
         return len(CP_MAGIC) + 4 + MAX_HEADER_BYTES + self.payload_bytes(self.max_batch)
-
-
-def _to_bytes(tensor: torch.Tensor, dtype: torch.dtype) -> bytes:
-    data = tensor.detach().to(dtype).contiguous().cpu()
-    if dtype != torch.float32:
-        data = data.view(torch.int16)
-    return data.numpy().astype(data.numpy().dtype.newbyteorder("<"), copy=False).tobytes()
-
-
-def _from_bytes(raw: bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-    buffer = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-    if dtype == torch.float32:
-        return buffer.view(torch.float32).reshape(shape)
-    return buffer.view(torch.int16).view(dtype).reshape(shape).float()
 
 
 def encode_kv(header: KVHeader, z_k: torch.Tensor, z_v: torch.Tensor, theta: torch.Tensor | None) -> bytes:
@@ -114,10 +101,10 @@ def encode_kv(header: KVHeader, z_k: torch.Tensor, z_v: torch.Tensor, theta: tor
         if header.n_theta:
             _check_theta(theta.float(), math.inf if header.kind == "forward" else MAX_GRADIENT_NORM)
     head = json.dumps(asdict(header), separators=(",", ":")).encode()
-    wire = WIRE_DTYPES[header.dtype]
-    parts = [CP_MAGIC, struct.pack("<I", len(head)), head, _to_bytes(z_k, wire), _to_bytes(z_v, wire)]
+    wire = wire_dtype(header.dtype)
+    parts = [CP_MAGIC, struct.pack("<I", len(head)), head, wire.encode(z_k), wire.encode(z_v)]
     if header.n_theta:
-        parts.append(_to_bytes(theta, torch.float32))
+        parts.append(THETA_WIRE.encode(theta))
     return b"".join(parts)
 
 
@@ -193,17 +180,18 @@ def decode_kv(blob: bytes, expect: KVExpectation):
         raise WireError(ErrorCode.WRONG_SHAPE, f"batch {header.batch} outside 1..{expect.max_batch}")
     if len(blob) != start + expect.payload_bytes(header.batch):
         raise WireError(ErrorCode.MALFORMED, f"message has {len(blob)} bytes, its header implies more or fewer")
-    wire, item = WIRE_DTYPES[header.dtype], WIRE_ITEMSIZE[header.dtype]
-    n_k = header.batch * header.chunk_len * header.width_k * item
-    n_v = header.batch * header.chunk_len * header.width_v * item
-    z_k = _from_bytes(blob[start : start + n_k], wire, (header.batch, header.chunk_len, header.width_k))
-    z_v = _from_bytes(blob[start + n_k : start + n_k + n_v], wire, (header.batch, header.chunk_len, header.width_v))
+    wire, cells = wire_dtype(header.dtype), header.batch * header.chunk_len
+    n_k, n_v = wire.payload_bytes(cells, header.width_k), wire.payload_bytes(cells, header.width_v)
+    z_k = wire.decode(blob[start : start + n_k], header.batch, header.chunk_len, header.width_k).float()
+    z_v = wire.decode(blob[start + n_k : start + n_k + n_v], header.batch, header.chunk_len, header.width_v).float()
     forward = expect.kind == "forward"
     for name, z in (("Z_k", z_k), ("Z_v", z_v)):
         check_range(z, MAX_ACTIVATION_NORM if forward else MAX_GRADIENT_NORM, name)
     theta = None
     if header.n_theta:
-        theta = _from_bytes(blob[start + n_k + n_v :], torch.float32, (header.batch, header.n_theta))
+        theta = THETA_WIRE.decode(blob[start + n_k + n_v :], header.batch, 1, header.n_theta).reshape(
+            header.batch, header.n_theta
+        )
         _check_theta(theta, expect.theta_max * (1 + THETA_SLACK) if forward else MAX_GRADIENT_NORM)
     return header, z_k, z_v, theta
 

@@ -12,15 +12,14 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer, model_validator
 
 from swarm.context_parallel import ContextParallelSpec
 from swarm.modes import DEFAULT, MODES, CompressionMode
 from swarm.subspace import T_FIXED_STD
-
-WireDType = Literal["fp32", "bf16", "fp16", "int8"]
+from swarm.subspace_update import SubspaceDriver, SubspaceDriverName, subspace_driver
+from swarm.wire_dtype import WireDType, WireDTypeName, wire_dtype
 
 MANIFEST_FORMAT = 1
 # optional fields left out of the canonical JSON at these values, so manifests written before the field
@@ -90,14 +89,14 @@ class Manifest(_Strict):
     stages: tuple[StageSpec, ...]
     k: int
     compression: str = DEFAULT  # a name in swarm.modes.MODES
-    wire_dtype: WireDType = "bf16"
+    wire_dtype: WireDTypeName = "bf16"
     seed: int = Field(ge=0, lt=1 << 63)
     tokenizer: str = "bytes"
     dataset: str = "builtin:stdlib"
     optimizer: OptimizerSpec = OptimizerSpec()
     batch: BatchSpec
     subspace_update_interval: int = Field(default=0, ge=0, description="optimizer epochs between U updates; 0 = never")
-    subspace_driver: Literal["gradient", "energy"] = "gradient"
+    subspace_driver: SubspaceDriverName = "gradient"
     subspace_step: float = Field(default=0.05, gt=0, le=1, description="Grassmann step size (radians, roughly)")
     # the frozen embedding's per-element standard deviation: what carries token identity past a rank-k
     # boundary, so it must not be small next to what the layers write (DESIGN §2.10)
@@ -208,6 +207,16 @@ class Manifest(_Strict):
         return MODES[self.compression]
 
     @property
+    def wire(self) -> WireDType:
+        """The wire dtype's answers (`swarm/wire_dtype.py`): bytes per token, encoding and decoding."""
+        return wire_dtype(self.wire_dtype)
+
+    @property
+    def u_driver(self) -> SubspaceDriver:
+        """What moves U (`swarm/subspace_update.py`): which terms accumulate, which stages contribute."""
+        return subspace_driver(self.subspace_driver)
+
+    @property
     def lanes(self) -> int:
         """P: the lanes (chunks of every sequence) each stage has; 1 when the run has no context parallelism."""
         return self.context_parallel.size if self.context_parallel is not None else 1
@@ -228,29 +237,14 @@ class Manifest(_Strict):
 
     def dense_bytes_per_token(self) -> int:
         """What the dense baseline sends per token across one boundary in one direction."""
-        return wire_payload_bytes(self.wire_dtype, 1, self.model.d_model)
+        return self.wire.payload_bytes(1, self.model.d_model)
 
     def compressed_bytes_per_token(self) -> int:
         """Payload per token, forward, in compressed modes: k coefficients (int8: plus their scale) and the
         token id; the backward message is the same without the id."""
         if not self.mode.compressed:
             return self.dense_bytes_per_token()
-        return wire_payload_bytes(self.wire_dtype, 1, self.k) + token_id_itemsize(self.model.vocab_size)
-
-
-def wire_itemsize(wire_dtype: WireDType) -> int:
-    if wire_dtype == "int8":
-        return 1
-    return 4 if wire_dtype == "fp32" else 2
-
-
-INT8_SCALE_BYTES = 4  # int8 payloads carry one float32 absmax scale per token
-
-
-def wire_payload_bytes(wire_dtype: WireDType, cells: int, width: int) -> int:
-    """Payload bytes of `cells` tokens of `width` values (int8 adds one scale per token)."""
-    extra = INT8_SCALE_BYTES if wire_dtype == "int8" else 0
-    return cells * (width * wire_itemsize(wire_dtype) + extra)
+        return self.wire.payload_bytes(1, self.k) + token_id_itemsize(self.model.vocab_size)
 
 
 def token_id_itemsize(vocab_size: int) -> int:

@@ -201,7 +201,7 @@ class PipelineStage(nn.Module):
 
     @property
     def _weights_drive_updates(self) -> bool:
-        return self.mode.weight_drives_updates(self.manifest.subspace_driver)
+        return self.manifest.u_driver.weight_terms(self.mode)
 
     @property
     def projects_boundary(self) -> bool:
@@ -260,20 +260,16 @@ class PipelineStage(nn.Module):
         close the microbatch (the weight hooks of subspace mode have already added theirs)."""
         if self.u_accumulator is None:
             return
-        basis = self.subspace.basis
+        basis, driver = self.subspace.basis, self.manifest.u_driver
         with torch.no_grad():
             if input_grad is not None and input_hidden is not None:
                 grad = input_grad.float()
-                if self.manifest.subspace_driver == "energy":
+                if driver.receiver_energy:
                     self.u_accumulator.add(receiver_term(grad, grad @ basis))
-                elif self.mode.boundaries_drive_updates(self.manifest.subspace_driver):
+                elif driver.boundary_terms(self.mode):
                     coefficients = (input_hidden.float() - self.subspace.t_fixed[tokens]) @ basis
                     self.u_accumulator.add(receiver_term(grad, coefficients))
-            if (
-                output_residual is not None
-                and output_grad is not None
-                and self.mode.boundaries_drive_updates(self.manifest.subspace_driver)
-            ):
+            if output_residual is not None and output_grad is not None and driver.boundary_terms(self.mode):
                 self.u_accumulator.add(sender_term(output_residual.float(), output_grad.float() @ basis))
             self.u_accumulator.finish_microbatch()
 

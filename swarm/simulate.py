@@ -135,7 +135,7 @@ def update_subspace(stages: list[PipelineStage], optimizers: list) -> np.ndarray
         if stage.u_accumulator is not None and stage.u_accumulator.terms
     }
     current = stages[0].subspace.basis.double().cpu().numpy()
-    basis = basis_from_contributions(current, contributions, manifest.subspace_driver, manifest.subspace_step)
+    basis = basis_from_contributions(current, contributions, manifest.u_driver, manifest.subspace_step)
     new_basis = torch.from_numpy(basis.astype(np.float32))
     version = stages[0].subspace.version + 1
     for stage, optimizer in zip(stages, optimizers, strict=True):

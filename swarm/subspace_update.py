@@ -19,12 +19,87 @@ reads the same contribution bytes derives the same U' bytes.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, ClassVar, Literal
+
 import numpy as np
 import torch
 
 from swarm.subspace import orthonormalize
 
-DRIVERS = ("gradient", "energy")
+if TYPE_CHECKING:  # a driver is asked about a mode; the modes never ask about drivers
+    from swarm.modes import CompressionMode
+
+SubspaceDriverName = Literal["gradient", "energy"]
+
+
+class SubspaceDriver:
+    """What moves U (the manifest's `subspace_driver`): the terms a stage accumulates, the stages that
+    contribute, and the sign of the step. The model, the simulator and the U agreement ask it, so none
+    of them tests the driver's name."""
+
+    name: ClassVar[str]
+    # whether a boundary's receiver adds Gᵀ (G U), the energy of its input gradient, whatever the mode
+    receiver_energy: ClassVar[bool] = False
+
+    def weight_terms(self, mode: CompressionMode) -> bool:
+        """Whether the constrained weights' gradient hooks add their terms (`weight_term`)."""
+        return False
+
+    def boundary_terms(self, mode: CompressionMode) -> bool:
+        """Whether a boundary's sender and receiver add their halves of ∂L/∂U (`sender_term`,
+        `receiver_term` against the received coefficients)."""
+        return False
+
+    def stage_contributes(self, mode: CompressionMode, stage: int, num_stages: int) -> bool:
+        """Whether `stage` has a term for a move of U, so the others wait for its contribution."""
+        raise NotImplementedError
+
+    def direction(self, contribution: np.ndarray) -> np.ndarray:
+        """D, the float64 direction U moves along, from the combined contributions."""
+        raise NotImplementedError
+
+
+class GradientDriver(SubspaceDriver):
+    """Descend the loss: the terms are ∂L/∂U, through what the mode constrains or projects."""
+
+    name = "gradient"
+
+    def weight_terms(self, mode: CompressionMode) -> bool:
+        return mode.weight_terms
+
+    def boundary_terms(self, mode: CompressionMode) -> bool:
+        return mode.boundary_terms
+
+    def stage_contributes(self, mode: CompressionMode, stage: int, num_stages: int) -> bool:
+        return mode.stage_has_gradient_terms(stage, num_stages)
+
+    def direction(self, contribution: np.ndarray) -> np.ndarray:
+        return -np.asarray(contribution, dtype=np.float64)
+
+
+class EnergyDriver(SubspaceDriver):
+    """Ascend the boundary-gradient energy tr(Uᵀ S U): every stage that receives a boundary gradient
+    (all but the head) adds S U, in any mode."""
+
+    name = "energy"
+    receiver_energy = True
+
+    def stage_contributes(self, mode: CompressionMode, stage: int, num_stages: int) -> bool:
+        return stage > 0
+
+    def direction(self, contribution: np.ndarray) -> np.ndarray:
+        return np.asarray(contribution, dtype=np.float64)
+
+
+DRIVERS: dict[str, SubspaceDriver] = {driver.name: driver for driver in (GradientDriver(), EnergyDriver())}
+
+
+def subspace_driver(name: str) -> SubspaceDriver:
+    """The driver a manifest names; ValueError naming the known ones for any other name."""
+    try:
+        return DRIVERS[name]
+    except KeyError:
+        raise ValueError(f"unknown subspace driver {name!r}; choose one of {tuple(DRIVERS)}") from None
 
 
 class UpdateAccumulator:
@@ -113,16 +188,10 @@ def combine(per_stage: dict[int, list[np.ndarray]]) -> np.ndarray:
     return total
 
 
-def next_basis(basis: np.ndarray, contribution: np.ndarray, driver: str, step: float) -> np.ndarray:
+def next_basis(basis: np.ndarray, contribution: np.ndarray, driver: SubspaceDriver, step: float) -> np.ndarray:
     """U' = orth(U + step · t/‖t‖), t = (I − P) D: a step of fixed size along the Grassmann tangent."""
-    if driver not in DRIVERS:
-        raise ValueError(f"unknown subspace driver {driver!r}; choose one of {DRIVERS}")
     basis = np.asarray(basis, dtype=np.float64)
-    direction = (
-        -np.asarray(contribution, dtype=np.float64)
-        if driver == "gradient"
-        else np.asarray(contribution, dtype=np.float64)
-    )
+    direction = driver.direction(contribution)
     k = basis.shape[1]
     tangent = direction.copy()
     for j in range(k):  # (I − U Uᵀ) D, column by column, without BLAS
@@ -135,7 +204,7 @@ def next_basis(basis: np.ndarray, contribution: np.ndarray, driver: str, step: f
 
 
 def basis_from_contributions(
-    basis: np.ndarray, contributions: dict[int, list[bytes]], driver: str, step: float
+    basis: np.ndarray, contributions: dict[int, list[bytes]], driver: SubspaceDriver, step: float
 ) -> np.ndarray:
     """U' from every stage's contributions as they cross the network (d×k float32 bytes each, in the order
     given): the one derivation the simulator and every peer run, so all derive the same bytes. Raises

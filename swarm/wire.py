@@ -19,7 +19,6 @@ receiver's first RMSNorm) is refused as `out_of_range` before any compute.
 
 from __future__ import annotations
 
-import enum
 import json
 import math
 import struct
@@ -28,7 +27,9 @@ from typing import Literal
 
 import torch
 
-from swarm.manifest import INT8_SCALE_BYTES, Manifest, WireDType, token_id_itemsize, wire_payload_bytes
+from swarm.manifest import Manifest, token_id_itemsize
+from swarm.wire_dtype import WireDTypeName, wire_dtype
+from swarm.wire_error import ErrorCode, WireError
 
 MAGIC = b"PSW2"  # PSW1 headers were JSON: a peer of either format refuses the other's messages as malformed
 MAX_HEADER_BYTES = 4096
@@ -64,41 +65,7 @@ Kind = Literal["forward", "backward"]
 MAX_ACTIVATION_NORM = 1e6
 MAX_GRADIENT_NORM = 1e4
 
-_TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _TOKEN_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
-
-
-class ErrorCode(str, enum.Enum):
-    MALFORMED = "malformed"
-    TOO_LARGE = "too_large"
-    WRONG_RUN = "wrong_run"
-    WRONG_VERSION = "wrong_u_version"
-    WRONG_HASH = "wrong_t_fixed_hash"
-    WRONG_STAGE = "wrong_stage"
-    WRONG_KIND = "wrong_kind"
-    WRONG_SHAPE = "wrong_shape"
-    WRONG_DTYPE = "wrong_dtype"
-    BAD_TOKENS = "bad_tokens"
-    NOT_FINITE = "not_finite"
-    OUT_OF_RANGE = "out_of_range"
-    OVERLOADED = "overloaded"
-    LEAVING = "leaving"
-    NO_PEER = "no_peer"
-    UNREACHABLE = "unreachable"
-    TIMEOUT = "timeout"
-    INTERNAL = "internal"
-    UNKNOWN_SENDER = "unknown_sender"
-    WRONG_CP_VERSION = "wrong_cp_version"  # context parallelism's K/V basis (issue 17), apart from U's version
-    WRONG_CP_HASH = "wrong_cp_hash"
-
-
-class WireError(Exception):
-    """A refusal. `hops` says how far down the pipeline it was raised (0: here, 1: by the peer we
-    sent to, 2: by the peer after that...), so a hop that relays a refusal is not blamed for it."""
-
-    def __init__(self, code: ErrorCode, message: str, hops: int = 0):
-        super().__init__(f"{code.value}: {message}")
-        self.code, self.message, self.hops = code, message, hops
 
 
 @dataclass(frozen=True)
@@ -109,7 +76,7 @@ class Header:
     trip_id: str
     stage: int  # the stage that receives this message
     kind: Kind
-    dtype: WireDType
+    dtype: WireDTypeName
     shape: tuple[int, int, int]  # batch, sequence, width (k compressed, d dense)
     has_tokens: bool
     loss: float | None = None  # the tail's loss, carried back to the driver
@@ -125,7 +92,7 @@ class Expectation:
     t_fixed_sha256: str
     stage: int
     kind: Kind
-    dtype: WireDType
+    dtype: WireDTypeName
     width: int
     vocab_size: int
     max_batch: int
@@ -140,7 +107,7 @@ class Expectation:
     @property
     def max_bytes(self) -> int:
         cells = self.max_batch * self.max_seq
-        return len(MAGIC) + 4 + MAX_HEADER_BYTES + wire_payload_bytes(self.dtype, cells, self.width) + cells * 4
+        return len(MAGIC) + 4 + MAX_HEADER_BYTES + wire_dtype(self.dtype).payload_bytes(cells, self.width) + cells * 4
 
 
 def expectation_for(manifest: Manifest, stage: int, kind: Kind, u_version: int, t_fixed_sha256: str) -> Expectation:
@@ -176,56 +143,11 @@ def check_range(payload: torch.Tensor, bound: float, what: str) -> None:
         raise WireError(ErrorCode.OUT_OF_RANGE, f"{what} has a token of norm {norm:.3g}, the bound is {bound:.3g}")
 
 
-def quantize_int8(payload: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token absmax 8-bit quantisation (SWARM's dense baseline): int8 values and float32 scales > 0."""
-    data = payload.detach().float()
-    absmax = data.abs().amax(dim=-1, keepdim=True)
-    # a row whose largest value is below ~1.8e-43 would get scale 0 (refused by the receiver): clamp it
-    smallest = torch.finfo(torch.float32).tiny
-    scale = torch.where(absmax > 0, (absmax / 127.0).clamp(min=smallest), torch.ones_like(absmax))
-    scale = torch.where(torch.isfinite(absmax), scale, absmax)  # NaN/inf stay visible: the receiver refuses them
-    values = torch.round(data / scale).clamp_(-127, 127).to(torch.int8)
-    return values, scale.squeeze(-1)
-
-
-def _encode_payload(dtype: WireDType, payload: torch.Tensor) -> bytes:
-    if dtype == "int8":
-        values, scales = quantize_int8(payload)
-        return values.contiguous().cpu().numpy().tobytes() + scales.contiguous().cpu().numpy().tobytes()
-    data = payload.detach().to(_TORCH_DTYPES[dtype]).contiguous().cpu()
-    if data.dtype != torch.float32:
-        data = data.view(torch.int16)
-    return data.numpy().tobytes()
-
-
-def _decode_payload(dtype: WireDType, raw: bytes, shape: tuple[int, int, int]) -> torch.Tensor:
-    """Tensor from payload bytes whose length the caller has checked against `shape`."""
-    batch, seq, width = shape
-    buffer = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-    if dtype == "int8":
-        cells = batch * seq
-        if len(raw) != cells * (width + INT8_SCALE_BYTES):
-            raise WireError(
-                ErrorCode.MALFORMED, f"int8 payload has {len(raw)} bytes, expected {cells * (width + INT8_SCALE_BYTES)}"
-            )
-        values = buffer[: cells * width].view(torch.int8).reshape(batch, seq, width)
-        # the scales start at byte cells*width, which need not be 4-aligned: view a fresh copy
-        scales = torch.frombuffer(bytearray(raw[cells * width :]), dtype=torch.float32).reshape(batch, seq, 1)
-        if not (torch.isfinite(scales).all() and (scales > 0).all()):
-            raise WireError(ErrorCode.NOT_FINITE, "int8 scales must be finite and positive")
-        return values.float() * scales
-    if dtype == "fp32":
-        payload = buffer.view(torch.float32)
-    else:
-        payload = buffer.view(torch.int16).view(_TORCH_DTYPES[dtype])
-    return payload.reshape(batch, seq, width)
-
-
 def encode(header: Header, payload: torch.Tensor, tokens: torch.Tensor | None, vocab_size: int) -> bytes:
     if tuple(payload.shape) != tuple(header.shape):
         raise ValueError(f"payload shape {tuple(payload.shape)} differs from header shape {header.shape}")
     head = pack_header(header)
-    parts = [MAGIC, struct.pack("<I", len(head)), head, _encode_payload(header.dtype, payload)]
+    parts = [MAGIC, struct.pack("<I", len(head)), head, wire_dtype(header.dtype).encode(payload)]
     if tokens is not None:
         if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab_size):
             raise ValueError(f"token ids must lie in [0, {vocab_size}) to be encoded")
@@ -370,12 +292,13 @@ def decode(blob: bytes, expect: Expectation) -> tuple[Header, torch.Tensor, torc
     if header.loss is not None and not math.isfinite(header.loss):
         raise WireError(ErrorCode.NOT_FINITE, "reported loss is not finite")
     token_bytes = token_id_itemsize(expect.vocab_size)
-    payload_bytes = wire_payload_bytes(header.dtype, batch * seq, width)
+    dtype = wire_dtype(header.dtype)
+    payload_bytes = dtype.payload_bytes(batch * seq, width)
     start = len(MAGIC) + 4 + struct.unpack_from("<I", blob, len(MAGIC))[0]
     expected_len = start + payload_bytes + (batch * seq * token_bytes if header.has_tokens else 0)
     if len(blob) != expected_len:
         raise WireError(ErrorCode.MALFORMED, f"message has {len(blob)} bytes, its header implies {expected_len}")
-    payload = _decode_payload(header.dtype, blob[start : start + payload_bytes], (batch, seq, width))
+    payload = dtype.decode(blob[start : start + payload_bytes], batch, seq, width)
     check_range(payload, expect.max_token_norm, "payload")
     tokens = None
     if header.has_tokens:

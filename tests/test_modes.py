@@ -10,6 +10,7 @@ from builders import tiny_manifest
 from swarm.model import build_stages
 from swarm.modes import DEFAULT, MODES
 from swarm.presets import preset
+from swarm.subspace_update import subspace_driver
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -31,14 +32,17 @@ def test_which_stages_project_and_which_drive_updates():
     stages = {name: build_stages(tiny_manifest(name, n_layers=3, stages=3)) for name in MODES}
     assert [s.projects_boundary for s in stages["boundary"]] == [True, True, False]
     assert not any(s.projects_boundary for s in stages["subspace"] + stages["none"])
-    assert MODES["subspace"].weight_drives_updates("gradient") and not MODES["subspace"].weight_drives_updates("energy")
-    assert MODES["boundary"].boundaries_drive_updates("gradient")
-    assert not MODES["boundary"].boundaries_drive_updates("energy")
+    gradient, energy = subspace_driver("gradient"), subspace_driver("energy")
+    assert gradient.weight_terms(MODES["subspace"]) and not energy.weight_terms(MODES["subspace"])
+    assert not gradient.boundary_terms(MODES["subspace"]) and not gradient.weight_terms(MODES["boundary"])
+    assert gradient.boundary_terms(MODES["boundary"])
+    assert not energy.boundary_terms(MODES["boundary"])
+    assert energy.receiver_energy and not gradient.receiver_energy
 
 
 def test_which_stages_contribute_to_a_move_of_u():
     def contributing(name: str, driver: str) -> list[int]:
-        return [s for s in range(3) if MODES[name].stage_contributes(s, 3, driver)]
+        return [s for s in range(3) if subspace_driver(driver).stage_contributes(MODES[name], s, 3)]
 
     assert contributing("subspace", "gradient") == [0, 1]  # the tail holds no constrained weight
     assert contributing("boundary", "gradient") == [0, 1, 2]

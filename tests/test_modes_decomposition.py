@@ -18,6 +18,7 @@ from swarm.model import build_stages
 from swarm.modes import MODES
 from swarm.optim import make_optimizer, parameter_groups
 from swarm.simulate import boundary_exactness, run_trip, simulate
+from swarm.subspace_update import subspace_driver
 
 D, K, SEQ = 64, 4, 32
 HALVES = ("dense-ts", "boundary-free-ts")
@@ -43,7 +44,7 @@ def _off_span(tensor: torch.Tensor, stage) -> float:
 def test_what_each_half_answers():
     dense_ts, free_ts = MODES["dense-ts"], MODES["boundary-free-ts"]
     assert not dense_ts.compressed and not dense_ts.moves_u  # the full residual crosses: no U to move
-    assert free_ts.compressed and free_ts.moves_u and free_ts.boundaries_drive_updates("gradient")
+    assert free_ts.compressed and free_ts.moves_u and subspace_driver("gradient").boundary_terms(free_ts)
     assert tiny_manifest("dense-ts", subspace_update_interval=5).updates_u is False
     assert tiny_manifest("boundary-free-ts", subspace_update_interval=5).updates_u is True
     stages = {name: build_stages(tiny_manifest(name, n_layers=3, stages=3)) for name in HALVES}

@@ -10,27 +10,37 @@ import pytest
 import torch
 
 from swarm import subspace as ss
-from swarm.subspace_update import combine, matrix_from_bytes, matrix_to_bytes, next_basis, receiver_term, sender_term
+from swarm.subspace_update import (
+    combine,
+    matrix_from_bytes,
+    matrix_to_bytes,
+    next_basis,
+    receiver_term,
+    sender_term,
+    subspace_driver,
+)
+
+GRADIENT, ENERGY = subspace_driver("gradient"), subspace_driver("energy")
 
 
 def test_step_is_deterministic_orthonormal_and_moves():
     basis = ss.initial_basis(0, 32, 3).double().numpy()
     direction = np.random.default_rng(0).standard_normal((32, 3))
-    new = next_basis(basis, direction, "gradient", 0.1)
-    assert np.array_equal(new, next_basis(basis, direction, "gradient", 0.1))
+    new = next_basis(basis, direction, GRADIENT, 0.1)
+    assert np.array_equal(new, next_basis(basis, direction, GRADIENT, 0.1))
     assert np.abs(new.T @ new - np.eye(3)).max() < 1e-12
     assert np.abs(new @ new.T - basis @ basis.T).max() > 1e-3  # the subspace moved
     # a direction inside span(U) has no tangent component: the subspace stays
-    same = next_basis(basis, basis @ np.ones((3, 3)), "gradient", 0.5)
+    same = next_basis(basis, basis @ np.ones((3, 3)), GRADIENT, 0.5)
     assert np.abs(same @ same.T - basis @ basis.T).max() < 1e-6
 
 
 def test_step_bytes_agree_across_processes():
     code = (
         "import numpy as np, hashlib; from swarm import subspace as ss; "
-        "from swarm.subspace_update import next_basis; "
+        "from swarm.subspace_update import next_basis, subspace_driver; "
         "b = ss.initial_basis(3, 64, 4).double().numpy(); d = np.cos(np.arange(256.0)).reshape(64, 4); "
-        "print(hashlib.sha256(next_basis(b, d, 'energy', 0.07).astype('<f4').tobytes()).hexdigest())"
+        "print(hashlib.sha256(next_basis(b, d, subspace_driver('energy'), 0.07).astype('<f4').tobytes()).hexdigest())"
     )
     here = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     basis = ss.initial_basis(3, 64, 4).double().numpy()
@@ -38,14 +48,14 @@ def test_step_bytes_agree_across_processes():
     import hashlib
 
     assert (
-        here.strip() == hashlib.sha256(next_basis(basis, direction, "energy", 0.07).astype("<f4").tobytes()).hexdigest()
+        here.strip() == hashlib.sha256(next_basis(basis, direction, ENERGY, 0.07).astype("<f4").tobytes()).hexdigest()
     )
 
 
 def test_step_size_is_the_rotation_not_the_gradient_scale():
     basis = ss.initial_basis(1, 48, 2).double().numpy()
     direction = np.random.default_rng(1).standard_normal((48, 2))
-    small, large = next_basis(basis, direction, "gradient", 0.05), next_basis(basis, 1e6 * direction, "gradient", 0.05)
+    small, large = next_basis(basis, direction, GRADIENT, 0.05), next_basis(basis, 1e6 * direction, GRADIENT, 0.05)
     assert np.abs(small - large).max() < 1e-9
 
 
@@ -55,10 +65,10 @@ def test_gradient_descends_energy_ascends():
     s_matrix = target @ target.T  # energy tr(Uᵀ S U) is largest at span(target)
     u = basis
     for _ in range(60):
-        u = next_basis(u, s_matrix @ u, "energy", 0.1)
+        u = next_basis(u, s_matrix @ u, ENERGY, 0.1)
     assert np.trace(u.T @ s_matrix @ u) > 1.9
-    with pytest.raises(ValueError, match="driver"):
-        next_basis(u, u, "sideways", 0.1)
+    with pytest.raises(ValueError, match="unknown subspace driver 'sideways'"):
+        subspace_driver("sideways")
 
 
 def test_boundary_terms_are_the_derivative_of_the_boundary_map():

@@ -14,7 +14,8 @@ from builders import tiny_manifest
 from swarm.codec import BoundaryCodec
 from swarm.model import PipelineStage
 from swarm.presets import preset
-from swarm.wire import MAGIC, ErrorCode, Header, WireError, decode, encode, expectation_for, quantize_int8
+from swarm.wire import MAGIC, ErrorCode, Header, WireError, decode, encode, expectation_for
+from swarm.wire_dtype import quantize_int8
 
 D, B, S = 64, 2, 8
 

@@ -16,12 +16,13 @@ import torch
 from builders import tiny_manifest
 
 from swarm.codec import BoundaryCodec
-from swarm.manifest import INT8_SCALE_BYTES, wire_payload_bytes
 from swarm.model import build_stages, next_token_loss
 from swarm.simulate import run_trip
-from swarm.wire import MAGIC, ErrorCode, WireError, quantize_int8
+from swarm.wire import MAGIC, ErrorCode, WireError
+from swarm.wire_dtype import quantize_int8, wire_dtype
 
 K, D, B, S = 4, 64, 2, 32
+INT8_SCALE_BYTES = 4  # one float32 absmax scale per token
 COMPRESSED = ["boundary", "subspace", "boundary-free-ts"]
 
 
@@ -37,7 +38,7 @@ def body_start(blob: bytes) -> int:
 def test_manifest_takes_int8_and_counts_its_scale(compression):
     m = tiny_manifest(compression, wire_dtype="int8")
     assert m.compressed_bytes_per_token() == K + INT8_SCALE_BYTES + 1  # k values, one scale, the token id
-    assert wire_payload_bytes("int8", B * S, K) == B * S * (K + INT8_SCALE_BYTES)
+    assert wire_dtype("int8").payload_bytes(B * S, K) == B * S * (K + INT8_SCALE_BYTES)
     assert m.run_id != tiny_manifest(compression, wire_dtype="bf16").run_id
 
 

@@ -155,14 +155,15 @@ def _install_hivemind(_module) -> None:
 
 
 def _install_codec(codec) -> None:
-    from swarm.manifest import token_id_itemsize, wire_payload_bytes
+    from swarm.manifest import token_id_itemsize
+    from swarm.wire_dtype import wire_dtype
 
     def counted(method):
         def decode(self, blob, stage):
             result = method(self, blob, stage)
             header = result[0]
             batch, seq, width = header.shape
-            body = wire_payload_bytes(header.dtype, batch * seq, width)
+            body = wire_dtype(header.dtype).payload_bytes(batch * seq, width)
             if header.has_tokens:
                 body += batch * seq * token_id_itemsize(self.manifest.model.vocab_size)
             note(f"trip {header.kind} messages")

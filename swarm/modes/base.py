@@ -2,8 +2,9 @@
 
 A mode says which tensors must stay in span(U), whether a stage ends by projecting its output,
 what crosses a boundary (k coefficients per token, or the full residual), whether U can move,
-and which gradients drive its moves. Every wire dtype carries either (int8 with a per-token absmax
-scale, `swarm/wire.py`). Nothing else in the code looks at the mode's name.
+and where ∂L/∂U has terms (the subspace driver decides which of them move U). Every wire dtype
+carries either (int8 with a per-token absmax scale, `swarm/wire_dtype.py`). Nothing else in the
+code looks at the mode's name.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from torch import nn
 if TYPE_CHECKING:  # a mode is asked about a stage; it never builds one
     from swarm.model import PipelineStage
 
+
 @dataclass(frozen=True)
 class ConstrainedParameter:
     name: str
@@ -26,6 +28,10 @@ class ConstrainedParameter:
 class CompressionMode:
     name: ClassVar[str]
     compressed: ClassVar[bool] = True  # k coefficients and the token ids cross a boundary, not the residual
+    # where ∂L/∂U has terms, which the gradient driver accumulates (`swarm/subspace_update.py`): through the
+    # constrained weights' gradients, and through the boundary activations and their gradients
+    weight_terms: ClassVar[bool] = False
+    boundary_terms: ClassVar[bool] = False
 
     def constrained(self, stage: PipelineStage) -> list[ConstrainedParameter]:
         """The tensors of `stage` kept in span(U): with more than one stage, the head's `T_S` rows (what lets
@@ -42,25 +48,11 @@ class CompressionMode:
         """Whether `stage` ends by projecting its output residual onto T_fixed[tok] + span(U)."""
         return False
 
-    def weight_drives_updates(self, driver: str) -> bool:
-        """Whether the gradients of the constrained weights carry this mode's ∂L/∂U terms."""
-        return False
-
-    def boundaries_drive_updates(self, driver: str) -> bool:
-        """Whether the boundary activations and their gradients carry this mode's ∂L/∂U terms."""
-        return False
-
     @property
     def moves_u(self) -> bool:
         """Whether U can move during the run (a mode that sends the full residual has nothing to move)."""
         return self.compressed
 
-    def stage_contributes(self, stage: int, num_stages: int, driver: str) -> bool:
-        """Whether `stage` has a term for a move of U: with the energy driver every stage that receives a
-        boundary gradient (all but the head); with the gradient driver, what the mode says."""
-        if driver == "energy":
-            return stage > 0
-        return self.stage_has_gradient_terms(stage, num_stages)
-
     def stage_has_gradient_terms(self, stage: int, num_stages: int) -> bool:
+        """Whether `stage` holds any of the mode's ∂L/∂U terms (with the gradient driver, whether it contributes)."""
         return True

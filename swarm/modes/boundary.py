@@ -17,9 +17,7 @@ if TYPE_CHECKING:
 
 class BoundaryMode(CompressionMode):
     name = "boundary"
+    boundary_terms = True
 
     def projects_boundary(self, stage: PipelineStage) -> bool:
         return not stage.is_tail
-
-    def boundaries_drive_updates(self, driver: str) -> bool:
-        return driver == "gradient"

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 
 class SubspaceMode(CompressionMode):
     name = "subspace"
+    weight_terms = True
 
     def constrained_weights(self, stage: PipelineStage) -> list[ConstrainedParameter]:
         if stage.is_tail:
@@ -26,9 +27,6 @@ class SubspaceMode(CompressionMode):
             found.append(ConstrainedParameter(f"layers.{i}.attn.wo.weight", block.attn.wo.weight, axis=0))
             found.append(ConstrainedParameter(f"layers.{i}.mlp.w2.weight", block.mlp.w2.weight, axis=0))
         return found
-
-    def weight_drives_updates(self, driver: str) -> bool:
-        return driver == "gradient"
 
     def stage_has_gradient_terms(self, stage: int, num_stages: int) -> bool:
         return stage < num_stages - 1

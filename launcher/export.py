@@ -1,10 +1,11 @@
 """`protocol-swarm export` and `protocol-swarm generate`: take a run's model home and look at what it says.
 
 `export` reads stage checkpoints from folders on disk (the organiser's own peers' `--checkpoint-dir`s, a
-local swarm's work dir kept with `--keep-logs`), checks them against the manifest and writes one file
-that plain PyTorch loads; downloading stages from live peers is not done here. `generate` loads such a
-file and samples text. The logic is in `swarm/export.py`, `swarm/bundle.py` and `swarm/llama.py`; this is
-flags, messages and exit codes: every refusal is one line, `protocol-swarm: error: ...`, exit status 2.
+local swarm's work dir kept with `--keep-logs`), or with `--from-swarm` downloads every stage from the run's
+live peers (`dhtio/state_download.py`, each state confirmed by the stage's peer records), checks them against
+the manifest and writes one file that plain PyTorch loads. `generate` loads such a file and samples text. The
+logic is in `swarm/export.py`, `swarm/live_state.py`, `swarm/bundle.py` and `swarm/llama.py`; this is flags,
+messages and exit codes: every refusal is one line, `protocol-swarm: error: ...`, exit status 2.
 """
 
 from __future__ import annotations
@@ -12,13 +13,27 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
+from dhtio.state_download import download_run
 from swarm.bundle import generate_ids, load_bundle
 from swarm.data import DataError, make_tokenizer
-from swarm.export import ExportError, assemble, find_manifest, load_run_manifest, save_bundle
+from swarm.export import (
+    Export,
+    ExportError,
+    Selection,
+    StageCheckpoint,
+    assemble,
+    bundle_stages,
+    find_manifest,
+    load_run_manifest,
+    save_bundle,
+)
 from swarm.flags import refuse_start
+from swarm.live_state import LiveStateError
 from swarm.llama import llama_blockers, write_llama
+from swarm.manifest import Manifest
 
 PROG = "protocol-swarm"
 
@@ -26,7 +41,7 @@ PROG = "protocol-swarm"
 def cmd_export(args: argparse.Namespace) -> int:
     try:
         summary = run_export(args)
-    except ExportError as exc:
+    except (ExportError, LiveStateError) as exc:
         return refuse_start(PROG, exc)
     if args.json:
         print(json.dumps(summary))
@@ -35,12 +50,14 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 def run_export(args: argparse.Namespace) -> dict:
     paths = [Path(p) for p in args.checkpoints]
+    if bool(paths) == bool(args.from_swarm):
+        raise ExportError("give checkpoint files or folders, or --from-swarm ADDR (the run's live peers), not both")
     manifest_path = Path(args.manifest) if args.manifest else find_manifest([p for p in paths if p.is_dir()])
     if manifest_path is None:
         raise ExportError("need --manifest FILE (no single manifest.json at the top of the folders given)")
     manifest = load_run_manifest(manifest_path)
     out = Path(args.out or f"{manifest.run_id}.pt")
-    export = assemble(manifest, paths)
+    export = from_swarm(manifest, args.from_swarm, args.timeout) if args.from_swarm else assemble(manifest, paths)
     save_bundle(export.bundle, out)
     say = (lambda line: print(line, file=sys.stderr)) if args.json else print
     for note in export.notes:
@@ -74,6 +91,26 @@ def run_export(args: argparse.Namespace) -> dict:
         "hf_llama": llama,
         "llama_blockers": blockers,
     }
+
+
+def from_swarm(manifest: Manifest, initial_peers: list[str], timeout: float) -> Export:
+    """Every stage downloaded from the run's live peers and confirmed by their records, then verified and
+    bundled as checkpoints on disk are; a stage's source reads `peer:<peer id>`."""
+    run = download_run(manifest, initial_peers, timeout)
+    chosen = {
+        index: StageCheckpoint(
+            path=Path(f"peer:{stage.donor}"),
+            run_id=manifest.run_id,
+            stage=index,
+            epoch=stage.epoch,
+            model=stage.model,
+            mtime=time.time(),
+            u_version=run.u_version,
+            u=run.u,
+        )
+        for index, stage in run.stages.items()
+    }
+    return bundle_stages(manifest, Selection(chosen, run.notes))
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -125,13 +162,23 @@ def add_export_parsers(sub) -> None:
         "export",
         help="assemble one model file from a run's stage checkpoints, verified against the manifest",
         description="Assemble one model file (torch.load(..., weights_only=True)) from a run's stage checkpoints "
-        "on disk, each verified against the manifest.",
+        "on disk, or from its live peers (--from-swarm), each verified against the manifest.",
     )
     export.add_argument(
         "checkpoints",
-        nargs="+",
+        nargs="*",
         metavar="PATH",
         help="checkpoint files, or folders searched for stage*.pt (peers' --checkpoint-dir, a local swarm's work dir)",
+    )
+    export.add_argument(
+        "--from-swarm",
+        nargs="+",
+        metavar="ADDR",
+        help="instead of files: download every stage from the run's live peers, reached through these DHT "
+        "addresses (each state is taken only if the stage's peers announce its hash)",
+    )
+    export.add_argument(
+        "--timeout", type=float, default=120.0, help="seconds to wait for every stage's state with --from-swarm"
     )
     export.add_argument("--manifest", help="the run's manifest (default: manifest.json at the top of a folder given)")
     export.add_argument("--out", help="the model file to write (default: <run_id>.pt)")

@@ -39,14 +39,14 @@ from peer.lane_trip import LaneHop, lane_codec, largest_kv_message
 from peer.lanes import Slot
 from peer.link import Link
 from peer.next_hop import NextHop
-from peer.options import PeerOptions
+from peer.options import PeerOptions, pick_device
 from peer.processes import StopSignals, stop_dht_and_children, stop_signals_ignored_by_children
 from peer.reachability import ReachabilityCheck
 from peer.rebalance import Placement, StageMove
 from peer.refusals import RefusalLog
 from peer.relay import Relaying
 from peer.routing import REFRESH_INTERVAL, Router, routed_stages
-from peer.runtime import StageRuntime, pick_device
+from peer.runtime import StageRuntime
 from peer.stats import Stats
 from peer.status_log import log_progress, write_heartbeats
 from peer.subspace_sync import SubspaceSync

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from p2pio.budget import Budget
 from p2pio.framing import MIN_RATE
 from peer.audit import AUDIT_RATE
@@ -38,3 +40,12 @@ class PeerOptions:
     relay: str = "auto"  # peer/reachability.py `relay_options`
     relay_service: bool = True  # carry circuits for NATed peers, within `relay_budget`
     relay_budget: Budget = field(default_factory=Budget)  # what --relay-service carries (p2pd's per-circuit budget)
+
+
+def pick_device(requested: str) -> torch.device:
+    """The torch device `--device` names (`auto`: CUDA when there is one); refuses CUDA where there is none."""
+    if requested == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("--device cuda was requested but no CUDA device is available")
+    return torch.device(requested)

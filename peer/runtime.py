@@ -31,6 +31,7 @@ from peer.progress import PROGRESS_INTERVAL
 from peer.stage_optimizer import StageOptimizer
 from swarm.codec import BoundaryCodec
 from swarm.cp_lane import LaneTrip
+from swarm.live_state import parameters_sha256
 from swarm.manifest import Manifest
 from swarm.model import PipelineStage, next_token_loss
 from swarm.optim import clip_grad_norm, lr_at, make_optimizer, parameter_groups
@@ -38,21 +39,6 @@ from swarm.subspace import t_fixed_table, tensor_sha256
 from swarm.wire import MAX_GRADIENT_NORM, ErrorCode, WireError, max_token_norm
 
 logger = logging.getLogger("peer.runtime")
-
-
-def pick_device(requested: str) -> torch.device:
-    if requested == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if requested == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("--device cuda was requested but no CUDA device is available")
-    return torch.device(requested)
-
-
-def parameters_sha256(stage: PipelineStage, replaced: dict[int, torch.Tensor] | None = None) -> str:
-    """The hash of the stage's parameters, or of them with some replaced by copies (keyed by the parameter's id)."""
-    replaced = replaced or {}
-    flat = torch.cat([replaced.get(id(p), p).detach().float().flatten().cpu() for p in stage.parameters()])
-    return tensor_sha256(flat)
 
 
 class StageRuntime:

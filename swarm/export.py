@@ -72,7 +72,7 @@ def one_line(exc: BaseException, limit: int = 200) -> str:
 class StageCheckpoint:
     """One stage checkpoint as a peer saved it, with the optional records it may carry."""
 
-    path: Path
+    path: Path  # where it came from: a file, or `peer:<peer id>` for a state downloaded from a live peer
     run_id: str
     stage: int
     epoch: int
@@ -331,7 +331,11 @@ class Export:
 
 def assemble(manifest: Manifest, paths: Sequence[Path]) -> Export:
     """Select, verify and bundle a run's stage checkpoints (module docstring)."""
-    selection = select_checkpoints(manifest, paths)
+    return bundle_stages(manifest, select_checkpoints(manifest, paths))
+
+
+def bundle_stages(manifest: Manifest, selection: Selection) -> Export:
+    """Verify and bundle one checkpoint per stage, read from disk or downloaded from live peers."""
     u_version, u = resolve_u(manifest, selection.chosen)
     shape = manifest.model
     t_fixed = t_fixed_table(manifest.seed, shape.vocab_size, shape.d_model, manifest.t_fixed_std)

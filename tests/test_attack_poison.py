@@ -18,10 +18,11 @@ import pytest
 import torch
 from hivemind.dht import DHT
 
-from peer.runtime import StageRuntime, parameters_sha256
+from peer.runtime import StageRuntime
 from swarm import codec
 from swarm import subspace as ss
 from swarm.codec import BoundaryCodec
+from swarm.live_state import parameters_sha256
 from swarm.manifest import BatchSpec
 from swarm.model import PipelineStage, build_stages, next_token_loss
 from swarm.optim import clip_grad_norm, make_optimizer

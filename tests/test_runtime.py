@@ -7,7 +7,8 @@ import time
 import pytest
 import torch
 
-from peer.runtime import StageRuntime, parameters_sha256
+from peer.runtime import StageRuntime
+from swarm.live_state import parameters_sha256
 from swarm.presets import preset
 from swarm.subspace import tensor_sha256
 

@@ -25,6 +25,7 @@ from tracker.app import create_app
 from tracker.cli import build_parser, default_host_maddrs, main
 from tracker.history import History, with_rates
 from tracker.metrics import make_registry, render
+from tracker.rejoin_addrs import dialable_addrs
 from tracker.service import SwarmMonitor
 from tracker.summary import (
     MAX_PEERS_LISTED,
@@ -34,7 +35,6 @@ from tracker.summary import (
     boundary_directions,
     credited_tokens,
     current_u_version,
-    dialable_addrs,
     peers_listed_per_stage,
     summarize,
     track_last_seen,

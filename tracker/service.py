@@ -20,11 +20,11 @@ from swarm.manifest import Manifest
 from swarm.records import PeerEntry, load_or_create_rsa_key, make_validators
 from tracker.counters import advance, forget_oldest
 from tracker.history import History
+from tracker.rejoin_addrs import dialable_addrs
 from tracker.summary import (
     DEFAULT_STALE_AFTER,
     POLL_INTERVAL,
     PeerView,
-    dialable_addrs,
     history_sample,
     owner_fingerprint,
     run_counters,

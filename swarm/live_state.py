@@ -1,0 +1,141 @@
+"""Taking a stage's state from a live peer, as `protocol-swarm export --from-swarm` does: what is checked.
+
+A state downloaded from a peer is that peer's claim. Peers of a stage hold the same parameters within an
+optimizer epoch (they average, then step alike), and each announces, in its own signed stage record, the hash of
+its parameters at its last few epochs (`state_hashes`, "epoch:hash-prefix") and of the last states it served
+(`served_states`). So a downloaded state is taken only if its hash is one that `required_confirmations` online
+peers of the stage announce: with two or more peers in the stage, a donor's state must be held by at least one
+other peer, so one hostile peer cannot hand the exporter weights that no other peer of its stage holds. A stage
+served by a single peer can only be checked against that peer's own record (a note says so). The parameters
+then go through every check a checkpoint on disk goes through (`swarm/export.py verify_stage`: names, shapes,
+finite, span(U)).
+
+The hash is the one peers announce: the stage's parameters in `stage.parameters()` order, as float32.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from swarm.manifest import Manifest
+from swarm.model import PipelineStage
+from swarm.optim import parameter_groups
+from swarm.records import PeerEntry, SubspaceRecord
+from swarm.subspace import tensor_sha256
+from swarm.subspace_update import matrix_from_bytes
+
+STATE_PREFIX = 16  # hex digits of the parameters' hash in an "epoch:hash" record entry
+
+
+class LiveStateError(ValueError):
+    """A state (or a U) a peer sent that does not check out; the message is one line naming the stage."""
+
+
+def parameters_sha256(stage: PipelineStage, replaced: dict[int, torch.Tensor] | None = None) -> str:
+    """The hash of the stage's parameters, or of them with some replaced by copies (keyed by the parameter's id)."""
+    replaced = replaced or {}
+    flat = torch.cat([replaced.get(id(p), p).detach().float().flatten().cpu() for p in stage.parameters()])
+    return tensor_sha256(flat)
+
+
+def state_entry(epoch: int, digest: str) -> str:
+    """A state as records name it: "epoch:hash-prefix"."""
+    return f"{epoch}:{digest[:STATE_PREFIX]}"
+
+
+def trained_parameters(stage: PipelineStage) -> list[tuple[str, torch.nn.Parameter]]:
+    """The stage's trained parameters in the order its optimizer (and so a donor's state) lists them."""
+    names = {id(p): name for name, p in stage.named_parameters()}
+    return [(names[id(p)], p) for group in parameter_groups(stage) for p in group["params"]]
+
+
+def expected_shapes(manifest: Manifest, index: int) -> list[tuple[int, ...]]:
+    """The shapes a donor's state must start with, in order (the downloader reads no further)."""
+    return [tuple(p.shape) for _, p in trained_parameters(PipelineStage(manifest, index))]
+
+
+def model_from_state(manifest: Manifest, index: int, tensors: Sequence[torch.Tensor]) -> tuple[dict, str]:
+    """(the stage's state_dict with the downloaded parameters in place, their hash as records announce it).
+
+    Tensors the optimizer does not train are the manifest's (a fresh stage's). Shape, dtype and finiteness
+    are checked here before anything is hashed; `verify_stage` checks the rest."""
+    stage = PipelineStage(manifest, index)
+    trained = trained_parameters(stage)
+    if len(tensors) != len(trained):
+        raise LiveStateError(f"stage {index}: the state has {len(tensors)} parameter tensors, expected {len(trained)}")
+    replaced, named = {}, {}
+    for (name, param), tensor in zip(trained, tensors, strict=True):
+        if tuple(tensor.shape) != tuple(param.shape) or not tensor.is_floating_point():
+            raise LiveStateError(
+                f"stage {index}: {name} came as {tensor.dtype} {tuple(tensor.shape)}, expected {tuple(param.shape)}"
+            )
+        if not torch.isfinite(tensor).all():
+            raise LiveStateError(f"stage {index}: {name} holds NaN or inf")
+        value = tensor.detach().to(param.dtype).cpu().contiguous()
+        replaced[id(param)], named[name] = value, value
+    digest = parameters_sha256(stage, replaced)
+    model = {name: named.get(name, tensor) for name, tensor in stage.state_dict().items()}
+    return model, digest
+
+
+def required_confirmations(online: int) -> int:
+    """How many online peers of a stage must announce a state: two when the stage has two or more."""
+    return min(2, max(online, 1))
+
+
+def confirmations(entries: Sequence[PeerEntry], index: int, entry: str, donor: str) -> set[str]:
+    """The online peers of stage `index` whose signed record announces the state `entry` ("epoch:hash"): as one
+    they held (`state_hashes`), or, for the donor, as the one it served (`served_states`, hashed from the copy it
+    sent, so found however many epochs it stepped before announcing)."""
+    return {
+        e.record.peer_id
+        for e in entries
+        if e.record.state == "online"
+        and e.record.stage == index
+        and (entry in e.record.state_hashes or (e.record.peer_id == donor and entry in e.record.served_states))
+    }
+
+
+def online_peers(entries: Sequence[PeerEntry], index: int, t_fixed_sha256: str) -> list[PeerEntry]:
+    """The stage's online peers computing with the run's T_fixed, the most advanced first (the freshest state is
+    asked for first)."""
+    live = [
+        e
+        for e in entries
+        if e.record.state == "online"
+        and e.record.stage == index
+        and (not t_fixed_sha256 or e.record.t_fixed_sha256 == t_fixed_sha256)
+    ]
+    return sorted(live, key=lambda e: (-e.record.optimizer_epoch, e.record.peer_id))
+
+
+def current_u(
+    manifest: Manifest, stages: dict[int, list[PeerEntry]], versions: Sequence[SubspaceRecord]
+) -> tuple[int, torch.Tensor | None]:
+    """(the U version most online peers announce, its d×k tensor; None for version 0, the seed's).
+
+    A version above 0 is taken from a `{run}_subspace` version record whose bytes hash to the U hash that
+    most online peers at that version announce in their own records (as a peer catching up does)."""
+    records = [e.record for entries in stages.values() for e in entries if e.record.state == "online"]
+    if not records:
+        raise LiveStateError(f"no online peer of run {manifest.run_id} was found")
+    (version, digest), _ = Counter((r.u_version, r.u_sha256) for r in records).most_common(1)[0]
+    if version == 0:
+        return 0, None
+    at_version = [r for r in records if r.u_version == version]
+    if 2 * sum(r.u_sha256 == digest for r in at_version) <= len(at_version):
+        raise LiveStateError(f"the online peers at U v{version} do not agree on its bytes")
+    for record in versions:
+        if record.kind == "version" and record.version == version and record.u_sha256 == digest:
+            try:
+                matrix = matrix_from_bytes(record.data, manifest.model.d_model, manifest.k)
+            except ValueError:
+                continue
+            u = torch.from_numpy(np.array(matrix, dtype=np.float32))
+            if tensor_sha256(u) == digest:
+                return version, u
+    raise LiveStateError(f"no peer publishes the bytes of U v{version} that the online peers announce")

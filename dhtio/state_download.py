@@ -3,31 +3,32 @@
 The exporter joins the run's DHT as a client (it serves nothing and is not announced), reads the stages' signed
 records, and asks each stage's online peers, the most advanced first, for their state over the same RPC a joining
 peer uses (hivemind's state averager, `rpc_download_state`, namespace `{optimizer_prefix}_stage{i}_state_averager`).
-Unlike hivemind's own download it picks the donor, reads only the parameters (the optimizer statistics that follow
-are never read), bounds every tensor's bytes by the shape the manifest gives it, and takes a state only when
-online peers of the stage announce its hash (`swarm/live_state.py`). A donor whose state does not check out is
-skipped for the next one. A peer re-announces its record every ANNOUNCE_INTERVAL, so the records are read again
-for a while after a download, until they announce the state or do not; rounds over all donors repeat for up to
-`timeout` seconds.
+Unlike hivemind's own download it picks the donor and reads the stream itself (`StateStream`): only the
+parameters (the optimizer statistics after them are never read), each a plain float32 tensor of exactly the shape
+the manifest gives it, every byte of every message counted, metadata once; and each donor gets a time budget of
+its own (`donor_budget`), so one that stalls or drips costs that much, not the export. A state is taken only when
+enough of the stage's peers announce its hash (`swarm/live_state.py`); a peer re-announces its record every
+ANNOUNCE_INTERVAL, so the records are read again for a while after a download. Rounds over all donors repeat until
+every stage has a state or `timeout` seconds passed.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from dataclasses import dataclass, field
 
 import torch
 from hivemind.averaging.averager import DecentralizedAverager
-from hivemind.compression import deserialize_torch_tensor
+from hivemind.dht import DHT
 from hivemind.p2p import P2P, PeerID
-from hivemind.proto import averaging_pb2
+from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.serializer import MSGPackSerializer
-from hivemind.utils.streaming import combine_from_streaming
 
 from dhtio.records import fetch_stages, fetch_subspace_records
+from p2pio.framing import GRACE_S, MIN_RATE
 from p2pio.hivemind_guards import limit_hivemind_frames
+from swarm.export import one_line
 from swarm.live_state import (
     LiveStateError,
     confirmations,
@@ -35,22 +36,130 @@ from swarm.live_state import (
     expected_shapes,
     model_from_state,
     online_peers,
-    required_confirmations,
+    run_t_fixed_sha256,
     state_entry,
 )
 from swarm.manifest import Manifest
-from swarm.records import ANNOUNCE_INTERVAL, PeerEntry, load_or_create_rsa_key, make_validators, subspace_key
-
-logger = logging.getLogger("dhtio.state_download")
+from swarm.records import (
+    ANNOUNCE_INTERVAL,
+    StagePeerRecord,
+    load_or_create_rsa_key,
+    make_validators,
+    subspace_key,
+)
 
 # hivemind names an RPC after the class that serves it, and peers serve their state from
 # `peer/stage_optimizer.py SnapshotStateAverager` (tests/test_live_export.py checks the name): a stub of a
 # class of that name calls it
 STATE_SERVICER = type("SnapshotStateAverager", (DecentralizedAverager,), {})
-PART_SLACK = 4096  # bytes a tensor's serialized parts may hold beyond its float32 values (headers, padding)
-ROUND_PAUSE = 5.0  # seconds between rounds of reading the records and asking donors
+MAX_METADATA = 64 << 10  # the state's metadata: epoch and a few optimizer scalars, msgpacked
+PART_ALLOWANCE = 128 << 10  # protobuf bytes a tensor may take beyond its values (one part of the next tensor)
 CONFIRM_WAIT = 2 * ANNOUNCE_INTERVAL  # how long a downloaded state may wait for the records that announce it
 CONFIRM_POLL = 2.0
+ROUND_PAUSE = 5.0  # seconds between rounds over a stage's donors
+
+
+class StateStream:
+    """Reads the parameters at the head of a donor's state stream, refusing anything an honest peer does not send.
+
+    An honest peer streams each tensor as hivemind serializes it uncompressed: a first part naming dtype
+    "float32", compression NONE and the tensor's size, then parts holding only more bytes. Anything else (another
+    dtype or compression, a size other than the manifest's, more bytes than the shape holds, a second metadata,
+    more protobuf bytes in all than the parameters plus `PART_ALLOWANCE` each) is refused before it is kept."""
+
+    def __init__(self, shapes: list[tuple[int, ...]]):
+        self.shapes = shapes
+        self.tensors: list[torch.Tensor] = []
+        self.epoch: int | None = None
+        self.buffer: bytearray | None = None  # the tensor being received
+        self.received = 0
+        self.limit = sum(4 * torch.Size(s).numel() + PART_ALLOWANCE for s in shapes) + MAX_METADATA
+
+    @property
+    def done(self) -> bool:
+        return len(self.tensors) == len(self.shapes)
+
+    def feed(self, message: averaging_pb2.DownloadData) -> None:
+        self.received += message.ByteSize()
+        if self.received > self.limit:
+            raise LiveStateError(f"the state stream sent more than its parameters' {self.limit} bytes")
+        if message.metadata:
+            if self.epoch is not None or len(message.metadata) > MAX_METADATA:
+                raise LiveStateError("the state stream sent its metadata twice, or too much of it")
+            metadata = MSGPackSerializer.loads(message.metadata)
+            value = metadata.get("epoch") if isinstance(metadata, dict) else None
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise LiveStateError("the state's metadata names no epoch")
+            self.epoch = value
+        part = message.tensor_part
+        if part.dtype:  # the first part of a tensor
+            self._close_tensor()
+            if self.done:
+                return  # optimizer statistics: not read
+            want = self.shapes[len(self.tensors)]
+            plain = part.dtype == "float32" and part.compression == runtime_pb2.CompressionType.NONE
+            if not plain or tuple(part.size) != want:
+                raise LiveStateError(
+                    f"tensor {len(self.tensors)} came as {part.dtype} {tuple(part.size)} (compression "
+                    f"{part.compression}), expected float32 {want} uncompressed"
+                )
+            self.buffer = bytearray()
+        elif self.buffer is None:
+            if not part.buffer:
+                return
+            raise LiveStateError("the state stream sent bytes before naming their tensor")
+        self.buffer += part.buffer
+        if len(self.buffer) > 4 * torch.Size(self.shapes[len(self.tensors)]).numel():
+            raise LiveStateError(f"tensor {len(self.tensors)} is larger than its shape allows")
+
+    def end(self) -> tuple[int, list[torch.Tensor]]:
+        """(the epoch, the parameters) once the stream stopped (read through the parameters, or ended)."""
+        if not self.done:
+            self._close_tensor()
+        if self.epoch is None or not self.done:
+            raise LiveStateError(f"the state ended after {len(self.tensors)} of {len(self.shapes)} parameter tensors")
+        return self.epoch, self.tensors
+
+    def _close_tensor(self) -> None:
+        """Close the tensor being received (at the next tensor's first part, or at the end of the stream)."""
+        if self.buffer is None:
+            return
+        want = self.shapes[len(self.tensors)]
+        if len(self.buffer) != 4 * torch.Size(want).numel():
+            raise LiveStateError(f"tensor {len(self.tensors)} ended after {len(self.buffer)} bytes")
+        self.tensors.append(torch.frombuffer(self.buffer, dtype=torch.float32).reshape(want))
+        self.buffer = None
+
+
+def donor_budget(shapes: list[tuple[int, ...]]) -> float:
+    """Seconds a donor gets to send the parameters: the grace and minimum rate a peer's trip streams get."""
+    return GRACE_S + sum(4 * torch.Size(s).numel() for s in shapes) / MIN_RATE
+
+
+async def read_parameters(
+    p2p: P2P, peer_id: str, namespace: str, shapes: list[tuple[int, ...]], timeout: float
+) -> tuple[int, list[torch.Tensor]]:
+    """(the donor's epoch, its parameters) from its state stream within `timeout` seconds; every failure, the
+    donor's or the network's, is a LiveStateError."""
+    reader, stream = StateStream(shapes), None
+    try:
+        async with asyncio.timeout(timeout):
+            stub = STATE_SERVICER.get_stub(p2p, PeerID.from_base58(peer_id), namespace=namespace)
+            stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
+            async for message in stream:
+                reader.feed(message)
+                if reader.done:
+                    break
+            return reader.end()
+    except LiveStateError:
+        raise
+    except TimeoutError:
+        raise LiveStateError(f"the parameters did not arrive within {timeout:.0f}s") from None
+    except Exception as exc:  # noqa: BLE001 - the network's or the donor's failures alike: the next donor is asked
+        raise LiveStateError(one_line(exc)) from None
+    finally:
+        if stream is not None and hasattr(stream, "aclose"):
+            await stream.aclose()
 
 
 @dataclass
@@ -59,7 +168,7 @@ class DownloadedStage:
     epoch: int
     donor: str
     model: dict[str, torch.Tensor]
-    confirmed_by: list[str]
+    witnesses: list[StagePeerRecord]  # the records that announced the state, the donor's among them
 
 
 @dataclass
@@ -72,147 +181,113 @@ class LiveRun:
     notes: list[str] = field(default_factory=list)
 
 
-async def read_parameters(
-    p2p: P2P, peer_id: str, namespace: str, shapes: list[tuple[int, ...]], timeout: float
-) -> tuple[int, list[torch.Tensor]]:
-    """(the donor's epoch, its first len(shapes) tensors) from its state stream; raises LiveStateError."""
-    stub = STATE_SERVICER.get_stub(p2p, PeerID.from_base58(peer_id), namespace=namespace)
-    epoch, tensors, parts, received = None, [], [], 0
-    deadline = time.monotonic() + timeout
+@dataclass
+class _Export:
+    dht: DHT
+    p2p: P2P
+    manifest: Manifest
+    t_fixed_sha256: str
+    deadline: float
+    single_peer_ok: bool
+    shapes: dict[int, list[tuple[int, ...]]]
+    most_online: dict[int, int] = field(default_factory=dict)  # the most online peers seen per stage, over reads
+    refusals: list[str] = field(default_factory=list)
 
-    def close_tensor() -> None:
-        tensor = deserialize_torch_tensor(combine_from_streaming(parts))
-        want = shapes[len(tensors)]
-        if tuple(tensor.shape) != want:
-            raise LiveStateError(f"tensor {len(tensors)} came as {tuple(tensor.shape)}, expected {want}")
-        tensors.append(tensor)
-        parts.clear()
+    def needed(self, index: int) -> int:
+        """Witnesses a state needs: two, or with `single_peer_ok` one where the stage never showed two peers."""
+        return min(2, max(self.most_online.get(index, 0), 1)) if self.single_peer_ok else 2
 
-    stream = await asyncio.wait_for(stub.rpc_download_state(averaging_pb2.DownloadRequest()), timeout)
-    try:
-        while len(tensors) < len(shapes):
-            left = deadline - time.monotonic()
+    async def witnesses(self, index: int, entry: str, donor: str) -> list[StagePeerRecord]:
+        """The records announcing `entry`, read again until enough do, CONFIRM_WAIT passed or the export's
+        deadline came."""
+        until = min(self.deadline, time.monotonic() + CONFIRM_WAIT)
+        while True:
+            entries = (await asyncio.to_thread(fetch_stages, self.dht, self.manifest, [index]))[index]
+            online = online_peers(entries, index, self.t_fixed_sha256)
+            self.most_online[index] = max(self.most_online.get(index, 0), len(online))
+            found = confirmations(online, index, entry, donor)
+            if len(found) >= self.needed(index) or time.monotonic() + CONFIRM_POLL > until:
+                return found
+            await asyncio.sleep(CONFIRM_POLL)
+
+    async def stage(self, index: int, online: list) -> DownloadedStage | None:
+        """One round for one stage: each online donor in turn, until one's state is confirmed."""
+        namespace = f"{self.manifest.optimizer_prefix}_stage{index}_state_averager"
+        shapes = self.shapes[index]
+        for donor in online:
+            record, left = donor.record, self.deadline - time.monotonic()
             if left <= 0:
-                raise LiveStateError(f"the state did not arrive within {timeout:.0f}s")
+                return None
             try:
-                message = await asyncio.wait_for(stream.__anext__(), left)
-            except StopAsyncIteration:
-                break
-            if message.metadata and epoch is None:
-                metadata = MSGPackSerializer.loads(message.metadata)
-                value = metadata.get("epoch") if isinstance(metadata, dict) else None
-                if not isinstance(value, int) or value < 0:
-                    raise LiveStateError("the state's metadata names no epoch")
-                epoch = value
-            part = message.tensor_part
-            if part.dtype and parts:  # a dtype starts the next tensor
-                close_tensor()
-                if len(tensors) == len(shapes):
-                    break
-            if part.dtype:
-                received = 0
-            received += len(part.buffer)
-            want = shapes[len(tensors)]
-            if received > 4 * torch.Size(want).numel() + PART_SLACK:
-                raise LiveStateError(f"tensor {len(tensors)} is larger than its shape {want} allows")
-            parts.append(part)
-        if parts and len(tensors) < len(shapes):
-            close_tensor()
-    finally:
-        close = getattr(stream, "aclose", None)
-        if close is not None:
-            await close()
-    if epoch is None or len(tensors) != len(shapes):
-        raise LiveStateError(f"the state ended after {len(tensors)} of {len(shapes)} parameter tensors")
-    return epoch, tensors
+                epoch, tensors = await read_parameters(
+                    self.p2p, record.peer_id, namespace, shapes, min(left, donor_budget(shapes))
+                )
+                model, digest = model_from_state(self.manifest, index, tensors)
+            except LiveStateError as exc:
+                self.refusals.append(f"stage {index}: peer {record.peer_id[-8:]} ({record.public_name!r}): {exc}")
+                continue
+            entry = state_entry(epoch, digest)
+            found = await self.witnesses(index, entry, record.peer_id)
+            if len(found) >= self.needed(index):
+                return DownloadedStage(index, epoch, record.peer_id, model, found)
+            self.refusals.append(
+                f"stage {index}: peer {record.peer_id[-8:]}'s state {entry} is announced by {len(found)} of the "
+                f"stage's peers, {self.needed(index)} needed"
+            )
+        return None
 
 
-async def _confirm(dht, manifest: Manifest, index: int, entry: str, donor: str, online: int) -> set[str]:
-    """The peers of the stage whose records announce `entry`, reading them again until enough do or
-    `CONFIRM_WAIT` passed (a peer announces every ANNOUNCE_INTERVAL, so its record may lag the state it sent)."""
-    deadline = time.monotonic() + CONFIRM_WAIT
-    while True:
-        entries = (await asyncio.to_thread(fetch_stages, dht, manifest, [index]))[index]
-        witnesses = online_peers(entries, index, manifest.t_fixed_sha256)
-        confirmed = confirmations(witnesses, index, entry, donor)
-        if len(confirmed) >= required_confirmations(online) or time.monotonic() > deadline:
-            return confirmed
-        await asyncio.sleep(CONFIRM_POLL)
-
-
-async def _download_stage(
-    dht, p2p: P2P, manifest: Manifest, index: int, entries: list[PeerEntry], timeout: float
-) -> tuple[DownloadedStage | None, list[str]]:
-    """One round for one stage: each online donor in turn, until one's state is confirmed."""
-    namespace = f"{manifest.optimizer_prefix}_stage{index}_state_averager"
-    shapes = expected_shapes(manifest, index)
-    online = online_peers(entries, index, manifest.t_fixed_sha256)
-    needed = required_confirmations(len(online))
-    refused = []
-    for donor in online:
-        record = donor.record
-        try:
-            epoch, tensors = await read_parameters(p2p, record.peer_id, namespace, shapes, timeout)
-            model, digest = model_from_state(manifest, index, tensors)
-        except Exception as exc:  # noqa: BLE001 - any failure of one donor: the next is asked
-            refused.append(f"stage {index}: peer {record.peer_id[-8:]} ({record.public_name!r}): {exc}")
-            continue
-        entry = state_entry(epoch, digest)
-        confirmed = await _confirm(dht, manifest, index, entry, record.peer_id, len(online))
-        if len(confirmed) >= needed:
-            return DownloadedStage(index, epoch, record.peer_id, model, sorted(confirmed)), refused
-        refused.append(
-            f"stage {index}: peer {record.peer_id[-8:]}'s state {entry} is announced by {len(confirmed)} "
-            f"of the stage's {len(online)} online peers, {needed} needed"
-        )
-    return None, refused
-
-
-async def _download(dht, manifest: Manifest, timeout: float) -> LiveRun:
-    p2p = await dht.replicate_p2p()
-    deadline = time.monotonic() + timeout
+async def _download(dht: DHT, manifest: Manifest, timeout: float, single_peer_ok: bool) -> LiveRun:
+    run = _Export(
+        dht=dht,
+        p2p=await dht.replicate_p2p(),
+        manifest=manifest,
+        t_fixed_sha256=run_t_fixed_sha256(manifest),
+        deadline=time.monotonic() + timeout,
+        single_peer_ok=single_peer_ok,
+        shapes={i: expected_shapes(manifest, i) for i in range(manifest.num_stages)},
+    )
     found: dict[int, DownloadedStage] = {}
-    refusals: list[str] = []
-    stages: dict[int, list[PeerEntry]] = {}
     while True:
         stages = await asyncio.to_thread(fetch_stages, dht, manifest)
         for index in range(manifest.num_stages):
             if index not in found:
-                left = max(deadline - time.monotonic(), 1.0)
-                got, refused = await _download_stage(dht, p2p, manifest, index, stages[index], left)
-                refusals += refused
+                online = online_peers(stages[index], index, run.t_fixed_sha256)
+                run.most_online[index] = max(run.most_online.get(index, 0), len(online))
+                got = await run.stage(index, online)
                 if got is not None:
                     found[index] = got
-        if len(found) == manifest.num_stages or time.monotonic() + ROUND_PAUSE > deadline:
+        if len(found) == manifest.num_stages or time.monotonic() + ROUND_PAUSE > run.deadline:
             break
         await asyncio.sleep(ROUND_PAUSE)
     missing = [i for i in range(manifest.num_stages) if i not in found]
     if missing:
-        last = "; ".join(refusals[-3:]) or "no online peer serves them"
-        raise LiveStateError(f"no confirmed state of stage(s) {missing} within {timeout:.0f}s: {last}")
+        last = "; ".join(run.refusals[-3:]) or "no online peer serves them"
+        single = "" if single_peer_ok else " (a stage with one peer needs --accept-single-peer-stages)"
+        raise LiveStateError(f"no confirmed state of stage(s) {missing} within {timeout:.0f}s{single}: {last}")
     versions = await asyncio.to_thread(fetch_subspace_records, dht, subspace_key(manifest))
-    u_version, u = current_u(manifest, stages, versions)
-    notes = [f"skipped: {line}" for line in refusals]
+    u_version, u = current_u(manifest, [r for stage in found.values() for r in stage.witnesses], versions)
+    notes = [f"skipped: {line}" for line in run.refusals]
     for stage in found.values():
-        if len(stage.confirmed_by) < 2:
-            notes.append(
-                f"stage {stage.index}: one peer serves it, so its state is checked only against that peer's own record"
-            )
+        if len(stage.witnesses) < 2:
+            notes.append(f"stage {stage.index}: one peer serves it, so its state is checked only against that "
+                         "peer's own record")
     return LiveRun(found, u_version, u, notes)
 
 
-def download_run(manifest: Manifest, initial_peers: list[str], timeout: float) -> LiveRun:
+def download_run(manifest: Manifest, initial_peers: list[str], timeout: float, single_peer_ok: bool) -> LiveRun:
     """Join the run's DHT as a client, download and confirm every stage, leave; raises LiveStateError."""
-    from hivemind.dht import DHT
-
     limit_hivemind_frames()  # a donor's frames are bounded like every hivemind stream of a peer
-    dht = DHT(
-        start=True,
-        initial_peers=list(initial_peers),
-        client_mode=True,
-        record_validators=make_validators(manifest, load_or_create_rsa_key(None))[1],
-    )
     try:
-        return asyncio.run(_download(dht, manifest, timeout))
+        dht = DHT(
+            start=True,
+            initial_peers=list(initial_peers),
+            client_mode=True,
+            record_validators=make_validators(manifest, load_or_create_rsa_key(None))[1],
+        )
+    except Exception as exc:  # noqa: BLE001 - a bad address or no peer answering: one line
+        raise LiveStateError(f"cannot join the run's DHT through {', '.join(initial_peers)}: {one_line(exc)}") from None
+    try:
+        return asyncio.run(_download(dht, manifest, timeout, single_peer_ok))
     finally:
         dht.shutdown()

@@ -52,12 +52,17 @@ def run_export(args: argparse.Namespace) -> dict:
     paths = [Path(p) for p in args.checkpoints]
     if bool(paths) == bool(args.from_swarm):
         raise ExportError("give checkpoint files or folders, or --from-swarm ADDR (the run's live peers), not both")
+    if not args.timeout > 0:
+        raise ExportError(f"--timeout must be a positive number of seconds, got {args.timeout}")
     manifest_path = Path(args.manifest) if args.manifest else find_manifest([p for p in paths if p.is_dir()])
     if manifest_path is None:
         raise ExportError("need --manifest FILE (no single manifest.json at the top of the folders given)")
     manifest = load_run_manifest(manifest_path)
     out = Path(args.out or f"{manifest.run_id}.pt")
-    export = from_swarm(manifest, args.from_swarm, args.timeout) if args.from_swarm else assemble(manifest, paths)
+    if args.from_swarm:
+        export = from_swarm(manifest, args.from_swarm, args.timeout, args.accept_single_peer_stages)
+    else:
+        export = assemble(manifest, paths)
     save_bundle(export.bundle, out)
     say = (lambda line: print(line, file=sys.stderr)) if args.json else print
     for note in export.notes:
@@ -93,10 +98,10 @@ def run_export(args: argparse.Namespace) -> dict:
     }
 
 
-def from_swarm(manifest: Manifest, initial_peers: list[str], timeout: float) -> Export:
+def from_swarm(manifest: Manifest, initial_peers: list[str], timeout: float, single_peer_ok: bool) -> Export:
     """Every stage downloaded from the run's live peers and confirmed by their records, then verified and
     bundled as checkpoints on disk are; a stage's source reads `peer:<peer id>`."""
-    run = download_run(manifest, initial_peers, timeout)
+    run = download_run(manifest, initial_peers, timeout, single_peer_ok)
     chosen = {
         index: StageCheckpoint(
             path=Path(f"peer:{stage.donor}"),
@@ -172,13 +177,18 @@ def add_export_parsers(sub) -> None:
     )
     export.add_argument(
         "--from-swarm",
-        nargs="+",
+        action="append",
         metavar="ADDR",
-        help="instead of files: download every stage from the run's live peers, reached through these DHT "
-        "addresses (each state is taken only if the stage's peers announce its hash)",
+        help="instead of files: download every stage from the run's live peers, reached through this DHT address "
+        "(repeat for more); a state is taken only if two peers of its stage announce its hash",
     )
     export.add_argument(
-        "--timeout", type=float, default=120.0, help="seconds to wait for every stage's state with --from-swarm"
+        "--accept-single-peer-stages",
+        action="store_true",
+        help="with --from-swarm, take a stage that shows only one peer on that peer's own word",
+    )
+    export.add_argument(
+        "--timeout", type=float, default=120.0, help="with --from-swarm, seconds to wait for every stage's state"
     )
     export.add_argument("--manifest", help="the run's manifest (default: manifest.json at the top of a folder given)")
     export.add_argument("--out", help="the model file to write (default: <run_id>.pt)")

@@ -1,21 +1,20 @@
 """Taking a stage's state from a live peer, as `protocol-swarm export --from-swarm` does: what is checked.
 
 A state downloaded from a peer is that peer's claim. Peers of a stage hold the same parameters within an
-optimizer epoch (they average, then step alike), and each announces, in its own signed stage record, the hash of
-its parameters at its last few epochs (`state_hashes`, "epoch:hash-prefix") and of the last states it served
-(`served_states`). So a downloaded state is taken only if its hash is one that `required_confirmations` online
-peers of the stage announce: with two or more peers in the stage, a donor's state must be held by at least one
-other peer, so one hostile peer cannot hand the exporter weights that no other peer of its stage holds. A stage
-served by a single peer can only be checked against that peer's own record (a note says so). The parameters
-then go through every check a checkpoint on disk goes through (`swarm/export.py verify_stage`: names, shapes,
-finite, span(U)).
+optimizer epoch (they average, then step alike; bit for bit only on the same kind of device, so a swarm mixing
+devices confirms no state), and each announces, in its own signed stage record, the hash of its parameters at its
+last few epochs (`state_hashes`, "epoch:hash-prefix") and of the last states it served (`served_states`). So a
+downloaded state is taken only if its hash is one that two peers of the stage announce (the exporter may accept
+one for a stage that never shows two peers, `--accept-single-peer-stages`): one hostile peer cannot hand the
+exporter weights that no other peer of its stage holds. A peer whose `loaded_state` is the entry holds it only
+because it downloaded it (perhaps from the hostile donor), so it is no witness. The parameters then go through
+every check a checkpoint on disk goes through (`swarm/export.py verify_stage`: names, shapes, finite, span(U)).
 
 The hash is the one peers announce: the stage's parameters in `stage.parameters()` order, as float32.
 """
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Sequence
 
 import numpy as np
@@ -24,8 +23,8 @@ import torch
 from swarm.manifest import Manifest
 from swarm.model import PipelineStage
 from swarm.optim import parameter_groups
-from swarm.records import PeerEntry, SubspaceRecord
-from swarm.subspace import tensor_sha256
+from swarm.records import PeerEntry, StagePeerRecord, SubspaceRecord
+from swarm.subspace import t_fixed_table, tensor_sha256
 from swarm.subspace_update import matrix_from_bytes
 
 STATE_PREFIX = 16  # hex digits of the parameters' hash in an "epoch:hash" record entry
@@ -82,53 +81,57 @@ def model_from_state(manifest: Manifest, index: int, tensors: Sequence[torch.Ten
     return model, digest
 
 
-def required_confirmations(online: int) -> int:
-    """How many online peers of a stage must announce a state: two when the stage has two or more."""
-    return min(2, max(online, 1))
-
-
-def confirmations(entries: Sequence[PeerEntry], index: int, entry: str, donor: str) -> set[str]:
-    """The online peers of stage `index` whose signed record announces the state `entry` ("epoch:hash"): as one
-    they held (`state_hashes`), or, for the donor, as the one it served (`served_states`, hashed from the copy it
-    sent, so found however many epochs it stepped before announcing)."""
-    return {
-        e.record.peer_id
-        for e in entries
-        if e.record.state == "online"
-        and e.record.stage == index
-        and (entry in e.record.state_hashes or (e.record.peer_id == donor and entry in e.record.served_states))
-    }
+def confirmations(entries: Sequence[PeerEntry], index: int, entry: str, donor: str) -> list[StagePeerRecord]:
+    """The records of online peers of stage `index` that announce the state `entry` ("epoch:hash"): as one they
+    held (`state_hashes`), or, for the donor, as the one it served (`served_states`, hashed from the copy it sent,
+    so found however many epochs it stepped before announcing). A peer that loaded `entry` from another is no
+    witness; one record per peer."""
+    found: dict[str, StagePeerRecord] = {}
+    for e in entries:
+        record = e.record
+        if record.state != "online" or record.stage != index or record.loaded_state == entry:
+            continue
+        if entry in record.state_hashes or (record.peer_id == donor and entry in record.served_states):
+            found[record.peer_id] = record
+    return list(found.values())
 
 
 def online_peers(entries: Sequence[PeerEntry], index: int, t_fixed_sha256: str) -> list[PeerEntry]:
-    """The stage's online peers computing with the run's T_fixed, the most advanced first (the freshest state is
-    asked for first)."""
+    """The stage's online peers computing with the run's T_fixed (`run_t_fixed_sha256`), the most advanced
+    first (the freshest state is asked for first; the epoch is a claim, and each donor's time is bounded)."""
     live = [
         e
         for e in entries
-        if e.record.state == "online"
-        and e.record.stage == index
-        and (not t_fixed_sha256 or e.record.t_fixed_sha256 == t_fixed_sha256)
+        if e.record.state == "online" and e.record.stage == index and e.record.t_fixed_sha256 == t_fixed_sha256
     ]
     return sorted(live, key=lambda e: (-e.record.optimizer_epoch, e.record.peer_id))
 
 
-def current_u(
-    manifest: Manifest, stages: dict[int, list[PeerEntry]], versions: Sequence[SubspaceRecord]
-) -> tuple[int, torch.Tensor | None]:
-    """(the U version most online peers announce, its d×k tensor; None for version 0, the seed's).
+def run_t_fixed_sha256(manifest: Manifest) -> str:
+    """The run's T_fixed hash: the manifest's, or derived from its seed where the manifest names none."""
+    if manifest.t_fixed_sha256:
+        return manifest.t_fixed_sha256
+    shape = manifest.model
+    return tensor_sha256(t_fixed_table(manifest.seed, shape.vocab_size, shape.d_model, manifest.t_fixed_std))
 
-    A version above 0 is taken from a `{run}_subspace` version record whose bytes hash to the U hash that
-    most online peers at that version announce in their own records (as a peer catching up does)."""
-    records = [e.record for entries in stages.values() for e in entries if e.record.state == "online"]
-    if not records:
-        raise LiveStateError(f"no online peer of run {manifest.run_id} was found")
-    (version, digest), _ = Counter((r.u_version, r.u_sha256) for r in records).most_common(1)[0]
+
+def current_u(
+    manifest: Manifest, witnesses: Sequence[StagePeerRecord], versions: Sequence[SubspaceRecord]
+) -> tuple[int, torch.Tensor | None]:
+    """(the U version the downloaded states were announced under, its d×k tensor; None for version 0, the seed's).
+
+    The witnesses are the records that confirmed the downloaded states; they must all name one U (a U switch
+    during the export, or a peer at another U, is refused: export again). A version above 0 is taken from a
+    `{run}_subspace` version record whose bytes hash to the witnesses' U hash."""
+    named = {(r.u_version, r.u_sha256) for r in witnesses}
+    if len(named) != 1:
+        seen = ", ".join(f"v{v} {sha[:12]}" for v, sha in sorted(named))
+        raise LiveStateError(f"the peers whose states were taken announce different U ({seen}): export again")
+    ((version, digest),) = named
     if version == 0:
+        if manifest.u_sha256 and digest != manifest.u_sha256:
+            raise LiveStateError("the peers whose states were taken announce a U v0 that is not the run's")
         return 0, None
-    at_version = [r for r in records if r.u_version == version]
-    if 2 * sum(r.u_sha256 == digest for r in at_version) <= len(at_version):
-        raise LiveStateError(f"the online peers at U v{version} do not agree on its bytes")
     for record in versions:
         if record.kind == "version" and record.version == version and record.u_sha256 == digest:
             try:
@@ -138,4 +141,4 @@ def current_u(
             u = torch.from_numpy(np.array(matrix, dtype=np.float32))
             if tensor_sha256(u) == digest:
                 return version, u
-    raise LiveStateError(f"no peer publishes the bytes of U v{version} that the online peers announce")
+    raise LiveStateError(f"no peer publishes the bytes of U v{version} that the peers whose states were taken announce")

@@ -110,7 +110,9 @@ def parameter_groups(stage: PipelineStage, subspace_aware: bool = True) -> list[
     for param in stage.parameters():
         if param.requires_grad:
             by_axis.setdefault(constrained.get(id(param)), []).append(param)
-    return [{"params": params, "subspace_axis": axis} for axis, params in sorted(by_axis.items(), key=str)]
+    # ordered by the axis's text (None after the numbers), which fixes the order the state averager sends them in
+    ordered = sorted(by_axis.items(), key=lambda item: str(item[0]))
+    return [{"params": params, "subspace_axis": axis} for axis, params in ordered]
 
 
 def make_optimizer(stage: PipelineStage, params: Iterable | None = None, subspace_aware: bool = True) -> SubspaceAdamW:

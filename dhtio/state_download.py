@@ -97,11 +97,12 @@ class StateStream:
             if self.done:
                 return  # optimizer statistics: not read
             want = self.shapes[len(self.tensors)]
-            plain = part.dtype == "float32" and part.compression == runtime_pb2.CompressionType.NONE
-            if not plain or tuple(part.size) != want:
+            known = part.compression in runtime_pb2.CompressionType.values()  # an open enum: any number parses
+            codec = runtime_pb2.CompressionType.Name(part.compression) if known else str(part.compression)
+            if part.dtype != "float32" or codec != "NONE" or tuple(part.size) != want:
                 raise LiveStateError(
-                    f"tensor {len(self.tensors)} came as {part.dtype} {tuple(part.size)} (compression "
-                    f"{part.compression}), expected float32 {want} uncompressed"
+                    f"tensor {len(self.tensors)} came as {part.dtype} {tuple(part.size)} ({codec}), expected "
+                    f"float32 {want} uncompressed"
                 )
             self.buffer = bytearray()
         elif self.buffer is None:

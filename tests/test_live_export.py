@@ -191,6 +191,7 @@ def _first(shape, **fields) -> averaging_pb2.DownloadData:
         (dict(dtype="U100000000"), "expected float32"),
         (dict(compression=runtime_pb2.CompressionType.UNIFORM_8BIT), "expected float32"),
         (dict(compression=runtime_pb2.CompressionType.MEANSTD_16BIT), "expected float32"),
+        (dict(compression=99), "expected float32"),
         (dict(size=[1 << 30, 1 << 30]), "expected float32"),
     ],
 )

@@ -19,11 +19,10 @@ at most `MAX_CONCURRENT` requests are served at once, one per peer per `PER_PEER
 global token bucket bounds how often anyone can make the helper dial at all. The helper dials only
 addresses on the IP the request came from (the remote address of the requester's connection, as
 libp2p's AutoNAT does), so nobody can point a helper at a third party or at the helper's own
-network: a NATed peer's private addresses are then not dialled at all, which is the right answer for
-them (nobody outside reaches a private address), and a forwarded port is announced on the router's
-public IP, the IP the request comes from. Excess requests get a
-"busy" answer and cost nothing. So all requesters together get a helper to make at most `MAX_ADDRS`
-connection attempts per `GLOBAL_REFILL_S` seconds, after a first burst of `GLOBAL_BURST` requests.
+network: a NATed peer's private addresses are then not dialled at all (nobody outside reaches them), and a
+forwarded port is announced on the router's public IP, the IP the request comes from. Excess requests get
+"busy" and cost nothing: all requesters together get a helper to make at most `MAX_ADDRS` connection attempts
+per `GLOBAL_REFILL_S` seconds, after a first burst of `GLOBAL_BURST` requests.
 
 The classification (`classify`) and the relay policy (`relay_options`) are pure functions.
 """
@@ -81,13 +80,12 @@ def relay_options(
 ) -> dict:
     """hivemind DHT/P2P keyword arguments for `--relay` (`auto`, `on`, `off`).
 
-    `on` (or `auto` on a machine whose route to the internet leaves from a private address and that
-    announces nothing): hold a relay reservation from the start (`force_reachability="private"`; left to
-    AutoNAT, a NATed peer was unreachable for a minute in one of two measured runs). It stays a DHT server:
-    hivemind's optimizer refuses to step on a DHT client (its averager cannot share state). `auto` on a
-    public machine, on one that announces its (forwarded) address, or on one listening on loopback only (a
-    local swarm): auto-relay, which reserves a slot only if AutoNAT finds us private. `off`: no
-    reservation; behind NAT that means unreachable."""
+    `on` (or `auto` on a machine whose route to the internet leaves from a private address and that announces
+    nothing): hold a relay reservation from the start (`force_reachability="private"`; left to AutoNAT, a NATed
+    peer was unreachable for a minute in one of two measured runs). It stays a DHT server: hivemind's optimizer
+    refuses to step on a DHT client. `auto` on a public machine, on one that announces its (forwarded) address,
+    or on one listening on loopback only (a local swarm): auto-relay, which reserves a slot only if AutoNAT
+    finds us private. `off`: no reservation; behind NAT that means unreachable."""
     if relay not in RELAY_MODES:
         raise ValueError(f"relay must be one of {RELAY_MODES}, got {relay!r}")
     options: dict = {"use_auto_relay": relay != "off"}
@@ -317,10 +315,9 @@ async def ask_dial_back(p2p, helper, addrs: Sequence[str], timeout: float = 3 * 
 
 class ReachabilityCheck:
     """Serves dial-back requests of others and checks this peer once helpers exist (the first peer of a swarm
-    has none yet): logs one line and keeps the answer (`result`, `relay`) for the peer's record. Helpers are
-    online peers from the stage records (`fetch`, the daemon's DHT read), a few at random. A peer not dialled
-    back holds a relay through `relay_client` (None: `--relay off`), and the line is logged again whenever the
-    answer changes (a relay lost, another found)."""
+    has none yet): logs one line and keeps the answer (`result`, `relay`) for the peer's record. Helpers are a
+    few online peers at random from the stage records (`fetch`). A peer not dialled back holds a relay through
+    `relay_client` (None: `--relay off`); the line is logged again when the answer changes."""
 
     def __init__(
         self,
@@ -377,6 +374,16 @@ class ReachabilityCheck:
                 "%s %s", self.label(), advice(self.result, self.port_hint, self.relay)
             )
 
+    async def settle(self, dialled: bool, relay_wait: float) -> None:
+        """Take a helper's answer; not dialled back, with relaying on, look for a relay first (up to `relay_wait`),
+        the answer unknown meanwhile: the record never says "unreachable" while a relay is about to accept."""
+        if not dialled and self.relay_client is not None:
+            self.relay_client.hold(self.report)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.relay_client.changed.wait(), relay_wait)
+        self.dialled = dialled
+        self.report()
+
     async def run(self, attempts: int = 12, interval: float = 10.0, relay_wait: float = 30.0) -> None:
         for _ in range(attempts):
             addrs = await self.own_addrs()
@@ -388,11 +395,6 @@ class ReachabilityCheck:
             if dialled is None:
                 await asyncio.sleep(interval)
                 continue
-            self.dialled = dialled
-            if not dialled and self.relay_client is not None:
-                self.relay_client.hold(self.report)
-                with contextlib.suppress(asyncio.TimeoutError):  # the first line says "via relay" if it can
-                    await asyncio.wait_for(self.relay_client.changed.wait(), relay_wait)
-            self.report()
+            await self.settle(dialled, relay_wait)
             return
         logger.info("%s %s", self.label(), advice(UNKNOWN, self.port_hint))

@@ -368,3 +368,36 @@ def test_via_relay_means_a_relay_holds_the_peer(caplog):
     relays_off = ReachabilityCheck(None, nothing, "me", [], lambda: "[me]", None)
     relays_off.dialled = False
     assert (relays_off.result, relays_off.relay) == (UNREACHABLE, "")
+
+
+def test_unknown_while_a_relay_is_still_being_found():
+    """Not dialled back: the answer stays unknown while the check waits for a relay, then says "via relay" when
+    one takes the peer (the record must never say "unreachable" in between), or "unreachable" when none does."""
+    from peer.reachability import ReachabilityCheck
+    from peer.relay import RelayClient
+
+    async def nothing() -> list[str]:
+        return []
+
+    async def run() -> list[str]:
+        client = RelayClient(None, "ns", None, nothing)
+        check = ReachabilityCheck(None, nothing, "me", ["/ip4/0.0.0.0/tcp/31337"], lambda: "[me]", client)
+        seen = []
+
+        async def relay_accepts() -> None:
+            await asyncio.sleep(0.2)
+            seen.append(check.result)
+            client.relay = "QmZ5dV2ukSB2jHZ2dfu9JmVqYLgz3UBGWvRzzTumj6HUjx"
+            client.changed.set()
+
+        accepting = asyncio.create_task(relay_accepts())
+        await check.settle(False, relay_wait=30.0)
+        await accepting
+        seen.append(check.result)
+        await client.stop()
+        lonely = ReachabilityCheck(None, nothing, "me", [], lambda: "[me]", RelayClient(None, "ns", None, nothing))
+        await lonely.settle(False, relay_wait=0.2)
+        await lonely.relay_client.stop()
+        return seen + [lonely.result]
+
+    assert asyncio.run(run()) == [UNKNOWN, VIA_RELAY, UNREACHABLE]

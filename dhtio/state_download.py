@@ -3,10 +3,10 @@
 The exporter joins the run's DHT as a client (it serves nothing and is not announced), reads the stages' signed
 records, and asks each stage's online peers, the most advanced first, for their state over the same RPC a joining
 peer uses (hivemind's state averager, `rpc_download_state`, namespace `{optimizer_prefix}_stage{i}_state_averager`).
-Unlike hivemind's own download it picks the donor and reads the stream itself (`StateStream`): only the
-parameters (the optimizer statistics after them are never read), each a plain float32 tensor of exactly the shape
-the manifest gives it, every byte of every message counted, metadata once; and each donor gets a time budget of
-its own (`donor_budget`), so one that stalls or drips costs that much, not the export. A state is taken only when
+Unlike hivemind's own download it picks the donor and reads the stream itself (`p2pio/state_stream.py`): only
+the parameters (the optimizer statistics after them are never read), each a plain float32 tensor of exactly the
+shape the manifest gives it; each donor gets a time budget of its own (`donor_budget`), so one that stalls or
+drips costs that much, not the export. A state is taken only when
 enough of the stage's peers announce its hash (`swarm/live_state.py`); a peer re-announces its record every
 ANNOUNCE_INTERVAL, so the records are read again for a while after a download. Rounds over all donors repeat until
 every stage has a state or `timeout` seconds passed.
@@ -22,12 +22,11 @@ import torch
 from hivemind.averaging.averager import DecentralizedAverager
 from hivemind.dht import DHT
 from hivemind.p2p import P2P, PeerID
-from hivemind.proto import averaging_pb2, runtime_pb2
-from hivemind.utils.serializer import MSGPackSerializer
+from hivemind.proto import averaging_pb2
 
 from dhtio.records import fetch_stages, fetch_subspace_records
-from p2pio.framing import GRACE_S, MIN_RATE
 from p2pio.hivemind_guards import limit_hivemind_frames
+from p2pio.state_stream import StateStream, read_state
 from swarm.export import one_line
 from swarm.live_state import (
     LiveStateError,
@@ -52,115 +51,24 @@ from swarm.records import (
 # `peer/stage_optimizer.py SnapshotStateAverager` (tests/test_live_export.py checks the name): a stub of a
 # class of that name calls it
 STATE_SERVICER = type("SnapshotStateAverager", (DecentralizedAverager,), {})
-MAX_METADATA = 64 << 10  # the state's metadata: epoch and a few optimizer scalars, msgpacked
-PART_ALLOWANCE = 128 << 10  # protobuf bytes a tensor may take beyond its values (one part of the next tensor)
 CONFIRM_WAIT = 2 * ANNOUNCE_INTERVAL  # how long a downloaded state may wait for the records that announce it
 CONFIRM_POLL = 2.0
 ROUND_PAUSE = 5.0  # seconds between rounds over a stage's donors
 
 
-class StateStream:
-    """Reads the parameters at the head of a donor's state stream, refusing anything an honest peer does not send.
-
-    An honest peer streams each tensor as hivemind serializes it uncompressed: a first part naming dtype
-    "float32", compression NONE and the tensor's size, then parts holding only more bytes. Anything else (another
-    dtype or compression, a size other than the manifest's, more bytes than the shape holds, a second metadata,
-    more protobuf bytes in all than the parameters plus `PART_ALLOWANCE` each) is refused before it is kept."""
-
-    def __init__(self, shapes: list[tuple[int, ...]]):
-        self.shapes = shapes
-        self.tensors: list[torch.Tensor] = []
-        self.epoch: int | None = None
-        self.buffer: bytearray | None = None  # the tensor being received
-        self.received = 0
-        self.limit = sum(4 * torch.Size(s).numel() + PART_ALLOWANCE for s in shapes) + MAX_METADATA
-
-    @property
-    def done(self) -> bool:
-        return len(self.tensors) == len(self.shapes)
-
-    def feed(self, message: averaging_pb2.DownloadData) -> None:
-        self.received += message.ByteSize()
-        if self.received > self.limit:
-            raise LiveStateError(f"the state stream sent more than its parameters' {self.limit} bytes")
-        if message.metadata:
-            if self.epoch is not None or len(message.metadata) > MAX_METADATA:
-                raise LiveStateError("the state stream sent its metadata twice, or too much of it")
-            metadata = MSGPackSerializer.loads(message.metadata)
-            value = metadata.get("epoch") if isinstance(metadata, dict) else None
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise LiveStateError("the state's metadata names no epoch")
-            self.epoch = value
-        part = message.tensor_part
-        if part.dtype:  # the first part of a tensor
-            self._close_tensor()
-            if self.done:
-                return  # optimizer statistics: not read
-            want = self.shapes[len(self.tensors)]
-            known = part.compression in runtime_pb2.CompressionType.values()  # an open enum: any number parses
-            codec = runtime_pb2.CompressionType.Name(part.compression) if known else str(part.compression)
-            if part.dtype != "float32" or codec != "NONE" or tuple(part.size) != want:
-                raise LiveStateError(
-                    f"tensor {len(self.tensors)} came as {part.dtype} {tuple(part.size)} ({codec}), expected "
-                    f"float32 {want} uncompressed"
-                )
-            self.buffer = bytearray()
-        elif self.buffer is None:
-            if not part.buffer:
-                return
-            raise LiveStateError("the state stream sent bytes before naming their tensor")
-        self.buffer += part.buffer
-        if len(self.buffer) > 4 * torch.Size(self.shapes[len(self.tensors)]).numel():
-            raise LiveStateError(f"tensor {len(self.tensors)} is larger than its shape allows")
-
-    def end(self) -> tuple[int, list[torch.Tensor]]:
-        """(the epoch, the parameters) once the stream stopped (read through the parameters, or ended)."""
-        if not self.done:
-            self._close_tensor()
-        if self.epoch is None or not self.done:
-            raise LiveStateError(f"the state ended after {len(self.tensors)} of {len(self.shapes)} parameter tensors")
-        return self.epoch, self.tensors
-
-    def _close_tensor(self) -> None:
-        """Close the tensor being received (at the next tensor's first part, or at the end of the stream)."""
-        if self.buffer is None:
-            return
-        want = self.shapes[len(self.tensors)]
-        if len(self.buffer) != 4 * torch.Size(want).numel():
-            raise LiveStateError(f"tensor {len(self.tensors)} ended after {len(self.buffer)} bytes")
-        self.tensors.append(torch.frombuffer(self.buffer, dtype=torch.float32).reshape(want))
-        self.buffer = None
-
-
 def donor_budget(shapes: list[tuple[int, ...]]) -> float:
-    """Seconds a donor gets to send the parameters: the grace and minimum rate a peer's trip streams get."""
-    return GRACE_S + sum(4 * torch.Size(s).numel() for s in shapes) / MIN_RATE
+    """Seconds a donor gets to send the parameters (`StateStream.budget`)."""
+    return StateStream(shapes).budget
 
 
 async def read_parameters(
     p2p: P2P, peer_id: str, namespace: str, shapes: list[tuple[int, ...]], timeout: float
 ) -> tuple[int, list[torch.Tensor]]:
-    """(the donor's epoch, its parameters) from its state stream within `timeout` seconds; every failure, the
-    donor's or the network's, is a LiveStateError."""
-    reader, stream = StateStream(shapes), None
-    try:
-        async with asyncio.timeout(timeout):
-            stub = STATE_SERVICER.get_stub(p2p, PeerID.from_base58(peer_id), namespace=namespace)
-            stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
-            async for message in stream:
-                reader.feed(message)
-                if reader.done:
-                    break
-            return reader.end()
-    except LiveStateError:
-        raise
-    except TimeoutError:
-        raise LiveStateError(f"the parameters did not arrive within {timeout:.0f}s") from None
-    except Exception as exc:  # noqa: BLE001 - the network's or the donor's failures alike: the next donor is asked
-        raise LiveStateError(one_line(exc)) from None
-    finally:
-        if stream is not None and hasattr(stream, "aclose"):
-            await stream.aclose()
+    """(the donor's epoch, its parameters, the float32 tensors at the head of its state) within `timeout`
+    seconds; every failure, the donor's or the network's, is a LiveStateError."""
+    stub = STATE_SERVICER.get_stub(p2p, PeerID.from_base58(peer_id), namespace=namespace)
+    return await read_state(lambda: stub.rpc_download_state(averaging_pb2.DownloadRequest()), StateStream(shapes),
+                            timeout)
 
 
 @dataclass

@@ -28,10 +28,11 @@ import torch
 from peer.finite_state import FiniteStateGuard
 from peer.processes import close_abandoned_loops, release_freed_memory
 from peer.progress import PROGRESS_INTERVAL
-from peer.stage_optimizer import StageOptimizer
+from peer.stage_optimizer import PoisonedStateDonor, SnapshotStateAverager, StageOptimizer
+from peer.state_load import stage_vouch
 from swarm.codec import BoundaryCodec
 from swarm.cp_lane import LaneTrip
-from swarm.live_state import parameters_sha256
+from swarm.live_state import copies_entry, parameters_sha256, state_entry
 from swarm.manifest import Manifest
 from swarm.model import PipelineStage, next_token_loss
 from swarm.optim import clip_grad_norm, lr_at, make_optimizer, parameter_groups
@@ -51,6 +52,7 @@ class StageRuntime:
         label: str,
         checkpoint_dir: str | None = None,
         fault_t_fixed_seed: int | None = None,
+        fault_poison_served_state: bool = False,
         matchmaking_time: float = 3.0,
         averaging_timeout: float = 30.0,
         checkpoint_every: int = 50,
@@ -86,6 +88,7 @@ class StageRuntime:
             # then act on the one copy that exists (an offloaded copy would silently undo them)
             offload_optimizer=False,
             verbose=False,
+            state_donor=PoisonedStateDonor if fault_poison_served_state else SnapshotStateAverager,
         )
         self.optimizer.state_averager.after_averaging = self._averaged_state_landed
         self.checkpoint_dir = Path(checkpoint_dir) / manifest.run_id if checkpoint_dir else None
@@ -95,6 +98,8 @@ class StageRuntime:
         self.loaded_state = ""
         self.served_states: deque[str] = deque(maxlen=4)
         self.optimizer.state_averager.after_serving = self._state_served
+        averager = self.optimizer.state_averager
+        averager.vouch = stage_vouch(self.stage, averager.main_parameters, dht, manifest, index, label)
         self._hashed_epoch = -1
         self._skipped_steps = 0
         self.guard = FiniteStateGuard(self.stage, self.optimizer, device, label)
@@ -276,8 +281,7 @@ class StageRuntime:
         """A joiner was sent these copies of our parameters (hivemind's thread, off the stage thread): note their
         hash, computed as the joiner computes it, so its loaded_state can be checked against our record."""
         main = self.optimizer.state_averager.main_parameters
-        digest = parameters_sha256(self.stage, {id(p): copy for p, copy in zip(main, parameters, strict=True)})
-        self.served_states.append(f"{epoch}:{digest[:16]}")
+        self.served_states.append(copies_entry(self.stage, main, epoch, parameters))
 
     def _restore_finite_state(self, why: str) -> None:
         self.guard.restore(why)
@@ -286,7 +290,7 @@ class StageRuntime:
     def _note_state(self) -> None:
         self._hashed_epoch = self.epoch
         self.state_sha256 = parameters_sha256(self.stage)
-        self.state_hashes.append(f"{self.epoch}:{self.state_sha256[:16]}")
+        self.state_hashes.append(state_entry(self.epoch, self.state_sha256))
 
     def measure_throughput(self, repeats: int = 2) -> float:
         """Tokens/s of forward + backward on one microbatch (no optimizer step)."""
@@ -321,7 +325,7 @@ class StageRuntime:
         if not self.guard.is_finite():
             self._restore_finite_state("state served by a peer was not finite; kept ours")
             return False
-        self.loaded_state = f"{received[0]}:{received[1][:16]}"
+        self.loaded_state = state_entry(*received)
         self.stage.reproject_()
         self._note_state()
         self.guard.keep()
@@ -389,6 +393,7 @@ class StageRuntime:
         # averager referenced: cleared here, or every stage a peer leaves stays in memory (test_stage_moves.py)
         self.optimizer.state_averager.after_averaging = None
         self.optimizer.state_averager.after_serving = None
+        self.optimizer.state_averager.vouch = None
         self.optimizer.shutdown()
         self.executor.shutdown(wait=True, cancel_futures=True)
         close_abandoned_loops()

@@ -14,6 +14,7 @@ from hivemind.optim.state_averager import TrainingStateAverager
 
 from peer.progress import PacedProgressTracker
 from peer.robust_averaging import RobustAveraging
+from peer.state_load import VerifiedStateLoad
 
 DECLARE_INTERVAL = 10.0  # seconds between two state-donor declarations of one peer, at most one in between
 
@@ -22,8 +23,9 @@ class RobustGradientAverager(RobustAveraging, GradientAverager):
     """The stage's gradient averaging, robust to a hostile peer of the group (peer/robust_averaging.py)."""
 
 
-class SnapshotStateAverager(RobustAveraging, TrainingStateAverager):
-    """Averages the stage's state robustly (peer/robust_averaging.py) and serves a joining peer a consistent copy.
+class SnapshotStateAverager(RobustAveraging, TrainingStateAverager, VerifiedStateLoad):
+    """Averages the stage's state robustly (peer/robust_averaging.py), serves a joining peer a consistent copy, and
+    takes another peer's state only when the stage's records vouch for it (peer/state_load.py).
 
     hivemind hands out views of the live tensors and serialises them later, while this peer goes
     on stepping: a joiner could receive parameters half-way through an update, out of step with
@@ -65,10 +67,40 @@ class SnapshotStateAverager(RobustAveraging, TrainingStateAverager):
         # optimizer lock, held just for the copy: the stage thread never waits on a download
         metadata, tensors, infos = super().get_current_state()
         with self.lock_optimizer:
-            tensors = [tensor.clone() for tensor in tensors]
+            tensors = self.copies_to_serve(tensors)
         if self.after_serving is not None:  # the parameters lead the list, in main_parameters' order
             self.after_serving(metadata["epoch"], tensors[: len(self.main_parameters)])
         return metadata, tensors, infos
+
+
+    def copies_to_serve(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        return [tensor.clone() for tensor in tensors]
+
+
+class PoisonedStateDonor(SnapshotStateAverager):
+    """Fault injection (`--fault-poison-served-state`): a hostile donor. It declares an epoch far ahead of the
+    stage's, so joiners ask it first, and serves its parameters shifted by POISON (finite: a finiteness check
+    passes them), noting that hash as served, as a liar's record would. It trains honestly otherwise."""
+
+    POISON, CLAIMED_LEAD = 0.5, 1_000_000
+
+    @property
+    def state_sharing_priority(self) -> float:
+        return TrainingStateAverager.state_sharing_priority.fget(self)
+
+    @state_sharing_priority.setter
+    def state_sharing_priority(self, value: float) -> None:
+        TrainingStateAverager.state_sharing_priority.fset(self, value + self.CLAIMED_LEAD)
+
+    def copies_to_serve(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        copies = super().copies_to_serve(tensors)
+        for copy in copies[: len(self.main_parameters)]:
+            copy.add_(self.POISON)
+        return copies
+
+
+# hivemind names a servicer's RPC handlers after its class: the hostile donor answers under the honest name
+PoisonedStateDonor.__name__ = SnapshotStateAverager.__name__
 
 
 class StageOptimizer(Optimizer):
@@ -81,6 +113,10 @@ class StageOptimizer(Optimizer):
     DHT lookups a second, the bulk of each peer's non-trip traffic. Alone in its stage a peer has
     nobody to average with, so it books nothing (hivemind itself skips the rounds at the epoch).
     """
+
+    def __init__(self, *args, state_donor: type[SnapshotStateAverager] = SnapshotStateAverager, **kwargs):
+        self.state_donor = state_donor  # the state averager's class: PoisonedStateDonor only to inject a fault
+        super().__init__(*args, **kwargs)
 
     def _maybe_schedule_gradient_averaging(self) -> None:
         if self.tracker.global_progress.num_peers > 1:
@@ -105,7 +141,7 @@ class StageOptimizer(Optimizer):
         )
 
     def _make_state_averager(self, **kwargs) -> TrainingStateAverager:
-        return SnapshotStateAverager(
+        return self.state_donor(
             dht=self.dht,
             prefix=f"{self.run_id}_state_averager",
             min_matchmaking_time=self.matchmaking_time,

@@ -46,6 +46,12 @@ def state_entry(epoch: int, digest: str) -> str:
     return f"{epoch}:{digest[:STATE_PREFIX]}"
 
 
+def copies_entry(stage: PipelineStage, main: Sequence[torch.Tensor], epoch: int, copies: Sequence[torch.Tensor]) -> str:
+    """The entry of a state whose trained parameters `main` (the optimizer's order) are replaced by `copies`: what
+    a donor notes it served and a joiner computes from what it received, so the two compare."""
+    return state_entry(epoch, parameters_sha256(stage, {id(p): c for p, c in zip(main, copies, strict=True)}))
+
+
 def trained_parameters(stage: PipelineStage) -> list[tuple[str, torch.nn.Parameter]]:
     """The stage's trained parameters in the order its optimizer (and so a donor's state) lists them."""
     names = {id(p): name for name, p in stage.named_parameters()}
@@ -94,6 +100,12 @@ def confirmations(entries: Sequence[PeerEntry], index: int, entry: str, donor: s
         if entry in record.state_hashes or (record.peer_id == donor and entry in record.served_states):
             found[record.peer_id] = record
     return list(found.values())
+
+
+def witnesses_needed(other_online: int) -> int:
+    """Records that must announce a state before a peer takes it from another (`peer/state_load.py`): two of
+    the stage's other online peers, or the one there is (a stage whose only peer is hostile is its own anyway)."""
+    return min(2, max(other_online, 1))
 
 
 def online_peers(entries: Sequence[PeerEntry], index: int, t_fixed_sha256: str) -> list[PeerEntry]:

@@ -28,8 +28,9 @@ from hivemind.utils.serializer import MSGPackSerializer
 from hivemind.utils.streaming import split_for_streaming
 from test_export import readme_commands
 
-from dhtio.state_download import STATE_SERVICER, StateStream, donor_budget, read_parameters
+from dhtio.state_download import STATE_SERVICER, donor_budget, read_parameters
 from p2pio.framing import MIN_RATE
+from p2pio.state_stream import StateStream
 from swarm.live_state import (
     LiveStateError,
     confirmations,
@@ -216,7 +217,7 @@ def test_bytes_are_counted_whatever_field_carries_them():
     reader = StateStream(shapes)
     reader.feed(_first(shapes[0]))
     padded = runtime_pb2.Tensor(buffer=b"", size=[7] * 20000)
-    with pytest.raises(LiveStateError, match="more than its parameters"):
+    with pytest.raises(LiveStateError, match="more than its tensors"):
         for _ in range(len(shapes) + 100):
             reader.feed(averaging_pb2.DownloadData(tensor_part=padded))
     with pytest.raises(LiveStateError, match="before naming"):

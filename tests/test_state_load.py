@@ -1,0 +1,169 @@
+"""A peer takes another's stage state only when the stage's records vouch for it (peer/state_load.py): real
+hivemind state averagers (own processes, one DHT each), hostile donors declaring epochs far ahead so that they
+are asked first; and the records' rule over signed records, pure."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from functools import partial
+from typing import AsyncIterator  # noqa: UP035 - hivemind's servicer reads typing's generic names
+
+import pytest
+import torch
+from builders import stage_record, tiny_manifest
+from hivemind.dht import DHT
+from hivemind.optim.state_averager import TrainingStateAverager
+from hivemind.p2p import P2PContext
+from hivemind.proto import averaging_pb2, runtime_pb2
+from hivemind.utils.serializer import MSGPackSerializer
+
+import p2pio.state_stream
+from p2pio.state_stream import StateStream, read_state
+from peer.stage_optimizer import PoisonedStateDonor, SnapshotStateAverager
+from peer.state_load import records_vouch
+from swarm.live_state import LiveStateError, witnesses_needed
+from swarm.records import PeerEntry
+
+PREFIX = "run_stage1_state_averager"
+SIZE = 4096
+
+
+async def _huge_state(
+    self, _request: averaging_pb2.DownloadRequest, _context: P2PContext
+) -> AsyncIterator[averaging_pb2.DownloadData]:
+    """A donor naming a tensor of 2^40 float32 elements: hivemind's own reader would allocate it."""
+    metadata = MSGPackSerializer.dumps({"epoch": 10**9})
+    yield averaging_pb2.DownloadData(
+        metadata=metadata, tensor_part=runtime_pb2.Tensor(dtype="float32", size=[2**40], buffer=b"\0" * 16)
+    )
+
+
+# hivemind names RPC handlers after the class: hostile donors answer under the honest class's name
+HugeDonor = type("SnapshotStateAverager", (TrainingStateAverager,), {"rpc_download_state": _huge_state})
+
+
+def _averager(cls, dht: DHT, value: float) -> TrainingStateAverager:
+    params = [torch.nn.Parameter(torch.full((SIZE,), value))]
+    return cls(dht=dht, optimizer=partial(torch.optim.Adam, lr=0.1), params=params, prefix=PREFIX,
+               min_matchmaking_time=1.0, request_timeout=3.0, start=True)
+
+
+def _declared(dht: DHT) -> list[float]:
+    """The priorities the stage's donors declared, highest first."""
+    found = dht.get(f"{PREFIX}.all_averagers", latest=True)
+    return sorted((info.value for info in found.value.values()), reverse=True) if found is not None else []
+
+
+@pytest.mark.slow
+def test_a_joiner_refuses_states_the_records_do_not_vouch_for_and_takes_the_next_donors():
+    first = DHT(start=True)
+    dhts, averagers = [first], []
+    try:
+        dhts += [DHT(start=True, initial_peers=first.get_visible_maddrs()) for _ in range(3)]
+        honest = _averager(SnapshotStateAverager, dhts[1], 1.0)
+        poisoned = _averager(PoisonedStateDonor, dhts[2], 1.0)  # serves 1.5, declares a million epochs ahead
+        huge = _averager(HugeDonor, dhts[3], 1.0)
+        averagers += [honest, poisoned, huge]
+        honest.state_sharing_priority = 1.0
+        poisoned.state_sharing_priority = 1.0
+        huge.state_sharing_priority = 2e6  # asked first of all
+        joiner = _averager(SnapshotStateAverager, first, 0.0)
+        averagers.append(joiner)
+        deadline = time.monotonic() + 60
+        while _declared(first)[:3] != [2e6, 1e6 + 1, 1.0]:
+            assert time.monotonic() < deadline, "the donors never declared themselves"
+            time.sleep(0.5)
+        asked: list[tuple[str, float]] = []
+
+        def vouch(epoch: int, parameters: list[torch.Tensor], donor: str) -> bool:
+            asked.append((donor, float(parameters[0].mean())))
+            return bool(torch.equal(parameters[0], torch.ones(SIZE)))  # what the test's records would announce
+
+        joiner.vouch = vouch
+        joiner.load_state_from_peers()
+        ids = {a.peer_id.to_base58(): name for a, name in ((honest, "honest"), (poisoned, "poisoned"))}
+        # the huge donor was read first and refused by the reader (never reaching the records), the poisoned one
+        # was refused by the records, the honest one taken
+        assert [(ids[d], v) for d, v in asked] == [("poisoned", 1.5), ("honest", 1.0)]
+        assert torch.equal(joiner.main_parameters[0].detach(), torch.ones(SIZE))
+
+        # with only hostile donors left (the honest one's declaration outlives it) nothing is taken, and the
+        # joiner keeps its own state
+        honest.shutdown()
+        averagers.remove(honest)
+        before = [d for d, _ in asked]
+        assert joiner.load_state_from_peers() is None
+        assert [ids[d] for d, _ in asked[len(before):]] == ["poisoned"]
+        assert torch.equal(joiner.main_parameters[0].detach(), torch.ones(SIZE))  # what it took before, kept
+    finally:
+        for averager in averagers:
+            averager.shutdown()
+        for dht in dhts:
+            dht.shutdown()
+
+
+def test_a_donor_that_pauses_is_dropped(monkeypatch):
+    monkeypatch.setattr(p2pio.state_stream, "IDLE_S", 0.3)
+    metadata = MSGPackSerializer.dumps({"epoch": 3})
+
+    async def stalls():
+        yield averaging_pb2.DownloadData(metadata=metadata, tensor_part=runtime_pb2.Tensor(
+            dtype="float32", size=[4], buffer=b"\0" * 8))
+        await asyncio.sleep(60)
+
+    async def opened():
+        return stalls()
+
+    started = time.monotonic()
+    with pytest.raises(LiveStateError, match="paused"):
+        asyncio.run(read_state(opened, StateStream([(4,)]), timeout=30.0))
+    assert time.monotonic() - started < 5
+
+
+def test_a_state_stream_reads_the_dtypes_it_expects():
+    metadata = MSGPackSerializer.dumps({"epoch": 3, "optimizer_metadata": [1, 2]})
+    reader = StateStream([(2,), ()], ["float32", "int64"])
+    reader.feed(averaging_pb2.DownloadData(metadata=metadata, tensor_part=runtime_pb2.Tensor(
+        dtype="float32", size=[2], buffer=torch.tensor([1.0, 2.0]).numpy().tobytes())))
+    reader.feed(averaging_pb2.DownloadData(tensor_part=runtime_pb2.Tensor(
+        dtype="int64", size=[], buffer=torch.tensor(7).numpy().tobytes())))
+    epoch, tensors = reader.end()
+    assert epoch == 3 and reader.metadata["optimizer_metadata"] == [1, 2]
+    assert tensors[0].tolist() == [1.0, 2.0] and tensors[1].item() == 7 and tensors[1].dtype == torch.int64
+    wrong = StateStream([(2,)], ["int64"])
+    with pytest.raises(LiveStateError, match="expected int64"):
+        wrong.feed(averaging_pb2.DownloadData(metadata=metadata, tensor_part=runtime_pb2.Tensor(
+            dtype="float32", size=[2], buffer=b"\0" * 8)))
+
+
+# --- the records' rule -----------------------------------------------------------------------------------
+
+MANIFEST = tiny_manifest(stages=2)
+ENTRY = "7:00112233445566ff"
+
+
+def _peer(name: str, **changes) -> PeerEntry:
+    return PeerEntry(stage_record(1, name, MANIFEST, **changes), expiration=0.0, owner=b"")
+
+
+def _vouch(entries: list[PeerEntry], donor: str, own: str = "me") -> bool:
+    t_fixed = entries[0].record.t_fixed_sha256 if entries else ""
+    return records_vouch(lambda: entries, 1, own, t_fixed, ENTRY, donor, "[test]", wait=0.0)
+
+
+def test_the_records_vouch_with_two_witnesses_or_the_only_other_peer():
+    assert [witnesses_needed(n) for n in (0, 1, 2, 5)] == [1, 1, 2, 2]
+    donor = _peer("donor", served_states=[ENTRY])
+    other = _peer("other", state_hashes=[ENTRY])
+    liar = _peer("liar", state_hashes=["7:ffffffffffffffff"])
+    assert _vouch([donor], donor.record.peer_id)  # alone in the stage: its own word
+    assert _vouch([donor, other, liar], donor.record.peer_id)
+    assert not _vouch([donor, liar], donor.record.peer_id)  # one of two others: not enough
+    laundered = _peer("joined", state_hashes=[ENTRY], loaded_state=ENTRY)  # it holds the state only by loading it
+    assert not _vouch([donor, laundered], donor.record.peer_id)
+    # our own record is no witness, and an offline or other-stage record none either
+    me = _peer("me", state_hashes=[ENTRY])
+    assert not _vouch([donor, liar, me], donor.record.peer_id, own=me.record.peer_id)
+    assert not _vouch([], donor.record.peer_id)
+

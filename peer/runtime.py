@@ -29,7 +29,7 @@ from peer.finite_state import FiniteStateGuard
 from peer.processes import close_abandoned_loops, release_freed_memory
 from peer.progress import PROGRESS_INTERVAL
 from peer.stage_optimizer import PoisonedStateDonor, SnapshotStateAverager, StageOptimizer
-from peer.state_load import stage_vouch
+from peer.state_load import stage_choice
 from swarm.codec import BoundaryCodec
 from swarm.cp_lane import LaneTrip
 from swarm.live_state import copies_entry, parameters_sha256, state_entry
@@ -99,7 +99,7 @@ class StageRuntime:
         self.served_states: deque[str] = deque(maxlen=4)
         self.optimizer.state_averager.after_serving = self._state_served
         averager = self.optimizer.state_averager
-        averager.vouch = stage_vouch(self.stage, averager.main_parameters, dht, manifest, index, label)
+        averager.choose = stage_choice(self.stage, averager.main_parameters, dht, manifest, index, label)
         self._hashed_epoch = -1
         self._skipped_steps = 0
         self.guard = FiniteStateGuard(self.stage, self.optimizer, device, label)
@@ -393,7 +393,7 @@ class StageRuntime:
         # averager referenced: cleared here, or every stage a peer leaves stays in memory (test_stage_moves.py)
         self.optimizer.state_averager.after_averaging = None
         self.optimizer.state_averager.after_serving = None
-        self.optimizer.state_averager.vouch = None
+        self.optimizer.state_averager.choose = None
         self.optimizer.shutdown()
         self.executor.shutdown(wait=True, cancel_futures=True)
         close_abandoned_loops()

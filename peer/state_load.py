@@ -1,4 +1,4 @@
-"""A peer takes a stage's state from another only when the stage's records vouch for it (issue 26).
+"""A peer takes a stage's state from others only when the stage vouches for it (issue 26).
 
 hivemind's Optimizer loads a stage's state when a peer joins, and again whenever it falls an epoch behind: it
 asks the peers that declared themselves state donors, the highest declared priority (an epoch: a claim) first,
@@ -6,16 +6,22 @@ and copies in whatever the first to answer streams, after allocating whatever dt
 hostile peer declaring a large epoch would hand every joiner, and every peer that fell behind, weights of its
 choosing (finite ones pass the stage's finiteness check), or make it allocate without bound. Here, instead:
 
-- the stream is read by `p2pio/state_stream.py` against our own state's layout (every tensor's dtype and shape,
-  the same model and optimizer) within a time budget per donor, at most `MAX_DONORS` donors per load;
-- a donor's parameters are hashed as records hash them and taken only when the stage's signed records vouch for
-  that "epoch:hash" (`records_vouch`: two online peers of the stage, or the one there is; the donor by the state
-  it says it served, others by the states they held; a peer that itself loaded the state is no witness:
-  `swarm/live_state.py confirmations`), the records read again for up to `CONFIRM_WAIT` while they catch up;
-- a state the records do not vouch for is refused with one line, and the next donor is asked.
+- streams are read by `p2pio/state_stream.py` against our own state's layout (every tensor's dtype and shape:
+  same model, same optimizer) within a time budget per donor: up to `MAX_STATES` states from the first
+  `MAX_ASKED` donors by declared priority (a load costs up to three downloads, where hivemind's cost one);
+- each state's parameters are hashed as a donor hashes what it serves, and the first state the stage's signed
+  records vouch for is taken (`records_pick`: two of the stage's other online peers announce that
+  "epoch:hash", or the one there is; the donor by the state it served, others by states they held; a peer
+  that itself loaded the state is no witness: `swarm/live_state.py confirmations`), the records read again
+  for up to `CONFIRM_WAIT` while they catch up;
+- where the records vouch for none (peers of a stage hold one state only while averaging keeps them in step),
+  the state the others agree with is taken (`swarm/live_state.py agreeing_state`): of three with one hostile,
+  an honest one; of two that disagree, neither;
+- a load that took nothing says why in one line, and hivemind's next request (every step while the peer is
+  behind) waits `RETRY_S`, so a refused load does not hold the stage thread.
 
-Not checked: the optimizer statistics that come with vouched parameters (no record hashes them: a hostile donor
-serving the honest parameters can still skew the moments a joiner starts from), and peers that are one
+Not checked: the optimizer statistics that come with the parameters taken (no record hashes them: a hostile
+donor serving honest parameters can still skew the moments a peer starts from), and peers that are one
 operator's many identities (two of them vouch for each other).
 """
 
@@ -24,6 +30,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 
 import torch
 from hivemind.averaging.averager import DecentralizedAverager
@@ -35,19 +42,30 @@ from hivemind.utils.timed_storage import ValueWithExpiration
 
 from dhtio.records import fetch_stages
 from p2pio.state_stream import StateStream, read_state
-from swarm.live_state import LiveStateError, confirmations, copies_entry, online_peers, witnesses_needed
+from swarm.live_state import (
+    LiveStateError,
+    agreeing_state,
+    confirmations,
+    copies_entry,
+    online_peers,
+    trained_parameters,
+    witnesses_needed,
+)
 from swarm.manifest import Manifest
 from swarm.model import PipelineStage
 from swarm.records import ANNOUNCE_INTERVAL, PeerEntry
 
 logger = logging.getLogger("peer.state_load")
 
-MAX_DONORS = 4  # donors one load asks at most (each costs its stream's budget, and CONFIRM_WAIT if refused)
-CONFIRM_WAIT = 2 * ANNOUNCE_INTERVAL  # how long a downloaded state may wait for the records that announce it
+MAX_STATES = 3  # states one load downloads at most (three: a medoid outvotes one hostile donor)
+MAX_ASKED = 6  # donors one load asks at most (each costs its stream's budget at worst)
+CONFIRM_WAIT = 2 * ANNOUNCE_INTERVAL  # how long downloaded states may wait for the records that announce them
 CONFIRM_POLL = 2.0
+RETRY_S = 60.0  # after a load that took nothing, hivemind's next request (every step while behind) waits this long
 
 Layout = list[tuple[str, tuple[int, ...]]]  # (dtype as hivemind names it, shape) of each tensor of a state
-Vouch = Callable[[int, list[torch.Tensor], str], bool]  # (epoch, parameters, donor) -> take it?
+Candidate = tuple[int, list[torch.Tensor], str]  # (epoch, parameters, donor) of a downloaded state
+Choose = Callable[[list[Candidate]], "int | None"]  # which downloaded state to take, if any
 
 
 def layout_of(tensors: Sequence[torch.Tensor]) -> Layout:
@@ -57,9 +75,10 @@ def layout_of(tensors: Sequence[torch.Tensor]) -> Layout:
 class VerifiedStateLoad(DecentralizedAverager):
     """Replaces DecentralizedAverager's state download in a TrainingStateAverager: that class calls it and
     applies what it returns, so this one comes after it in the averager's bases (`peer/stage_optimizer.py`).
-    The owner sets `vouch` (None: every well-formed state is taken)."""
+    The owner sets `choose` (None: the first well-formed state is taken)."""
 
-    vouch: Vouch | None = None
+    choose: Choose | None = None
+    retry_at = -float("inf")  # (this process's clock) no download before this
 
     def local_state_layout(self) -> Layout:
         """Our own state's tensors, as a donor streams its own: same model, same optimizer, so the same layout
@@ -68,27 +87,28 @@ class VerifiedStateLoad(DecentralizedAverager):
         return layout_of(tensors)
 
     def load_state_from_peers(self, wait: bool = True, timeout: float | None = None):
-        """(metadata, tensors) of the first donor's state the records vouch for, or None. Blocking (`wait` must
-        be True: the checks need the state); `timeout` is hivemind's per-message one, replaced by the budget."""
+        """(metadata, tensors) of the downloaded state `choose` picks, or None. Blocking (`wait` must be True:
+        the checks need the states); `timeout` is hivemind's per-message one, replaced by each donor's budget."""
         if not wait:
             raise ValueError("a state download is checked before it is returned: wait=False is not supported")
-        layout, refused = self.local_state_layout(), []
-        while len(refused) < MAX_DONORS:
-            future = MPFuture()
-            self._outer_pipe.send(("_download_state", [], dict(future=future, layout=layout, skip=list(refused))))
-            got = future.result()
-            if got is None:
-                return None
-            metadata, tensors, donor = got
-            parameters = tensors[: len(self.main_parameters)]
-            if self.vouch is None or self.vouch(metadata["epoch"], parameters, donor):
-                return metadata, tensors
-            refused.append(donor)
-        return None
+        if time.monotonic() < self.retry_at:
+            return None
+        future = MPFuture()
+        self._outer_pipe.send(("_download_states", [], dict(future=future, layout=self.local_state_layout())))
+        states = future.result()
+        if states and self.choose is None:
+            return states[0][:2]
+        count = len(self.main_parameters)
+        pick = self.choose([(m["epoch"], t[:count], donor) for m, t, donor in states]) if states else None
+        if pick is None:
+            self.retry_at = time.monotonic() + RETRY_S
+            return None
+        return states[pick][:2]
 
-    async def _download_state(self, future: MPFuture, layout: Layout, skip: list[str]) -> None:
-        """In the averager's process: the state of the first donor (by declared priority, not in `skip`) whose
-        stream reads well, as (metadata, tensors, donor id), or None."""
+    async def _download_states(self, future: MPFuture, layout: Layout) -> None:
+        """In the averager's process: up to MAX_STATES states, as (metadata, tensors, donor id), from the first
+        MAX_ASKED donors by declared priority whose streams read well."""
+        states = []
         try:
             key = f"{self._matchmaking.group_key_manager.prefix}.all_averagers"
             declared, _ = await self.dht.get(key, latest=True, return_future=True) or ({}, None)
@@ -99,8 +119,8 @@ class VerifiedStateLoad(DecentralizedAverager):
                 and isinstance(info.value, (float, int)) and not isinstance(info.value, bool)
             }
             own = self.peer_id.to_base58()
-            donors = [p for p in sorted(priority, key=priority.get, reverse=True) if p not in skip and p != own]
-            for donor in donors[: MAX_DONORS - len(skip)]:
+            donors = [p for p in sorted(priority, key=priority.get, reverse=True) if p != own]
+            for donor in donors[:MAX_ASKED]:
                 reader = StateStream([shape for _, shape in layout], [dtype for dtype, _ in layout])
                 stub = self.get_stub(self._p2p, PeerID.from_base58(donor), namespace=self.prefix)
                 try:
@@ -109,56 +129,70 @@ class VerifiedStateLoad(DecentralizedAverager):
                 except LiveStateError as exc:
                     logger.warning("state from peer %s refused: %s", donor[-8:], exc)
                     continue
-                future.set_result((reader.metadata, reader.tensors, donor))
-                return
+                states.append((reader.metadata, reader.tensors, donor))
+                if len(states) == MAX_STATES:
+                    break
         finally:
-            if not future.done():
-                future.set_result(None)
+            future.set_result(states)
 
 
-def records_vouch(
+def records_pick(
     fetch: Callable[[], list[PeerEntry]],
     index: int,
     own_id: str,
     t_fixed_sha256: str,
-    entry: str,
-    donor: str,
-    label: str,
+    offers: list[tuple[str, str]],
     wait: float = CONFIRM_WAIT,
     poll: float = CONFIRM_POLL,
-) -> bool:
-    """Whether the stage's records vouch for the state `entry` that `donor` sent: enough of the stage's other
-    online peers (at the run's T_fixed) announce it (`witnesses_needed`), read again until they do or `wait`
-    passed. Blocking; logs one line either way."""
+) -> int | None:
+    """Which of the `offers` ("epoch:hash" entry, donor) the stage's records vouch for: the first that enough of
+    the stage's other online peers at the run's T_fixed announce (`witnesses_needed`), the records read again
+    until one is or `wait` passed. Blocking."""
     until = time.monotonic() + wait
     while True:
         try:
             entries = fetch()
         except Exception as exc:  # noqa: BLE001 - the DHT may be briefly unreachable: read again
-            logger.debug("%s records unreadable: %s", label, exc)
+            logger.debug("records unreadable: %s", exc)
             entries = []
         online = [e for e in online_peers(entries, index, t_fixed_sha256) if e.record.peer_id != own_id]
-        found, needed = confirmations(online, index, entry, donor), witnesses_needed(len(online))
-        if len(found) >= needed:
-            logger.info("%s state %s from peer %s: announced by %d of the stage's peers", label, entry, donor[-8:],
-                        len(found))
-            return True
+        needed = witnesses_needed(len(online))
+        for at, (entry, donor) in enumerate(offers):
+            if len(confirmations(online, index, entry, donor)) >= needed:
+                return at
         if time.monotonic() + poll > until:
-            logger.warning("%s refused the state %s peer %s sent: announced by %d of the stage's %d other peers, "
-                           "%d needed", label, entry, donor[-8:], len(found), len(online), needed)
-            return False
+            return None
         time.sleep(poll)
 
 
-def stage_vouch(stage: PipelineStage, main: Sequence[torch.Tensor], dht, manifest: Manifest, index: int,
-                label: str) -> Vouch:
-    """The `vouch` of a stage's averager: hash the parameters received as the donor hashed what it served
-    (`copies_entry`), then ask the stage's records (`records_vouch`)."""
+def _stage_entries(dht, manifest: Manifest, index: int) -> list[PeerEntry]:
+    return fetch_stages(dht, manifest, [index])[index]
+
+
+def stage_choice(stage: PipelineStage, main: Sequence[torch.Tensor], dht, manifest: Manifest, index: int,
+                 label: str) -> Choose:
+    """The `choose` of a stage's averager. First the records (`records_pick`), each state hashed as its donor
+    hashed what it served (`copies_entry`); where they vouch for none (peers of a stage hold one state only
+    where averaging keeps them in step: in a local swarm whose epochs are shorter than an averaging round they
+    never do), the state the others agree with (`swarm/live_state.py agreeing_state`, measured against the
+    seed's parameters). One line says which, or why none."""
     own_id, t_fixed_sha256 = dht.peer_id.to_base58(), stage.subspace.t_fixed_sha256
 
-    def vouch(epoch: int, parameters: list[torch.Tensor], donor: str) -> bool:
-        entry = copies_entry(stage, main, epoch, parameters)
-        return records_vouch(lambda: fetch_stages(dht, manifest, [index])[index], index, own_id, t_fixed_sha256,
-                             entry, donor, label)
+    def choose(candidates: list[Candidate]) -> int | None:
+        offers = [(copies_entry(stage, main, epoch, params), donor) for epoch, params, donor in candidates]
+        pick = records_pick(partial(_stage_entries, dht, manifest, index), index, own_id, t_fixed_sha256, offers)
+        named = ", ".join(f"{entry} from {donor[-8:]}" for entry, donor in offers)
+        if pick is not None:
+            logger.info("%s took state %s: its stage's records announce it", label, named.split(", ")[pick])
+            return pick
+        seed = [p.detach() for _, p in trained_parameters(PipelineStage(manifest, index))]
+        pick = agreeing_state(seed, [params for _, params, _ in candidates])
+        if pick is None:
+            logger.warning("%s refused the states %s: no record announces them and none agrees with another "
+                           "(retrying in %.0f s)", label, named, RETRY_S)
+        else:
+            logger.info("%s took state %s: no record announces it, it is nearest the others", label,
+                        named.split(", ")[pick])
+        return pick
 
-    return vouch
+    return choose

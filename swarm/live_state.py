@@ -108,6 +108,30 @@ def witnesses_needed(other_online: int) -> int:
     return min(2, max(other_online, 1))
 
 
+def agreeing_state(seed: Sequence[torch.Tensor], states: Sequence[Sequence[torch.Tensor]]) -> int | None:
+    """Which of several downloaded states to take where no record vouches for any: the medoid (least summed
+    distance to the others), if its nearest other state is no farther from it than either of the two is from
+    `seed` (the run's initial parameters: how far training moved them is the scale honest peers differ on).
+
+    Two honest peers that trained apart differ by less than they moved (measured, tiny preset, 60 s of a local
+    swarm: 0.82 of it), so with one hostile state among three the medoid is honest, and a hostile state is taken
+    only within that distance of an honest one. Of two states, one hostile, neither is taken unless the two
+    agree that closely. None: fewer than two states, or no agreement."""
+    if len(states) < 2:
+        return None
+    origin = torch.cat([t.detach().float().flatten() for t in seed])
+    flat = torch.stack([torch.cat([t.detach().float().flatten() for t in state]) for state in states])
+    if flat.shape[1] != origin.numel() or not torch.isfinite(flat).all():
+        return None
+    apart = torch.cdist(flat.double(), flat.double())
+    moved = (flat.double() - origin.double()).norm(dim=1)
+    pick = int(apart.sum(dim=1).argmin())
+    others = apart[pick].clone()
+    others[pick] = float("inf")
+    near = int(others.argmin())
+    return pick if apart[pick, near] <= min(moved[pick], moved[near]) else None
+
+
 def online_peers(entries: Sequence[PeerEntry], index: int, t_fixed_sha256: str) -> list[PeerEntry]:
     """The stage's online peers computing with the run's T_fixed (`run_t_fixed_sha256`), the most advanced
     first (the freshest state is asked for first; the epoch is a claim, and each donor's time is bounded)."""

@@ -21,8 +21,8 @@ from hivemind.utils.serializer import MSGPackSerializer
 import p2pio.state_stream
 from p2pio.state_stream import StateStream, read_state
 from peer.stage_optimizer import PoisonedStateDonor, SnapshotStateAverager
-from peer.state_load import records_vouch
-from swarm.live_state import LiveStateError, witnesses_needed
+from peer.state_load import records_pick
+from swarm.live_state import LiveStateError, agreeing_state, witnesses_needed
 from swarm.records import PeerEntry
 
 PREFIX = "run_stage1_state_averager"
@@ -74,28 +74,29 @@ def test_a_joiner_refuses_states_the_records_do_not_vouch_for_and_takes_the_next
         while _declared(first)[:3] != [2e6, 1e6 + 1, 1.0]:
             assert time.monotonic() < deadline, "the donors never declared themselves"
             time.sleep(0.5)
-        asked: list[tuple[str, float]] = []
+        offered: list[list[tuple[str, float]]] = []
 
-        def vouch(epoch: int, parameters: list[torch.Tensor], donor: str) -> bool:
-            asked.append((donor, float(parameters[0].mean())))
-            return bool(torch.equal(parameters[0], torch.ones(SIZE)))  # what the test's records would announce
+        def choose(candidates: list[tuple[int, list[torch.Tensor], str]]) -> int | None:
+            offered.append([(donor, float(params[0].mean())) for _, params, donor in candidates])
+            honest_ones = [i for i, (_, params, _) in enumerate(candidates) if torch.equal(params[0], torch.ones(SIZE))]
+            return honest_ones[0] if honest_ones else None  # what the test's records would announce
 
-        joiner.vouch = vouch
+        joiner.choose = choose
         joiner.load_state_from_peers()
         ids = {a.peer_id.to_base58(): name for a, name in ((honest, "honest"), (poisoned, "poisoned"))}
-        # the huge donor was read first and refused by the reader (never reaching the records), the poisoned one
-        # was refused by the records, the honest one taken
-        assert [(ids[d], v) for d, v in asked] == [("poisoned", 1.5), ("honest", 1.0)]
+        # the huge donor was read first and refused by the reader (never offered), the poisoned and the honest
+        # states were offered in priority order, and the honest one taken
+        assert [[(ids[d], v) for d, v in offer] for offer in offered] == [[("poisoned", 1.5), ("honest", 1.0)]]
         assert torch.equal(joiner.main_parameters[0].detach(), torch.ones(SIZE))
 
-        # with only hostile donors left (the honest one's declaration outlives it) nothing is taken, and the
-        # joiner keeps its own state
+        # with only hostile donors left (the honest one's declaration outlives it) nothing is taken, the joiner
+        # keeps its state, and hivemind's next request within RETRY_S downloads nothing
         honest.shutdown()
         averagers.remove(honest)
-        before = [d for d, _ in asked]
         assert joiner.load_state_from_peers() is None
-        assert [ids[d] for d, _ in asked[len(before):]] == ["poisoned"]
+        assert [[ids[d] for d, _ in offer] for offer in offered[1:]] == [["poisoned"]]
         assert torch.equal(joiner.main_parameters[0].detach(), torch.ones(SIZE))  # what it took before, kept
+        assert joiner.load_state_from_peers() is None and len(offered) == 2
     finally:
         for averager in averagers:
             averager.shutdown()
@@ -147,9 +148,9 @@ def _peer(name: str, **changes) -> PeerEntry:
     return PeerEntry(stage_record(1, name, MANIFEST, **changes), expiration=0.0, owner=b"")
 
 
-def _vouch(entries: list[PeerEntry], donor: str, own: str = "me") -> bool:
+def _pick(entries: list[PeerEntry], offers: list[tuple[str, str]], own: str = "me") -> int | None:
     t_fixed = entries[0].record.t_fixed_sha256 if entries else ""
-    return records_vouch(lambda: entries, 1, own, t_fixed, ENTRY, donor, "[test]", wait=0.0)
+    return records_pick(lambda: entries, 1, own, t_fixed, offers, wait=0.0)
 
 
 def test_the_records_vouch_with_two_witnesses_or_the_only_other_peer():
@@ -157,13 +158,32 @@ def test_the_records_vouch_with_two_witnesses_or_the_only_other_peer():
     donor = _peer("donor", served_states=[ENTRY])
     other = _peer("other", state_hashes=[ENTRY])
     liar = _peer("liar", state_hashes=["7:ffffffffffffffff"])
-    assert _vouch([donor], donor.record.peer_id)  # alone in the stage: its own word
-    assert _vouch([donor, other, liar], donor.record.peer_id)
-    assert not _vouch([donor, liar], donor.record.peer_id)  # one of two others: not enough
+    offer = [(ENTRY, donor.record.peer_id)]
+    assert _pick([donor], offer) == 0  # alone in the stage: its own word
+    assert _pick([donor, other, liar], offer) == 0
+    assert _pick([donor, liar], offer) is None  # one of two others: not enough
+    # the liar's own state, offered first, is announced by the liar only
+    assert _pick([donor, other, liar], [("7:ffffffffffffffff", liar.record.peer_id), *offer]) == 1
     laundered = _peer("joined", state_hashes=[ENTRY], loaded_state=ENTRY)  # it holds the state only by loading it
-    assert not _vouch([donor, laundered], donor.record.peer_id)
-    # our own record is no witness, and an offline or other-stage record none either
+    assert _pick([donor, laundered], offer) is None
+    # our own record is no witness
     me = _peer("me", state_hashes=[ENTRY])
-    assert not _vouch([donor, liar, me], donor.record.peer_id, own=me.record.peer_id)
-    assert not _vouch([], donor.record.peer_id)
+    assert _pick([donor, liar, me], offer, own=me.record.peer_id) is None
+    assert _pick([], offer) is None
 
+
+def test_where_no_record_vouches_the_state_the_others_agree_with_is_taken():
+    generator = torch.Generator().manual_seed(0)
+    seed = [torch.zeros(1000)]
+    trained = torch.randn(1000, generator=generator)  # where training moved the stage
+    honest = [[trained + 0.4 * torch.randn(1000, generator=generator)] for _ in range(2)]  # trained apart
+    hostile = [trained + 5.0]
+    assert agreeing_state(seed, [hostile, *honest]) in (1, 2)  # the medoid of three is honest
+    assert agreeing_state(seed, [*honest, hostile]) in (0, 1)
+    assert agreeing_state(seed, [hostile, honest[0]]) is None  # two that disagree: neither
+    assert agreeing_state(seed, honest) == 0  # two honest ones agree more closely than they moved
+    assert agreeing_state(seed, [honest[0]]) is None  # one state: nothing to agree with
+    near = [honest[0][0] + 0.1]  # a hostile state that close to an honest one is taken: the documented bound
+    assert agreeing_state(seed, [near, honest[0]]) == 0
+    assert agreeing_state(seed, [[torch.full((1000,), float("nan"))], *honest]) is None
+    assert agreeing_state(seed, [[torch.zeros(10)], [torch.zeros(10)]]) is None  # not this stage's shape

@@ -43,10 +43,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from lr_sweep import best_lr  # noqa: E402
 
 from swarm.context_parallel import ContextParallelSpec  # noqa: E402
-from swarm.cp_model import CPDecoder, next_token_loss  # noqa: E402
+from swarm.cp_model import CPDecoder  # noqa: E402
 from swarm.cp_wire import CPCodec, wire_step  # noqa: E402
 from swarm.data import BUILTIN_STDLIB, ByteTokenizer, TokenStream, read_corpus  # noqa: E402
 from swarm.manifest import ModelShape  # noqa: E402
+from swarm.model import next_token_loss  # noqa: E402
 
 MODES = {
     "dense": dict(compression="none"),
@@ -114,7 +115,7 @@ def run(mode: str, seed: int, lr: float, args, shape, train_tokens, val_batches)
     # bytes from encoded messages, and the wire path against the one-graph model on one batch (CPU)
     model.cpu()
     batch = val_batches[0]
-    codec = CPCodec(spec, shape, args.seq, args.batch, f"cp-bench-{seed}", model.basis)
+    codec = CPCodec(spec, shape, args.seq, args.batch, f"cp-bench-{seed}", model.cp_basis)
     model.zero_grad(set_to_none=True)
     start = time.perf_counter()
     wire_loss, sent = wire_step(model, batch, codec)
@@ -126,9 +127,9 @@ def run(mode: str, seed: int, lr: float, args, shape, train_tokens, val_batches)
     thetas = []
     if spec.rotates:
         with torch.no_grad():
-            for block in model.blocks:
-                xn = block.attn_norm(model.embed[batch[:, : args.seq // args.P]])
-                thetas.append(float(block.attn.project(xn, model.mode)[3].abs().max()))
+            for block in model.layers:
+                xn = block.attn_norm(model.enter(None, batch[:, : args.seq // args.P]))
+                thetas.append(float(block.attn.project(xn, model.kv_mode)[3].abs().max()))
     return {
         "mode": mode,
         "seed": seed,
@@ -146,8 +147,8 @@ def run(mode: str, seed: int, lr: float, args, shape, train_tokens, val_batches)
         "bytes_per_token_per_layer_bwd": statistics.fmean(sent["backward"]) / tokens,
         "formula_payload_bytes_per_token": formula["compressed"] if spec.compressed else formula["dense"],
         "dense_payload_bytes_per_token": formula["dense"],
-        "basis_version": model.basis.version,
-        "basis_sha256": model.basis.sha256[:16],
+        "basis_version": model.cp_basis.version,
+        "basis_sha256": model.cp_basis.sha256[:16],
         "warm_start": warm_info,
         "theta_abs_max_first_chunk_layer0": thetas[:1],
     }

@@ -14,22 +14,22 @@ Parameter gradients go to a per-trip buffer (`torch.autograd.grad`), not to `.gr
 many trips and optimizer steps on one thread, and a step must never see half a trip. `apply_grads`
 adds the whole trip at once. If such a step changed the weights in place between a layer's forward and
 its backward, autograd refuses the saved graph and the lane recomputes that layer alone, from its kept
-input and received messages, with the current weights. Hooks registered on a Parameter (the constrained
+input and received messages, with the current weights (`PipelineStage.backward_or_recompute`, the
+stage's one rule for a stale graph). Hooks registered on a Parameter (the constrained
 tensors' gradient projection of `PipelineStage`) run under `autograd.grad` as under `.backward`, so the
 buffer holds projected gradients; the projection is linear, so the lanes' sum equals the one-graph
 gradient.
 
-The stage is anything with `layers` (blocks whose `attn` is a `swarm.cp_model.CPAttention`),
-`rope_cos`/`rope_sin`, `is_head`/`is_tail`, `enter(hidden, tokens)` and `finish(hidden, tokens)`:
-`swarm.model.PipelineStage` and `swarm.cp_model.CPDecoder`.
+The stage is a `swarm.model.PipelineStage` whose layers' attention is a `swarm.cp_attention.CPAttention`
+(a run's stage, or `swarm.cp_model.CPDecoder`, the whole model as one stage).
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from swarm.cp_model import CPAttention
+from swarm.cp_attention import CPAttention
+from swarm.model import PipelineStage, predicted_loss
 from swarm.wire import ErrorCode, WireError
 
 KV = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]  # Z_k, Z_v, θ (or K, V, None dense); or their gradients
@@ -63,7 +63,7 @@ class LaneTrip:
     `payload` then `complete`, then `output` (or `loss` on the tail), `backward_output` (not on the tail),
     per layer from the top `backward_layer`, then `input_grad` and `apply_grads`."""
 
-    def __init__(self, stage, lane: int, tokens: torch.Tensor, hidden: torch.Tensor | None = None):
+    def __init__(self, stage: PipelineStage, lane: int, tokens: torch.Tensor, hidden: torch.Tensor | None = None):
         self.stage, self.lane, self.tokens = stage, lane, tokens
         blocks = list(stage.layers)
         if not blocks or not all(isinstance(block.attn, CPAttention) for block in blocks):
@@ -206,9 +206,7 @@ class LaneTrip:
         targets = self.tokens[:, 1:]
         if next_tokens is not None:
             targets = torch.cat([targets, next_tokens.reshape(-1, 1).to(targets)], dim=1)
-        logits = logits[:, : targets.shape[1]].reshape(-1, logits.shape[-1])
-        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-        value = F.cross_entropy(logits, targets.reshape(-1), reduction="sum") / (self.batch * (seq_len - 1))
+        value = predicted_loss(logits, targets, reduction="sum") / (self.batch * (seq_len - 1))
         self._edge_backward(value, None)
         return float(value.detach())
 
@@ -233,17 +231,10 @@ class LaneTrip:
         width = 2 if segment.theta is None else 3
         summed = [sum(grads[dst][i].to(self.device, self.dtype) for dst in receivers) for i in range(width) if grads]
         params = [p for p in block.parameters() if p.requires_grad]
-        accumulator = getattr(self.stage, "u_accumulator", None)
-        snapshot = accumulator.snapshot() if accumulator is not None else None
-        try:
-            found = self._layer_grads(segment, summed, params)
-        except RuntimeError as exc:
-            if "modified by an inplace operation" not in str(exc):
-                raise
-            if snapshot is not None:  # projection hooks that fired before the failure must not count twice
-                accumulator.restore(snapshot)
-            segment = self._recompute(layer)
-            found = self._layer_grads(segment, summed, params)
+        found = self.stage.backward_or_recompute(
+            lambda stale: self._layer_grads(self._recompute(layer) if stale else segment, summed, params)
+        )
+        segment = self.layers[layer]  # the recomputed one, if the saved graph was stale
         self.out_grad = found[0]  # never None: the residual path
         rest = iter(found[1:])
         back = {src: tuple(_or_zeros(rest, t) for t in segment.received[src]) for src in sorted(segment.received)}

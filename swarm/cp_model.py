@@ -1,234 +1,91 @@
-"""A decoder whose attention is split into context-parallel chunks (dense or compressed K/V).
+"""The one-process context-parallel model, and the PCA warm start of its K/V bases.
 
-`CPAttention.forward` is one layer's attention in one graph: every chunk's queries attend to their
-own block and to every earlier chunk's K/V *as a receiver rebuilds them from a message*
-(`wire_round` rounds Z to the wire dtype forward and its gradient backward, per sender-receiver
-pair, θ to float32), so it computes the same function as `swarm.cp_wire.wire_step`, which cuts the
-graph at every message and ships the bytes. With `round_wire=False` and compression none it is
-plain causal attention. `swarm.model.Block` uses it when the manifest turns context parallelism on;
-`CPDecoder` is a whole decoder of them for the one-process benchmark and tests.
-
-The attention keeps swarm.model.Attention's parameter names (wq/wk/wv/wo), so a dense stage's
-weights load into it; the only new parameter is `theta_head` (rotating modes, zero at the start).
+`CPDecoder` is not a second decoder: it is a `swarm.model.PipelineStage` of a one-stage run with
+context parallelism on (`cp_manifest`), so its blocks, their init, the embedding, the head and the loss
+are the pipeline's, and a layer starts with the weights it has in any stage split of the same seed. It
+is what the one-process benchmark and tests train, and what `swarm.cp_wire.wire_step` drives as P lanes.
+Every layer's attention is a `swarm.cp_attention.CPAttention`.
 """
 
 from __future__ import annotations
 
-import hashlib
-import math
-
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from swarm.context_parallel import (
-    ContextParallelSpec,
-    CPBasis,
-    block_attention,
-    kv_width,
-    pca_basis,
-    rotated_basis,
-    wire_round,
-)
-from swarm.cp_modes import DENSE_KV, Bases, KVCompression
-from swarm.layers import RMSNorm, SwiGLU, apply_rope, rope_tables
+from swarm.context_parallel import ContextParallelSpec, CPBasis, pca_basis
+from swarm.cp_attention import CPAttention
+from swarm.cp_modes import DENSE_KV, KVCompression
+from swarm.manifest import BatchSpec, Manifest, ModelShape, StageSpec
+from swarm.model import PipelineStage
 
 
-class CPAttention(nn.Module):
-    """One layer's attention split into `spec.size` chunks; `mode` is what crosses between them (the
-    spec's, or none during a dense warm-up); `tap`, when set, is told of every crossing (the
-    simulator counts the messages the swarm would send)."""
-
-    def __init__(self, shape, spec: ContextParallelSpec, layer: int, basis: CPBasis):
-        super().__init__()
-        self.spec, self.layer, self.basis = spec, layer, basis
-        self.n_heads, self.n_kv_heads = shape.n_heads, shape.n_kv_heads
-        self.head_dim = shape.d_model // shape.n_heads
-        self.d_kv = kv_width(shape)
-        self.wq = nn.Linear(shape.d_model, shape.n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(shape.d_model, self.d_kv, bias=False)
-        self.wv = nn.Linear(shape.d_model, self.d_kv, bias=False)
-        self.wo = nn.Linear(shape.n_heads * self.head_dim, shape.d_model, bias=False)
-        self.theta_head = nn.Linear(shape.d_model, spec.n_theta) if spec.rotates else None
-        if self.theta_head is not None:  # θ = 0 at the start: the fixed basis Ū
-            nn.init.zeros_(self.theta_head.weight)
-            nn.init.zeros_(self.theta_head.bias)
-        self.stats: dict[str, torch.Tensor] | None = None  # Σ kᵀk, Σ vᵀv while collecting for PCA
-        self.mode: KVCompression = spec.mode
-        self.tap = None  # swarm.cp_traffic.CPTraffic while the simulator counts messages
-
-    def project(self, xn: torch.Tensor, mode: KVCompression):
-        """One chunk's normalised input (B, n, d) → q (B, H, n, hd) pre-RoPE, full K and V (B, n, d_kv)
-        pre-RoPE, θ (B, n_theta) or None."""
-        batch, seq, _ = xn.shape
-        q = self.wq(xn).view(batch, seq, self.n_heads, self.head_dim).transpose(1, 2)
-        k_full, v_full = self.wk(xn), self.wv(xn)
-        if self.stats is not None:
-            with torch.no_grad():
-                self.stats["k"] += (k_full.flatten(0, 1).double().T @ k_full.flatten(0, 1).double()).cpu()
-                self.stats["v"] += (v_full.flatten(0, 1).double().T @ v_full.flatten(0, 1).double()).cpu()
-        theta = None
-        if mode.compressed and self.theta_head is not None:
-            theta = self.spec.theta_max * torch.tanh(self.theta_head(xn.mean(dim=1)))
-        return q, k_full, v_full, theta
-
-    def bases(self, theta: torch.Tensor | None, like: torch.Tensor) -> Bases:
-        g = self.spec.n_generators
-        out = []
-        for which, part in (("k", slice(0, g)), ("v", slice(g, 2 * g))):
-            ubar, gens = self.basis.tensors(self.layer, which, like)
-            out.append(rotated_basis(ubar, gens, None if theta is None else theta[:, part]))
-        return out[0], out[1]
-
-    def payload(self, k_full, v_full, theta, mode: KVCompression) -> Bases:
-        """What a chunk sends: Z_k, Z_v (B, n, r) when compressed, else K and V themselves."""
-        return mode.encode(k_full, v_full, self.bases(theta, k_full) if mode.compressed else None)
-
-    def rebuild(self, p_k, p_v, theta, mode: KVCompression) -> Bases:
-        """What a receiver makes of a message: K = Z_k U_k(θ)ᵀ, V = Z_v U_v(θ)ᵀ (or the dense K, V)."""
-        return mode.decode(p_k, p_v, self.bases(theta, p_k) if mode.compressed else None)
-
-    def sends(self, chunk: int, mode: KVCompression) -> bool:
-        """Whether chunk `chunk` builds a payload: it has receivers, or its own block is rebuilt from it."""
-        return chunk < self.spec.size - 1 or mode.owner_uses_message(self.spec.variant)
-
-    def own_block(self, k_full, v_full, p_k, p_v, theta, mode: KVCompression, round_wire: bool):
-        """The chunk's own (diagonal) K/V: rebuilt from its own message in paper-style, full otherwise."""
-        if not mode.owner_uses_message(self.spec.variant):
-            return k_full, v_full
-        if round_wire:  # the owner uses exactly what its receivers decode; no message goes back
-            dtype = self.spec.wire.torch_dtype
-            p_k, p_v = wire_round(p_k, dtype, False), wire_round(p_v, dtype, False)
-            theta = None if theta is None else wire_round(theta, torch.float32, False)
-        return self.rebuild(p_k, p_v, theta, mode)
-
-    def forward(self, xn: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, round_wire: bool = True):
-        """The layer's attention for the whole normalised sequence (B, S, d), chunk by chunk, every
-        crossing simulated: a receiver rebuilds K/V from the sender's payload as the wire rounds it."""
-        spec, mode = self.spec, self.mode
-        if xn.shape[1] % spec.size:
-            raise ValueError(f"sequence of {xn.shape[1]} tokens does not split into {spec.size} chunks")
-        dtype = spec.wire.torch_dtype
-        sent, outs = [], []
-        for c, chunk in enumerate(xn.split(xn.shape[1] // spec.size, dim=1)):
-            q, k_full, v_full, theta = self.project(chunk, mode)
-            p_k, p_v = self.payload(k_full, v_full, theta, mode) if self.sends(c, mode) else (None, None)
-            blocks = []
-            for j, (pk_j, pv_j, th_j, full_j) in enumerate(sent):
-                received = (pk_j, pv_j, th_j)
-                if round_wire:
-                    received = (
-                        wire_round(pk_j, dtype),
-                        wire_round(pv_j, dtype),
-                        None if th_j is None else wire_round(th_j, torch.float32),
-                    )
-                if self.tap is not None:  # each receiver's copy its own node, so its gradient is its message
-                    received = tuple(None if t is None else t.view_as(t) for t in received)
-                blocks.append(self.rebuild(*received, mode))
-                if self.tap is not None:
-                    self.tap.note(self, j, c, (pk_j, pv_j, th_j), received, blocks[-1], full_j)
-            blocks.append(self.own_block(k_full, v_full, p_k, p_v, theta, mode, round_wire))
-            outs.append(self.attend(q, blocks, cos, sin))
-            sent.append((p_k, p_v, theta, (k_full, v_full)))
-        return torch.cat(outs, dim=1)
-
-    def attend(self, q, blocks: list[tuple[torch.Tensor, torch.Tensor]], cos, sin) -> torch.Tensor:
-        """q of chunk c = len(blocks) − 1; blocks: pre-RoPE (K, V) of chunks 0..c, (B, n, d_kv) each."""
-        batch, _, seq, _ = q.shape
-        chunk = len(blocks) - 1
-        q = apply_rope(q, cos[chunk * seq :], sin[chunk * seq :])
-        roped = []
-        for j, (k, v) in enumerate(blocks):
-            k = k.view(batch, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)
-            v = v.view(batch, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)
-            roped.append((apply_rope(k, cos[j * seq :], sin[j * seq :]), v))
-        out = block_attention(q, roped)
-        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+def cp_manifest(shape: ModelShape, spec: ContextParallelSpec, seed: int) -> Manifest:
+    """A one-stage run of `shape` with context parallelism `spec`: no boundary, so no compression mode and
+    nothing constrained (k is the smallest the manifest takes; nothing uses it); the batch fields only
+    have to pass the manifest's checks (the longest sequence that splits into `spec.size` chunks)."""
+    return Manifest(
+        name="cp-decoder",
+        model=shape,
+        stages=(StageSpec(first_layer=0, end_layer=shape.n_layers),),
+        k=1,
+        compression="none",
+        seed=seed,
+        batch=BatchSpec(
+            microbatch_size=1, seq_len=shape.max_seq_len - shape.max_seq_len % spec.size, target_batch_size=1
+        ),
+        context_parallel=spec,
+    )
 
 
-class CPBlock(nn.Module):
-    def __init__(self, shape, spec: ContextParallelSpec, layer: int, basis: CPBasis):
-        super().__init__()
-        self.attn_norm = RMSNorm(shape.d_model, shape.norm_eps)
-        self.attn = CPAttention(shape, spec, layer, basis)
-        self.mlp_norm = RMSNorm(shape.d_model, shape.norm_eps)
-        self.mlp = SwiGLU(shape)
+class CPDecoder(PipelineStage):
+    """Embedding, context-parallel blocks, final norm and LM head in one process: the simulator's model.
+    `forward` takes the tokens alone (the stage is the head); `kv_mode`/`compress_active` switch what crosses
+    between chunks for a dense warm-up, and `start_collecting`/`warm_start` run the PCA warm start."""
 
-
-def _generator(seed: int, *salt: int) -> torch.Generator:
-    digest = hashlib.sha256(repr(("cp-decoder", seed, *salt)).encode()).digest()
-    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
-
-
-class CPDecoder(nn.Module):
-    """Embedding, CP blocks, final norm and LM head in one process: the simulator's model. It is a
-    whole pipeline in one stage (`is_head`, `is_tail`, `layers`, `enter`, `finish`, as
-    `swarm.model.PipelineStage`), so `swarm.cp_lane.LaneTrip` runs its lanes."""
-
-    is_head = is_tail = True
-
-    def __init__(self, shape, spec: ContextParallelSpec, seed: int, basis: CPBasis | None = None):
-        super().__init__()
-        self.shape, self.spec, self.seed = shape, spec, seed
-        self.basis = basis or CPBasis.for_spec(spec, shape, seed)
-        self.embed = nn.Parameter(torch.randn(shape.vocab_size, shape.d_model, generator=_generator(seed, 0)) * 0.02)
-        self.blocks = nn.ModuleList(CPBlock(shape, spec, i, self.basis) for i in range(shape.n_layers))
-        self.final_norm = RMSNorm(shape.d_model, shape.norm_eps)
-        self.lm_head = nn.Linear(shape.d_model, shape.vocab_size, bias=False)
-        with torch.no_grad():
-            for index, (name, param) in enumerate(sorted(self.named_parameters())):
-                if name == "embed" or name.endswith("norm.weight") or "theta_head" in name:
-                    continue
-                std = 0.02 / math.sqrt(2 * shape.n_layers) if name.endswith(("wo.weight", "w2.weight")) else 0.02
-                param.copy_(torch.randn(param.shape, generator=_generator(seed, 1, index)) * std)
-        cos, sin = rope_tables(shape.d_model // shape.n_heads, shape.max_seq_len, shape.rope_theta)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
+    def __init__(self, shape: ModelShape, spec: ContextParallelSpec, seed: int):
+        super().__init__(cp_manifest(shape, spec, seed), 0)
 
     @property
-    def mode(self) -> KVCompression:
-        """What crosses between chunks now: the spec's mode, or none during a dense warm-up."""
-        return self.blocks[0].attn.mode
+    def spec(self) -> ContextParallelSpec:
+        return self.manifest.context_parallel
+
+    @property
+    def blocks(self) -> nn.ModuleList:
+        """The layers, by the name they had before the fold: tests/test_kv_exchange.py still uses it."""
+        return self.layers
+
+    @property
+    def attentions(self) -> list[CPAttention]:
+        return [block.attn for block in self.layers]
+
+    @property
+    def kv_mode(self) -> KVCompression:
+        """What crosses between chunks now: the spec's mode, or none during a dense warm-up (`mode` is the
+        stage's boundary compression mode, none here)."""
+        return self.layers[0].attn.mode
 
     @property
     def compressed(self) -> bool:
-        return self.mode.compressed
+        return self.kv_mode.compressed
 
     @property
     def compress_active(self) -> bool:
-        return self.mode is self.spec.mode
+        return self.kv_mode is self.spec.mode
 
     @compress_active.setter
     def compress_active(self, on: bool) -> None:
-        for block in self.blocks:
-            block.attn.mode = self.spec.mode if on else DENSE_KV
-
-    @property
-    def layers(self) -> nn.ModuleList:
-        return self.blocks
-
-    def enter(self, hidden: None, tokens: torch.Tensor) -> torch.Tensor:
-        """The first layer's input: the token embedding (this model is the head)."""
-        return self.embed[tokens]
-
-    def finish(self, hidden: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, None]:
-        """The logits (no boundary: this model is every stage at once)."""
-        return self.lm_head(self.final_norm(hidden)), None
+        for attn in self.attentions:
+            attn.mode = self.spec.mode if on else DENSE_KV
 
     def forward(self, tokens: torch.Tensor, round_wire: bool = True) -> torch.Tensor:
-        x = self.enter(None, tokens)
-        for block in self.blocks:
-            x = x + block.attn(block.attn_norm(x), self.rope_cos, self.rope_sin, round_wire)
-            x = x + block.mlp(block.mlp_norm(x))
-        return self.finish(x, tokens)[0]
-
-    # -------------------------------------------------------------- the PCA warm start
+        """Tokens → logits; `round_wire=False` leaves every crossing unrounded (exact dense attention)."""
+        return self.forward_with_residual(None, tokens, round_wire=round_wire)[0]
 
     def start_collecting(self) -> None:
-        start_collecting([block.attn for block in self.blocks])
+        start_collecting(self.attentions)
 
     def warm_start(self) -> dict:
-        return warm_start([block.attn for block in self.blocks], [self.basis])
+        return warm_start(self.attentions, [self.cp_basis])
 
 
 def start_collecting(attentions: list[CPAttention]) -> None:
@@ -258,8 +115,3 @@ def warm_start(attentions: list[CPAttention], bases: list[CPBasis]) -> dict:
         attn.mode = attn.spec.mode
     same = len({basis.sha256 for basis in bases}) == 1
     return {"version": version, "sha256": bases[0].sha256, "same_on_every_copy": same, "energy_kept": kept}
-
-
-def next_token_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    logits = logits[:, :-1].reshape(-1, logits.shape[-1])
-    return F.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)), tokens[:, 1:].reshape(-1))

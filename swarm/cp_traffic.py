@@ -1,6 +1,6 @@
 """The K/V messages a context-parallel trip would send, counted in one process.
 
-The simulator runs the one-graph `swarm.cp_model.CPAttention` (the same function as a swarm with
+The simulator runs the one-graph `swarm.cp_attention.CPAttention` (the same function as a swarm with
 the graph cut at every message, tested in tests/test_context_parallel.py). While a `CPTraffic`
 is entered, every attention tells it of every crossing: sender chunk j's payload and receiver
 chunk c's own copy of it. After the trip's backward, `flush` encodes the forward message from the

@@ -10,7 +10,8 @@ whatever is off is a `swarm.wire.WireError` with one of its `ErrorCode`s, never 
 
 `lanes_forward` and `lanes_backward` drive the P lanes (`swarm.cp_lane.LaneTrip`) of one stage in one
 process, every message through this codec, in the order a swarm runs them; `wire_step` runs one
-training step of a `CPDecoder` that way. Its parameter gradients equal `CPDecoder.forward`'s.
+training step of a `swarm.cp_model.CPDecoder` (the whole model as one stage) that way. Its parameter
+gradients equal `CPDecoder.forward`'s.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 
 from swarm.context_parallel import THETA_WIRE, ContextParallelSpec, CPBasis, kv_width
 from swarm.cp_lane import LaneTrip
+from swarm.cp_model import CPDecoder
 from swarm.cp_modes import KVCompression
 from swarm.wire import MAX_ACTIVATION_NORM, MAX_GRADIENT_NORM, ErrorCode, WireError, check_range
 from swarm.wire_dtype import wire_dtype
@@ -310,13 +312,13 @@ def lanes_backward(lanes: list[LaneTrip], codec: CPCodec, sent: dict, trip_id: s
                 inbox[src][lane.lane] = decode_kv(blob, codec.expectation("backward", src, mode))[1:]
 
 
-def wire_step(model, tokens: torch.Tensor, codec: CPCodec) -> tuple[float, dict]:
-    """One forward and backward of `model` (a CPDecoder) as P lanes (swarm.cp_lane.LaneTrip), all K/V
+def wire_step(model: CPDecoder, tokens: torch.Tensor, codec: CPCodec) -> tuple[float, dict]:
+    """One forward and backward of `model` as P lanes (swarm.cp_lane.LaneTrip), all K/V
     traffic encoded and decoded; adds the parameter gradients to `.grad`; returns the loss and the bytes
     sent per layer ({"forward": [...], "backward": [...]}, summed over messages)."""
     size, seq = model.spec.size, tokens.shape[1]
     n = seq // size
-    sent = {"forward": [0] * len(model.blocks), "backward": [0] * len(model.blocks)}
+    sent = {"forward": [0] * len(model.layers), "backward": [0] * len(model.layers)}
     lanes = [LaneTrip(model, c, tokens[:, c * n : (c + 1) * n]) for c in range(size)]
     lanes_forward(lanes, codec, sent)
     total = sum(lane.loss(tokens[:, (c + 1) * n] if c < size - 1 else None, seq) for c, lane in enumerate(lanes))

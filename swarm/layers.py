@@ -1,7 +1,7 @@
 """The building blocks every attention variant shares: RMSNorm, RoPE and the SwiGLU MLP.
 
 They live apart from `swarm.model` so that the pipeline model and the context-parallel attention
-(`swarm.cp_model`) can both use them without importing each other.
+(`swarm.cp_attention`) can both use them without importing each other.
 """
 
 from __future__ import annotations

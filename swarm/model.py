@@ -8,25 +8,31 @@ What keeps the boundary activations in span(U) is the manifest's compression mod
 (`swarm/modes/`): which tensors are constrained (their gradients are projected by hooks, so every
 consumer of `.grad`, our optimizer and hivemind's averager, sees `P G`) and whether a stage ends
 by projecting its output. With the manifest's `context_parallel` set, every layer's attention is
-`swarm.cp_model.CPAttention`: the sequence is cut into P chunks whose K/V reach later chunks as
-that field's K/V mode says (`swarm/cp_modes.py`), through the wire's rounding.
+`swarm.cp_attention.CPAttention`: the sequence is cut into P chunks whose K/V reach later chunks as
+that field's K/V mode says (`swarm/cp_modes.py`), through the wire's rounding. The one-process
+context-parallel model (`swarm.cp_model.CPDecoder`) is a one-stage `PipelineStage`, so there is one
+block, one init and one loss.
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from swarm.context_parallel import CPBasis
-from swarm.cp_model import CPAttention
+from swarm.cp_attention import CPAttention
 from swarm.layers import RMSNorm, SwiGLU, apply_rope, rope_tables
 from swarm.manifest import Manifest, ModelShape
 from swarm.subspace import initial_basis, t_fixed_table, tensor_sha256
 from swarm.subspace_update import UpdateAccumulator, receiver_term, sender_term, weight_term
+
+Result = TypeVar("Result")
 
 
 class SubspaceState(nn.Module):
@@ -92,8 +98,9 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(shape.d_model, shape.norm_eps)
         self.mlp = SwiGLU(shape)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, **attention: bool) -> torch.Tensor:
+        """`attention`: options of a context-parallel attention (`round_wire`); the plain one takes none."""
+        x = x + self.attn(self.attn_norm(x), cos, sin, **attention)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -212,13 +219,14 @@ class PipelineStage(nn.Module):
         return self.forward_with_residual(hidden, tokens)[0]
 
     def forward_with_residual(
-        self, hidden: torch.Tensor | None, tokens: torch.Tensor
+        self, hidden: torch.Tensor | None, tokens: torch.Tensor, **attention: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Also returns x − T_fixed[tok] before the boundary projection (boundary mode, non-tail):
-        the sender's half of a subspace update needs the part the projection removes."""
+        the sender's half of a subspace update needs the part the projection removes. `attention` goes to
+        every layer's attention (`round_wire=False`: a context-parallel one with nothing rounded)."""
         hidden = self.enter(hidden, tokens)
         for block in self.layers:
-            hidden = block(hidden, self.rope_cos, self.rope_sin)
+            hidden = block(hidden, self.rope_cos, self.rope_sin, **attention)
         return self.finish(hidden, tokens)
 
     def enter(self, hidden: torch.Tensor | None, tokens: torch.Tensor) -> torch.Tensor:
@@ -273,6 +281,24 @@ class PipelineStage(nn.Module):
                 self.u_accumulator.add(sender_term(output_residual.float(), output_grad.float() @ basis))
             self.u_accumulator.finish_microbatch()
 
+    def backward_or_recompute(self, backward: Callable[[bool], Result]) -> Result:
+        """The one rule for a trip whose saved graph went stale: `backward(False)` runs the backward
+        through the graph its forward saved; if an optimizer step changed a saved weight in place since
+        then, autograd refuses that graph, what the projection hooks that already ran added to ∂/∂U is
+        taken back, and `backward(True)` recomputes the forward with the current weights, then runs its
+        backward (a `backward` that writes `.grad` clears what the refused try wrote there first). The
+        test is torch's error text: autograd raises no narrower exception for it."""
+        accumulator = self.u_accumulator
+        snapshot = accumulator.snapshot() if accumulator is not None else None
+        try:
+            return backward(False)
+        except RuntimeError as exc:
+            if "modified by an inplace operation" not in str(exc):
+                raise
+        if snapshot is not None:
+            accumulator.restore(snapshot)
+        return backward(True)
+
     def apply_basis(self, basis: torch.Tensor, version: int, optimizer=None) -> None:
         """Switch to U': everything that lives in span(U) (constrained tensors, their first moments)
         is re-projected onto span(U'), and the accumulator starts over."""
@@ -301,9 +327,18 @@ class PipelineStage(nn.Module):
         return worst
 
 
+def predicted_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """Cross-entropy of `targets` (B, T) from the first T positions of `logits` (B, ≥ T, V), computed in
+    float32 at least (float64 stays float64, so a double-precision check stays exact). A whole sequence
+    (`next_token_loss`) and a context-parallel lane's chunk (`swarm.cp_lane.LaneTrip.loss`) share it."""
+    logits = logits[:, : targets.shape[1]].reshape(-1, logits.shape[-1])
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    return F.cross_entropy(logits, targets.reshape(-1), reduction=reduction)
+
+
 def next_token_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy of predicting tokens[:, 1:] from logits[:, :-1]."""
-    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), tokens[:, 1:].reshape(-1))
+    return predicted_loss(logits, tokens[:, 1:])
 
 
 def build_stages(manifest: Manifest) -> list[PipelineStage]:

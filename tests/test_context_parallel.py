@@ -17,11 +17,11 @@ from swarm.context_parallel import (
     orthonormality_error,
     rotated_basis,
 )
-from swarm.cp_model import CPDecoder, next_token_loss
+from swarm.cp_model import CPDecoder, cp_manifest
 from swarm.cp_modes import CP_MODES, compress_kv, expand_kv
 from swarm.cp_wire import CP_MAGIC, CPCodec, decode_kv, encode_kv, wire_step
-from swarm.manifest import ModelShape
-from swarm.model import Block
+from swarm.manifest import ModelShape, even_stages
+from swarm.model import Block, PipelineStage, build_stages, next_token_loss
 from swarm.wire import ErrorCode, WireError
 
 SHAPE = ModelShape(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=96, vocab_size=256, max_seq_len=64)
@@ -37,7 +37,7 @@ def _randomise_theta_heads(model: CPDecoder) -> None:
     """θ heads start at zero; give them weight so the rotation really moves."""
     generator = torch.Generator().manual_seed(3)
     with torch.no_grad():
-        for block in model.blocks:
+        for block in model.layers:
             head = block.attn.theta_head
             if head is not None:
                 head.weight.copy_(torch.randn(head.weight.shape, generator=generator) * 0.5)
@@ -63,23 +63,41 @@ def test_dense_cp_equals_one_full_causal_attention(dtype, tol, size):
     2 KV heads for 4 query heads; RoPE at each chunk's absolute positions)."""
     model = CPDecoder(SHAPE, ContextParallelSpec(size=size), seed=1).to(dtype)
     reference = torch.nn.ModuleList(Block(SHAPE) for _ in range(SHAPE.n_layers)).to(dtype)
-    for ref, block in zip(reference, model.blocks, strict=True):
+    for ref, block in zip(reference, model.layers, strict=True):
         ref.load_state_dict(block.state_dict())
     tokens = _tokens()
     logits = model(tokens, round_wire=False)
     next_token_loss(logits, tokens).backward()
     ours = _grads(model)
     model.zero_grad()
-    x = model.embed[tokens]
+    x = model.enter(None, tokens)
     for ref in reference:
         x = ref(x, model.rope_cos, model.rope_sin)
     ref_logits = model.lm_head(model.final_norm(x))
     next_token_loss(ref_logits, tokens).backward()
-    theirs = {n: p.grad for n, p in model.named_parameters() if not n.startswith("blocks.")}
-    theirs.update({f"blocks.{i}.{n}": p.grad for i, ref in enumerate(reference) for n, p in ref.named_parameters()})
+    theirs = {n: p.grad for n, p in model.named_parameters() if not n.startswith("layers.")}
+    theirs.update({f"layers.{i}.{n}": p.grad for i, ref in enumerate(reference) for n, p in ref.named_parameters()})
     assert float((logits - ref_logits).detach().abs().max() / ref_logits.detach().abs().max()) <= tol
     assert len(ours) == len(theirs) == len(list(model.parameters()))
     assert _max_rel(ours, theirs) <= tol
+
+
+def test_the_cp_model_is_the_pipeline_stage_with_cp_attention():
+    """CPDecoder is a one-stage PipelineStage of `swarm.model`'s Block: for one seed it starts with the
+    parameters (names and values) of the same run without context parallelism and of any stage split of it,
+    θ heads (zero at the start, the fixed basis) aside, so the one-process CP benchmark trains the swarm's model."""
+    spec = ContextParallelSpec(size=2, compression="subspace")  # rotating: every attention has a θ head
+    model = CPDecoder(SHAPE, spec, seed=3)
+    assert isinstance(model, PipelineStage) and all(type(block) is Block for block in model.layers)
+    theta = {n: p for n, p in model.named_parameters() if ".attn.theta_head." in n}
+    assert len(theta) == 2 * SHAPE.n_layers and all(not p.any() for p in theta.values())
+    ours = {n: p for n, p in model.named_parameters() if n not in theta}
+    plain = cp_manifest(SHAPE, spec, 3).model_copy(update={"context_parallel": None})
+    one = dict(PipelineStage(plain, 0).named_parameters())
+    assert ours.keys() == one.keys() and all(torch.equal(p, one[n]) for n, p in ours.items())
+    head, tail = build_stages(plain.model_copy(update={"stages": even_stages(SHAPE.n_layers, 2)}))
+    split = dict(head.named_parameters()) | {n.replace("layers.0.", "layers.1."): p for n, p in tail.named_parameters()}
+    assert split.keys() == ours.keys() and all(torch.equal(p, split[n]) for n, p in ours.items())
 
 
 def _lse_merged_attention(q, blocks):
@@ -146,9 +164,9 @@ def test_theta_is_bounded_by_theta_max():
     spec = ContextParallelSpec(size=4, compression="subspace", theta_max=0.3)
     model = CPDecoder(SHAPE, spec, seed=1)
     with torch.no_grad():
-        model.blocks[0].attn.theta_head.weight.fill_(1e3)
-    xn = model.blocks[0].attn_norm(model.embed[_tokens()])
-    theta = model.blocks[0].attn.project(xn, spec.mode)[3]
+        model.layers[0].attn.theta_head.weight.fill_(1e3)
+    xn = model.layers[0].attn_norm(model.enter(None, _tokens()))
+    theta = model.layers[0].attn.project(xn, spec.mode)[3]
     assert theta.shape == (2, 2) and float(theta.detach().abs().max()) <= 0.3 * (1 + 1e-6)  # float32 rounding of θ_max
 
 
@@ -174,7 +192,7 @@ def test_wire_step_gradients_equal_the_one_graph_model(compression, variant, wir
     loss.backward()
     graph = _grads(model)
     model.zero_grad(set_to_none=True)
-    wire_loss, sent = wire_step(model, tokens, CPCodec(spec, SHAPE, SEQ, 2, "run-t", model.basis))
+    wire_loss, sent = wire_step(model, tokens, CPCodec(spec, SHAPE, SEQ, 2, "run-t", model.cp_basis))
     assert abs(wire_loss - float(loss)) < 1e-12
     assert _max_rel(_grads(model), graph) <= 1e-12
     if compression == "subspace":  # the θ heads are trained through the wire too
@@ -189,7 +207,7 @@ def test_compressed_bytes_match_the_formula_and_are_under_5_percent_of_dense():
         spec = ContextParallelSpec(size=4, compression=compression)
         model = CPDecoder(shape, spec, seed=0)
         tokens = _tokens(batch=2, seq=1024)
-        _, sent = wire_step(model, tokens, CPCodec(spec, shape, 1024, 2, "run-b", model.basis))
+        _, sent = wire_step(model, tokens, CPCodec(spec, shape, 1024, 2, "run-b", model.cp_basis))
         per_token = sent["forward"][0] / tokens.numel()
         formula = spec.payload_bytes_per_token(shape, 1024)
         expected = formula["compressed" if spec.compressed else "dense"]
@@ -215,14 +233,14 @@ def test_seed_basis_is_reproducible_and_pinned():
 def test_pca_warm_start_switches_version_and_hash():
     spec = ContextParallelSpec(size=2, compression="subspace", warm_start_steps=1)
     model = CPDecoder(SHAPE, spec, seed=4)
-    before = model.basis.sha256
+    before = model.cp_basis.sha256
     model.compress_active = False
     model.start_collecting()
     with torch.no_grad():
         model(_tokens())
     info = model.warm_start()
-    assert info["version"] == 1 == model.basis.version and info["sha256"] != before and model.compressed
-    for key, ubar in model.basis.ubar.items():
+    assert info["version"] == 1 == model.cp_basis.version and info["sha256"] != before and model.compressed
+    for key, ubar in model.cp_basis.ubar.items():
         assert orthonormality_error(ubar) < 1e-6
         assert info["energy_kept"][f"{key[0]}{key[1]}"] > ubar.shape[1] / ubar.shape[0]  # beats a random basis
 

@@ -13,11 +13,12 @@ from builders import tiny_manifest
 
 from launcher.cli import main
 from swarm.context_parallel import ContextParallelSpec
-from swarm.cp_model import CPAttention, CPDecoder, next_token_loss
+from swarm.cp_attention import CPAttention
+from swarm.cp_model import CPDecoder
 from swarm.cp_traffic import CPTraffic
 from swarm.cp_wire import CPCodec, wire_step
 from swarm.manifest import save_manifest
-from swarm.model import Attention, build_stages
+from swarm.model import Attention, build_stages, next_token_loss
 from swarm.simulate import run_trip, simulate
 
 V, SEQ = 256, 32
@@ -163,9 +164,9 @@ def test_counted_messages_are_the_ones_the_graph_cut_wire_sends(compression):
     spec, shape = manifest.context_parallel, manifest.model
     model = CPDecoder(shape, spec, seed=5)
     batch = torch.randint(0, V, (2, SEQ), generator=torch.Generator().manual_seed(4))
-    codec = CPCodec(spec, shape, SEQ, 2, "run-x", model.basis)
+    codec = CPCodec(spec, shape, SEQ, 2, "run-x", model.cp_basis)
     _, sent = wire_step(model, batch, codec)
-    traffic = CPTraffic(dict.fromkeys(range(shape.n_layers), codec), [block.attn for block in model.blocks])
+    traffic = CPTraffic(dict.fromkeys(range(shape.n_layers), codec), [block.attn for block in model.layers])
     with traffic:
         loss = next_token_loss(model(batch), batch)
     loss.backward()

@@ -230,3 +230,37 @@ def test_stage_embeddings_are_seeded_per_stage_and_absent_at_rank_zero():
     assert torch.equal(first.stage_embedding.table, again.stage_embedding.table)
     assert not torch.equal(first.stage_embedding.table, second.stage_embedding.table)
     assert "stage_embedding.table" in first.state_dict()  # checkpointed and averaged with the stage
+
+
+def test_a_stale_graph_is_run_again_and_other_errors_pass():
+    """`PipelineStage.backward_or_recompute`, the one rule for a trip whose weights an optimizer step changed
+    in place between its forward and its backward: autograd refuses the saved graph, the ∂/∂U terms the
+    projection hooks added before it did are taken back, and the backward runs again from a fresh forward
+    (the same gradients and terms as a clean backward); any other error is the caller's, and not retried."""
+    stage = build_stages(small("subspace", subspace_update_interval=10))[0]
+    toks, params = tokens(), [p for p in stage.parameters() if p.requires_grad]
+    grad_out = torch.ones(2, SEQ, D)
+    clean = torch.autograd.grad(stage(None, toks), params, grad_out)
+    terms = stage.u_accumulator.snapshot()
+    assert terms[1] > 0
+    stage.u_accumulator.reset()
+    saved, tries = stage(None, toks), []
+
+    def backward(stale: bool) -> tuple[torch.Tensor, ...]:
+        tries.append(stale)
+        return torch.autograd.grad(stage(None, toks) if stale else saved, params, grad_out)
+
+    with torch.no_grad():  # the MLP's w2 hook runs before autograd reaches the query weights and refuses
+        stage.layers[0].attn.wq.weight.add_(0)
+    again = stage.backward_or_recompute(backward)
+    assert tries == [False, True] and all(torch.equal(a, b) for a, b in zip(again, clean, strict=True))
+    assert torch.equal(stage.u_accumulator.snapshot()[0], terms[0]) and stage.u_accumulator.terms == terms[1]
+
+    def other(stale: bool) -> None:
+        tries.append(stale)
+        raise RuntimeError("not a stale graph")
+
+    tries.clear()
+    with pytest.raises(RuntimeError, match="not a stale graph"):
+        stage.backward_or_recompute(other)
+    assert tries == [False]

@@ -164,18 +164,16 @@ class StageRuntime:
         if version is not None:
             self.check_version(version)
         accumulator = self.stage.u_accumulator
-        snapshot = accumulator.snapshot() if accumulator is not None else None
-        try:
-            result = self._backward_once(leaf, output, grad, tokens)
-        except RuntimeError as exc:
-            if "modified by an inplace operation" not in str(exc):
-                raise
-            self.stage.zero_grad(set_to_none=True)
-            if snapshot is not None:  # hooks that fired before the failure must not count twice
-                accumulator.restore(snapshot)
-            hidden = leaf.detach() if leaf is not None else None
-            leaf, output, residual = self.forward(hidden, tokens)
-            result = self._backward_once(leaf, output, grad, tokens)
+        snapshot = accumulator.snapshot() if accumulator is not None else None  # for `_refuse_if_not_finite`
+
+        def attempt(stale: bool) -> tuple[torch.Tensor | None, float | None]:
+            nonlocal leaf, output, residual
+            if stale:  # the stage's one rule (`PipelineStage.backward_or_recompute`): forward again, then back
+                self.stage.zero_grad(set_to_none=True)
+                leaf, output, residual = self.forward(leaf.detach() if leaf is not None else None, tokens)
+            return self._backward_once(leaf, output, grad, tokens)
+
+        result = self.stage.backward_or_recompute(attempt)
         self._refuse_if_not_finite(result, snapshot)
         self.stage.note_boundaries(
             tokens.to(self.device),

@@ -10,7 +10,6 @@ Every layer's attention is a `swarm.cp_attention.CPAttention`.
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from swarm.context_parallel import ContextParallelSpec, CPBasis, pca_basis
 from swarm.cp_attention import CPAttention
@@ -48,11 +47,6 @@ class CPDecoder(PipelineStage):
     @property
     def spec(self) -> ContextParallelSpec:
         return self.manifest.context_parallel
-
-    @property
-    def blocks(self) -> nn.ModuleList:
-        """The layers, by the name they had before the fold: tests/test_kv_exchange.py still uses it."""
-        return self.layers
 
     @property
     def attentions(self) -> list[CPAttention]:

@@ -155,7 +155,7 @@ def test_lanes_train_through_the_exchange_as_in_one_process(net):
     bit for bit what `wire_step` computes in one process (same messages, same rounding, same sums)."""
     model, n = CPDecoder(SHAPE, SPEC, seed=5), SEQ // SPEC.size
     with torch.no_grad():  # θ heads start at zero; give them weight so θ is not all zeros
-        for block in model.blocks:
+        for block in model.layers:
             block.attn.theta_head.weight.normal_(0, 0.5, generator=torch.Generator().manual_seed(block.attn.layer))
     twin = copy.deepcopy(model)
     tokens = torch.randint(0, SHAPE.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))

@@ -36,18 +36,15 @@ from hivemind.dht import DHT
 from hivemind.p2p import P2P, PeerID
 
 from benchmarks import attack_clients as raw
+from dhtio.identity import load_identity_key
 from dhtio.records import announce, fetch_stages
+from dhtio.validators import make_validators
 from launcher.supervisor import LocalSwarm
 from peer.transport import TripServicer, send_trip
 from swarm.codec import BoundaryCodec
 from swarm.model import PipelineStage
 from swarm.presets import preset
-from swarm.records import (
-    SOFTWARE_VERSION,
-    StagePeerRecord,
-    load_identity_key,
-    make_validators,
-)
+from swarm.records import SOFTWARE_VERSION, StagePeerRecord
 from swarm.wire import WireError, encode, raise_if_error
 
 FAKE_LOSS = 0.0123

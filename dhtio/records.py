@@ -1,27 +1,22 @@
-"""Reading and writing a run's records through a live hivemind DHT (blocking calls: from a thread).
+"""Reading and writing a run's records through a live hivemind DHT (blocking calls: from a thread), and
+turning what a read returns into records that speak for their signers.
 
-The schemas, the validators and the parsing of what comes back are `swarm.records`; this module
-only moves records in and out of the DHT.
+The schemas are `swarm.records`, the validators nodes store with `dhtio.validators`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from functools import partial
+from typing import Any
 
+import pydantic.v1 as pydantic
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils.timed_storage import get_dht_time
 
+from dhtio.identity import peer_id_of_owner
 from swarm.manifest import Manifest
-from swarm.records import (
-    RECORD_TTL,
-    PeerEntry,
-    StagePeerRecord,
-    SubspaceRecord,
-    parse_stage_entries,
-    parse_subspace_entries,
-    stage_key,
-)
+from swarm.records import RECORD_TTL, PeerEntry, StagePeerRecord, SubspaceRecord, stage_key
 
 # A store lands on the `num_replicas` (hivemind's default: 5) DHT nodes nearest to its key. Reading the latest
 # value from the READ_BEAM nearest of them, merged, finds every record that reached a majority of them; hivemind's
@@ -85,3 +80,40 @@ def store_subspace_record(dht, signer: RSASignatureValidator, key: str, record: 
             return_future=False,
         )
     )
+
+
+def parse_stage_entries(raw: Any) -> list[PeerEntry]:
+    """Turn the value of a `{run}_stage{i}` key into peer entries; anything malformed, or naming another peer id
+    than its signer's (a node may store without checking), is dropped."""
+    if raw is None or not isinstance(getattr(raw, "value", None), dict):
+        return []
+    entries = []
+    for subkey, item in raw.value.items():
+        value = getattr(item, "value", None)
+        if not isinstance(value, dict):
+            continue
+        try:
+            record = StagePeerRecord.parse_obj(value)
+        except pydantic.ValidationError:
+            continue
+        if record.peer_id != peer_id_of_owner(subkey if isinstance(subkey, bytes) else b""):
+            continue  # signed by a key that is not this peer id's: it speaks for someone else
+        entries.append(PeerEntry(record=record, expiration=float(item.expiration_time), owner=subkey))
+    return entries
+
+
+def parse_subspace_entries(raw: Any) -> list[SubspaceRecord]:
+    """Records under a subspace key; anything malformed, or naming another peer id than its signer's, is dropped."""
+    if raw is None or not isinstance(getattr(raw, "value", None), dict):
+        return []
+    found = []
+    for subkey, item in raw.value.items():
+        value = getattr(item, "value", None)
+        if isinstance(value, dict):
+            try:
+                record = SubspaceRecord.parse_obj(value)
+            except pydantic.ValidationError:
+                continue
+            if record.peer_id == peer_id_of_owner(subkey if isinstance(subkey, bytes) else b""):
+                found.append(record)  # only records that speak for their signer
+    return found

@@ -24,7 +24,9 @@ from hivemind.dht import DHT
 from hivemind.p2p import P2P, PeerID
 from hivemind.proto import averaging_pb2
 
+from dhtio.identity import load_or_create_rsa_key
 from dhtio.records import fetch_stages, fetch_subspace_records
+from dhtio.validators import make_validators
 from p2pio.hivemind_guards import limit_hivemind_frames
 from p2pio.state_stream import StateStream, read_state
 from swarm.export import one_line
@@ -39,13 +41,7 @@ from swarm.live_state import (
     state_entry,
 )
 from swarm.manifest import Manifest
-from swarm.records import (
-    ANNOUNCE_INTERVAL,
-    StagePeerRecord,
-    load_or_create_rsa_key,
-    make_validators,
-    subspace_key,
-)
+from swarm.records import ANNOUNCE_INTERVAL, StagePeerRecord, subspace_key
 
 # hivemind names an RPC after the class that serves it, and peers serve their state from
 # `peer/stage_optimizer.py SnapshotStateAverager` (tests/test_live_export.py checks the name): a stub of a

@@ -28,11 +28,13 @@ from pathlib import Path
 
 from hivemind.utils.timed_storage import get_dht_time
 
+from dhtio.identity import load_or_create_rsa_key
 from dhtio.records import fetch_stages
+from dhtio.validators import make_validators
 from p2pio.sockets import make_socket_dir, sockets_in
 from swarm.context_parallel import kv_bytes_per_token
 from swarm.manifest import Manifest, save_manifest
-from swarm.records import ANNOUNCE_INTERVAL, RECORD_TTL, PeerEntry, load_or_create_rsa_key, make_validators
+from swarm.records import ANNOUNCE_INTERVAL, RECORD_TTL, PeerEntry
 
 MAX_RESTARTS = 100  # a peer restarted this often is broken, not unlucky
 # a peer told to stop exits within 25 s whatever hangs (peer/daemon.py HARD_EXIT_AFTER): the wait for each wave

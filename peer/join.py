@@ -1,7 +1,7 @@
 """Joining the run's DHT: the peer's libp2p identity, the record validators bound to it, and the flags its
 p2pd starts with (`peer/reachability.py`).
 
-Records are signed with the libp2p identity key itself, so they are bound to this peer id (`swarm.records`);
+Records are signed with the libp2p identity key itself, so they are bound to this peer id (`dhtio.validators`);
 without `--identity` a fresh one is made for this run in a private temporary directory, removed when the peer
 stops (or here, when joining fails). The DHT's child process (and the p2pd it starts) inherit SIGINT and
 SIGTERM ignored: a signal to the whole process group reaches only the peer, which then leaves in order and stops
@@ -20,18 +20,19 @@ from hivemind.dht import DHT
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.p2p import P2P
 
+from dhtio.identity import load_identity_key
+from dhtio.validators import make_validators
 from p2pio.sockets import use_own_socket_dir
 from peer.options import PeerOptions
 from peer.processes import stop_signals_ignored_by_children
 from peer.reachability import daemon_flags, relay_options, relay_service_flags, route_source
 from swarm.manifest import Manifest
-from swarm.records import load_identity_key, make_validators
 
 
 @dataclass
 class Joined:
     dht: DHT
-    signer: RSASignatureValidator  # signs this peer's records (`swarm.records.make_validators`)
+    signer: RSASignatureValidator  # signs this peer's records (`dhtio.validators.make_validators`)
     temp_identity: Path | None  # the throwaway identity's directory, None with --identity
 
 

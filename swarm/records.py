@@ -7,13 +7,18 @@ hivemind's `SchemaValidator` joins a prefix to a field name with '_', so the key
 DESIGN.md wrote '.'. Values are checked with strict pydantic v1 types (hivemind's validator
 refuses any record that would need a type conversion).
 
+This module is the records and their rules only, without hivemind: importing any hivemind module loads
+its DHT node and P2P daemon, and `swarm` stays importable without them (tests/test_layering.py). The
+validators DHT nodes check stores with are `dhtio/validators.py`, the signing keys and the peer id of a
+key `dhtio/identity.py`, and the parsing of what a DHT read returns `dhtio/records.py`.
+
 A record speaks only for its signer. A stage record is signed by an RSA key (the subkey carries
 its public key) and names a libp2p `peer_id`; a peer signs its records with its libp2p identity
 key itself (hivemind identities are RSA), so the two are one key and the binding is checkable by
 anyone: `peer_id` must be the libp2p id derived from the signer's public key. `BoundPeerIdValidator`
 refuses any other stage record at storage, and `parse_stage_entries` drops it on reading (against
-nodes that store without checking). So a record signed with key B cannot name peer A: at most one
-signer, A's own key, can ever publish records under A's id, and a record cannot move trips,
+nodes that store without checking; both in `dhtio`). So a record signed with key B cannot name peer A:
+at most one signer, A's own key, can ever publish records under A's id, and a record cannot move trips,
 placement or the tracker's numbers onto a peer that did not write it. (Dialling is authenticated
 by libp2p as well: a trip sent to a `peer_id` reaches only the holder of that id.)
 
@@ -23,26 +28,12 @@ bounds a throughput claim by what the stage's arithmetic allows on any hardware 
 
 from __future__ import annotations
 
-import functools
-import hashlib
 import math
-import os
-import re
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Optional
 
 import multihash
 import pydantic.v1 as pydantic
-from cryptography.hazmat.primitives import serialization
-from hivemind.dht.crypto import RSASignatureValidator
-from hivemind.dht.routing import DHTID
-from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
-from hivemind.dht.validation import DHTRecord, RecordValidatorBase
-from hivemind.p2p.p2p_daemon_bindings.datastructures import PeerID
-from hivemind.proto import crypto_pb2
-from hivemind.utils import MSGPackSerializer
-from hivemind.utils.crypto import RSAPrivateKey
 
 from swarm.manifest import Manifest
 
@@ -60,6 +51,19 @@ SOFTWARE_VERSION = "0.2.0"
 _Count = pydantic.conint(strict=True, ge=0)
 _NonNegative = pydantic.confloat(strict=True, ge=0.0, allow_inf_nan=False)
 _Hash = pydantic.constr(strict=True, max_length=64, regex=r"^[0-9a-f]*$")
+
+
+def is_peer_id(text: str) -> bool:
+    """Whether `text` is a libp2p peer id as hivemind spells one: the base58 of a multihash, written the one
+    way base58 writes those bytes. The same check as hivemind's `PeerID.from_base58` and `to_base58` (both are
+    plain base58), spelled with the multihash package because importing hivemind loads its networking
+    (tests/test_records.py compares the two)."""
+    try:
+        raw = multihash.from_b58_string(text)
+        multihash.decode(raw)  # a peer id is a multihash of the public key
+    except Exception:  # noqa: BLE001 - base58 or multihash errors alike
+        return False
+    return multihash.to_b58_string(raw) == text
 
 
 class StagePeerRecord(pydantic.BaseModel):
@@ -110,15 +114,8 @@ class StagePeerRecord(pydantic.BaseModel):
 
     @pydantic.validator("relay")
     def _relay_is_a_peer_id(cls, value: str) -> str:  # noqa: N805 - pydantic's validator signature
-        if value:
-            try:
-                raw = PeerID.from_base58(value).to_bytes()
-                multihash.decode(raw)  # a peer id is a multihash of the public key
-                parsed = PeerID(raw).to_base58()
-            except Exception:  # noqa: BLE001 - base58 or multihash errors alike
-                raise ValueError("relay is not a peer id") from None
-            if parsed != value:
-                raise ValueError("relay is not a canonical peer id")
+        if value and not is_peer_id(value):
+            raise ValueError("relay is not a canonical peer id")
         return value
 
     class Config:
@@ -145,16 +142,6 @@ class SubspaceRecord(pydantic.BaseModel):
         extra = pydantic.Extra.forbid
 
 
-def _run_schema(manifest: Manifest) -> type[pydantic.BaseModel]:
-    fields: dict[str, Any] = {
-        f"stage{i}": (Optional[Dict[BytesWithPublicKey, Optional[StagePeerRecord]]], None)
-        for i in range(manifest.num_stages)
-    }
-    fields["subspace"] = (Optional[Dict[BytesWithPublicKey, Optional[SubspaceRecord]]], None)
-    fields["ucontrib"] = (Optional[Dict[BytesWithPublicKey, Optional[SubspaceRecord]]], None)
-    return pydantic.create_model("RunRecords", **fields)
-
-
 def stage_key(manifest: Manifest, stage: int) -> str:
     return f"{manifest.run_id}_stage{stage}"
 
@@ -165,110 +152,6 @@ def subspace_key(manifest: Manifest) -> str:
 
 def contribution_key(manifest: Manifest) -> str:
     return f"{manifest.run_id}_ucontrib"
-
-
-def parse_subspace_entries(raw: Any) -> list[SubspaceRecord]:
-    """Records under a subspace key; anything malformed, or naming another peer id than its signer's, is dropped."""
-    if raw is None or not isinstance(getattr(raw, "value", None), dict):
-        return []
-    found = []
-    for subkey, item in raw.value.items():
-        value = getattr(item, "value", None)
-        if isinstance(value, dict):
-            try:
-                record = SubspaceRecord.parse_obj(value)
-            except pydantic.ValidationError:
-                continue
-            if record.peer_id == peer_id_of_owner(subkey if isinstance(subkey, bytes) else b""):
-                found.append(record)  # only records that speak for their signer
-    return found
-
-
-def load_or_create_rsa_key(path: str | Path | None) -> RSAPrivateKey:
-    """The key that signs this peer's records; persisted so a restart keeps its identity."""
-    if path is None:
-        return RSAPrivateKey()
-    path = Path(path)
-    key = RSAPrivateKey.__new__(RSAPrivateKey)
-    if path.exists():
-        key.__setstate__({"_private_key": path.read_bytes()})
-        return key
-    key = RSAPrivateKey()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # private from the first byte
-    with os.fdopen(descriptor, "wb") as handle:
-        handle.write(key.to_bytes())
-    return key
-
-
-def load_identity_key(identity_path: str | Path) -> RSAPrivateKey:
-    """The RSA key inside a libp2p identity file (hivemind's `P2P.generate_identity` format): signing
-    records with it binds them to the peer id libp2p derives from the same key."""
-    data = crypto_pb2.PrivateKey.FromString(Path(identity_path).read_bytes())
-    if data.key_type != crypto_pb2.KeyType.RSA:
-        raise ValueError(f"identity {identity_path} is not an RSA key")
-    key = RSAPrivateKey.__new__(RSAPrivateKey)
-    key.__setstate__({"_private_key": data.data})
-    return key
-
-
-_OWNER_RE = re.compile(RSASignatureValidator.PUBLIC_KEY_REGEX)
-
-
-@functools.lru_cache(maxsize=4096)
-def peer_id_of_owner(owner: bytes) -> str | None:
-    """The libp2p peer id (base58) of the RSA key in a subkey `[owner:ssh-rsa ...]`, None if it has none.
-
-    The same derivation as hivemind's `PeerID.from_identity`: sha2-256 multihash of the protobuf
-    `PublicKey(RSA, DER SubjectPublicKeyInfo)`."""
-    found = _OWNER_RE.findall(owner)
-    if len(set(found)) != 1:
-        return None
-    try:
-        public = serialization.load_ssh_public_key(found[0])
-        der = public.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
-    except (ValueError, TypeError):
-        return None
-    encoded = crypto_pb2.PublicKey(key_type=crypto_pb2.RSA, data=der).SerializeToString()
-    digest = multihash.encode(hashlib.sha256(encoded).digest(), multihash.coerce_code("sha2-256"))
-    return PeerID(digest).to_base58()
-
-
-class BoundPeerIdValidator(RecordValidatorBase):
-    """Refuses a stage, subspace or contribution record whose `peer_id` is not the id of the key that signed
-    it (runs after the signature check and the schema, on the stripped value). Deletions and other keys pass.
-    A forged contribution naming an honest peer's id would make peers rebuild another contribution set than
-    the coordinator used, and reject the honest proposal for good."""
-
-    def __init__(self, manifest: Manifest):
-        keys = [stage_key(manifest, i) for i in range(manifest.num_stages)]
-        keys += [subspace_key(manifest), contribution_key(manifest)]  # U versions and contributions too
-        self._stage_keys = {DHTID.generate(source=key).to_bytes() for key in keys}
-
-    def validate(self, record: DHTRecord) -> bool:
-        if record.key not in self._stage_keys:
-            return True
-        try:
-            value = MSGPackSerializer.loads(record.value)
-        except Exception:  # noqa: BLE001 - the schema validator refuses what does not parse
-            return False
-        if value is None:
-            return True
-        claimed = value.get("peer_id") if isinstance(value, dict) else None
-        return isinstance(claimed, str) and claimed == peer_id_of_owner(record.subkey or b"")
-
-    @property
-    def priority(self) -> int:
-        return -10  # validated last: after the signature is checked and stripped
-
-    def merge_with(self, other: RecordValidatorBase) -> bool:
-        return isinstance(other, BoundPeerIdValidator)
-
-
-def make_validators(manifest: Manifest, rsa_key: RSAPrivateKey) -> tuple[RSASignatureValidator, list]:
-    signer = RSASignatureValidator(rsa_key)
-    schema = SchemaValidator(_run_schema(manifest), allow_extra_keys=True, prefix=manifest.run_id)
-    return signer, [schema, signer, BoundPeerIdValidator(manifest)]
 
 
 # --- plausibility of claims -----------------------------------------------------------------------
@@ -325,23 +208,3 @@ def usable_peer(record: StagePeerRecord, t_fixed_sha256: str, own_peer_id: str) 
     """Online, serving our `T_fixed`, and not ourselves: a peer to send trips to, load state from or count
     in placement (one at another `T_fixed` could not decode what we send)."""
     return record.state == "online" and record.t_fixed_sha256 == t_fixed_sha256 and record.peer_id != own_peer_id
-
-
-def parse_stage_entries(raw: Any) -> list[PeerEntry]:
-    """Turn the value of a `{run}_stage{i}` key into peer entries; anything malformed is dropped."""
-    if raw is None or not isinstance(getattr(raw, "value", None), dict):
-        return []
-    entries = []
-    for subkey, item in raw.value.items():
-        value = getattr(item, "value", None)
-        if not isinstance(value, dict):
-            continue
-        try:
-            record = StagePeerRecord.parse_obj(value)
-            PeerID.from_base58(record.peer_id)  # a record nobody can dial is worthless to a router
-        except (pydantic.ValidationError, ValueError):
-            continue
-        if record.peer_id != peer_id_of_owner(subkey if isinstance(subkey, bytes) else b""):
-            continue  # signed by a key that is not this peer id's: it speaks for someone else
-        entries.append(PeerEntry(record=record, expiration=float(item.expiration_time), owner=subkey))
-    return entries

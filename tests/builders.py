@@ -67,8 +67,9 @@ def dht_with_record(initial_peers: list[str], manifest: Manifest, stage: int, wo
     from hivemind.dht import DHT
     from hivemind.p2p import P2P
 
+    from dhtio.identity import load_identity_key
     from dhtio.records import announce
-    from swarm.records import load_identity_key, make_validators
+    from dhtio.validators import make_validators
 
     identity = Path(workdir) / f"{name}.id"
     P2P.generate_identity(str(identity))

@@ -106,8 +106,9 @@ def test_a_record_claiming_another_peers_id_is_not_stored():
     with swarm_of(manifest, name="impersonation") as swarm:
         from builders import stage_record
 
+        from dhtio.identity import load_identity_key
         from dhtio.records import announce, fetch_stages
-        from swarm.records import load_identity_key, make_validators
+        from dhtio.validators import make_validators
 
         honest = dht_with_record(swarm.bootstrap, manifest, 1, swarm.workdir, "honest")
         liar = dht_with_record(swarm.bootstrap, manifest, None, swarm.workdir, "liar")
@@ -132,9 +133,10 @@ def test_a_fast_liar_in_stage_1_gets_audited_out_and_its_loss_is_never_published
 
     from builders import stage_record
 
+    from dhtio.identity import load_identity_key
     from dhtio.records import announce
+    from dhtio.validators import make_validators
     from peer.transport import TripServicer
-    from swarm.records import load_identity_key, make_validators
 
     manifest = preset("tiny", stages=2)
     codec = BoundaryCodec(manifest, SubspaceState(manifest))

@@ -5,6 +5,9 @@ from __future__ import annotations
 import math
 from types import SimpleNamespace
 
+import multihash
+import pydantic.v1 as pydantic
+import pytest
 from builders import stage_record
 from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import CompositeValidator, DHTRecord
@@ -12,17 +15,16 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.utils import MSGPackSerializer
 from hivemind.utils.timed_storage import ValueWithExpiration, get_dht_time
 
+from dhtio.identity import load_identity_key, peer_id_of_owner
+from dhtio.records import parse_stage_entries, parse_subspace_entries
+from dhtio.validators import make_validators
 from swarm.presets import preset
 from swarm.records import (
     PeerEntry,
     SubspaceRecord,
     claimed_throughput,
     contribution_key,
-    load_identity_key,
-    make_validators,
-    parse_stage_entries,
-    parse_subspace_entries,
-    peer_id_of_owner,
+    is_peer_id,
     plausible_loss_bound,
     plausible_throughput,
     stage_key,
@@ -56,6 +58,37 @@ def test_the_signer_is_the_libp2p_identity(tmp_path):
     peer_id, signer, _ = identity(tmp_path, "a.id")
     assert peer_id_of_owner(signer.local_public_key) == peer_id
     assert peer_id_of_owner(b"no key here") is None
+
+
+def _hivemind_reads_a_peer_id(text: str) -> bool:
+    """The relay check as it was written with hivemind's `PeerID`, before `swarm` stopped importing hivemind."""
+    try:
+        raw = PeerID.from_base58(text).to_bytes()
+        multihash.decode(raw)
+        return PeerID(raw).to_base58() == text
+    except Exception:  # noqa: BLE001 - base58 or multihash errors alike
+        return False
+
+
+def test_a_peer_id_is_checked_as_hivemind_reads_one(tmp_path):
+    peer_id, _, _ = identity(tmp_path, "a.id")
+    raw = PeerID.from_base58(peer_id).to_bytes()
+    candidates = [
+        peer_id,
+        "1" + peer_id,  # a leading zero byte: still base58, no longer a multihash
+        peer_id[:-1],  # truncated: the digest is shorter than its length says
+        peer_id.replace(peer_id[3], "0"),  # "0" is not a base58 digit
+        PeerID(raw + b"\0").to_base58(),  # a trailing byte after the digest
+        "",
+        "not a peer id",
+        "Qm" + "1" * 44,
+    ]
+    for text in candidates:
+        assert is_peer_id(text) == _hivemind_reads_a_peer_id(text), text
+    assert is_peer_id(peer_id) and not is_peer_id("1" + peer_id)
+    assert stage_record(1, relay=peer_id).relay == peer_id
+    with pytest.raises(pydantic.ValidationError, match="relay is not a canonical peer id"):
+        stage_record(1, relay="1" + peer_id)
 
 
 def test_a_record_naming_another_peer_is_refused_at_storage(tmp_path):

@@ -98,7 +98,7 @@ def test_strikes_outlive_their_ban_so_bans_escalate_and_are_forgotten_by_age():
 def test_identity_key_is_private_from_creation(tmp_path):
     import stat
 
-    from swarm.records import load_or_create_rsa_key
+    from dhtio.identity import load_or_create_rsa_key
 
     path = tmp_path / "keys" / "peer.rsa"
     first = load_or_create_rsa_key(path)

@@ -31,10 +31,12 @@ from hivemind.dht import DHT
 from hivemind.p2p import P2P
 from prometheus_client.parser import text_string_to_metric_families
 
+from dhtio.identity import load_identity_key
 from dhtio.records import announce
+from dhtio.validators import make_validators
 from swarm.manifest import Manifest, save_manifest
 from swarm.presets import preset
-from swarm.records import StagePeerRecord, load_identity_key, make_validators
+from swarm.records import StagePeerRecord
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 

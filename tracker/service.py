@@ -15,9 +15,11 @@ from typing import Any
 
 from hivemind.utils.timed_storage import get_dht_time
 
+from dhtio.identity import load_or_create_rsa_key
 from dhtio.records import fetch_stages
+from dhtio.validators import make_validators
 from swarm.manifest import Manifest
-from swarm.records import PeerEntry, load_or_create_rsa_key, make_validators
+from swarm.records import PeerEntry
 from tracker.counters import advance, forget_oldest
 from tracker.history import History
 from tracker.rejoin_addrs import dialable_addrs

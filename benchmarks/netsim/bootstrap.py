@@ -19,9 +19,11 @@ from pathlib import Path
 
 from hivemind.dht import DHT
 
+from dhtio.identity import load_or_create_rsa_key
 from dhtio.records import fetch_stages
+from dhtio.validators import make_validators
 from swarm.manifest import load_manifest
-from swarm.records import RECORD_TTL, load_or_create_rsa_key, make_validators
+from swarm.records import RECORD_TTL
 
 
 def _write(path: Path, data) -> None:

@@ -24,11 +24,14 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from peer.audit import COSINE_MIN, LOSS_RTOL  # noqa: E402
+from swarm.manifest import save_manifest  # noqa: E402
+from swarm.presets import preset  # noqa: E402
 
 LINE = re.compile(
     r"audit of \S+ against \S+: loss rdiff (?P<loss>\S+), cosine (?P<cosine>\S+), norms (?P<na>\S+) (?P<nb>\S+), "
@@ -81,14 +84,21 @@ def summary(pairs: list[dict]) -> dict:
     )
 
 
-def run_swarm(steps: int, timeout: float, lanes: int) -> tuple[dict, str]:
+def run_swarm(steps: int, timeout: float, lanes: int, target_batch_size: int | None) -> tuple[dict, str]:
     """A local swarm whose drivers duplicate (with lanes: fork) every trip and log every comparison; its summary
-    and peer logs."""
+    and peer logs. `target_batch_size`: the tiny preset with epochs of that many sequences (its own: 16, two
+    microbatches, shorter than an averaging round, so a stage's peers step apart)."""
     env = dict(os.environ, PROTOCOL_PEER_AUDIT_RATE="1", PROTOCOL_PEER_LOG_LEVEL="DEBUG", OMP_NUM_THREADS="1")
     command = [sys.executable, "-m", "launcher.cli", "local", "--stages", "2", "--peers-per-stage", "2",
                "--steps", str(steps), "--timeout", str(timeout), "--keep-logs", "--json"]
     if lanes > 1:
         command += ["--context-parallel", str(lanes)]
+    if target_batch_size is not None:
+        batch = preset("tiny", stages=2).batch.model_copy(update={"target_batch_size": target_batch_size})
+        manifest = preset("tiny", stages=2, batch=batch)
+        path = Path(tempfile.mkdtemp(prefix="audit-pairs-")) / "manifest.json"
+        save_manifest(manifest, path)
+        command += ["--manifest", str(path)]
     result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout + 120)
     if result.returncode != 0:
         raise SystemExit(f"the local swarm failed: {result.stderr[-2000:]}")
@@ -106,14 +116,16 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=1200)
     parser.add_argument("--json", type=Path, required=True)
     parser.add_argument("--context-parallel", type=int, default=1, metavar="P", help="lanes per stage")
+    parser.add_argument("--target-batch-size", type=int, help="sequences per optimizer epoch (tiny's own: 16)")
     args = parser.parse_args()
     runs = json.loads(args.json.read_text())["runs"] if args.json.exists() else []  # resumable: runs accumulate
     for number in range(args.runs):
         print(f"run {number + 1} of {args.runs} ({len(runs)} recorded before)", file=sys.stderr, flush=True)
-        run, logs = run_swarm(args.steps, args.timeout, args.context_parallel)
+        run, logs = run_swarm(args.steps, args.timeout, args.context_parallel, args.target_batch_size)
         pairs = parse(logs)
         bans = sum("audit: replies of" in line for line in logs.splitlines())  # every peer is honest: false positives
-        runs.append(dict(steps=run["steps"], loss_first=run.get("loss_first"), loss_last=run.get("loss_last"),
+        runs.append(dict(target_batch_size=args.target_batch_size,
+                         steps=run["steps"], loss_first=run.get("loss_first"), loss_last=run.get("loss_last"),
                          honest_peers_banned=bans, summary=summary(pairs), pairs=pairs))
         everything = [pair for r in runs for pair in r["pairs"]]
         result = dict(summary=summary(everything), honest_peers_banned=sum(r["honest_peers_banned"] for r in runs),

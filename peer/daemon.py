@@ -1,9 +1,11 @@
-"""The peer's lifecycle: join the DHT, claim a stage, serve it, rebalance, leave.
+"""The peer's process: join the DHT, listen, relay, check reachability, place itself, serve, stop.
 
-What a peer does while it serves a stage is each its own piece, built here for each stage it serves: the
-trip (`peer/trip.py` `Hop`, its `peer/next_hop.py` `NextHop` over the stage's `peer/link.py` `Link`s),
-admission of incoming trips (`peer/trip_server.py`), its record (`peer/announcer.py`), the driver on stage 0
-(`peer/driver.py`) and the agreement on U (`peer/subspace_sync.py`). This module starts and stops them.
+What a peer does while it serves a (stage, lane) slot is one object, `peer/stage_service.py` `StageService`
+(the stage's runtime, its trips, its record, the driver on stage 0, the agreement on U, the leave), built for
+each slot placement picks; the run's trip flavour (`trip_flavour`: pipeline or lanes) is picked once, when the
+daemon is made. This module keeps what lives as long as the process: the DHT and p2pd, the trip handler and
+its admission (`peer/trip_server.py`), relaying (`peer/relay.py`), the reachability check, placement and moves
+(`peer/rebalance.py`), the heartbeat file and the stop signals.
 
 Stopping. SIGINT or SIGTERM, to the process or to its whole process group (Ctrl-C, systemd):
 the peer leaves its stage, saves its checkpoint and exits; a second SIGINT exits at once. The
@@ -26,41 +28,26 @@ import time
 from pathlib import Path
 
 from hivemind.dht import DHT
-from hivemind.p2p import PeerID
 
 from dhtio.records import fetch_stages
-from p2pio.relay_service import KV, TRIPS
-from peer.announcer import Announcer, stage_record
-from peer.audit import Ledger
-from peer.driver import Driver
 from peer.join import join_dht
-from peer.kv_exchange import KVService
-from peer.lane_trip import LaneHop, lane_codec, largest_kv_message
 from peer.lanes import Slot
-from peer.link import Link
-from peer.next_hop import NextHop
-from peer.options import PeerOptions, pick_device
-from peer.processes import StopSignals, stop_dht_and_children, stop_signals_ignored_by_children
+from peer.options import PeerOptions
+from peer.processes import StopSignals, stop_dht_and_children
 from peer.reachability import ReachabilityCheck
-from peer.rebalance import Placement, StageMove
+from peer.rebalance import Placement
 from peer.refusals import RefusalLog
 from peer.relay import Relaying
-from peer.routing import REFRESH_INTERVAL, Router, routed_stages
-from peer.runtime import StageRuntime
+from peer.stage_service import PeerParts, StageService, trip_flavour
 from peer.stats import Stats
-from peer.status_log import log_progress, write_heartbeats
-from peer.subspace_sync import SubspaceSync
+from peer.status_log import write_heartbeats
 from peer.transport import TripServicer
-from peer.trip import Hop
 from peer.trip_server import TripServer
 from swarm.manifest import Manifest
-from swarm.records import StagePeerRecord, plausible_throughput
-from swarm.wire import ErrorCode, expectation_for
+from swarm.wire import expectation_for
 
 logger = logging.getLogger("peer")
 
-LEAVE_DHT_TIMEOUT = 5.0  # a DHT call while leaving gives up after this (p2pd may already be gone)
-SIGNAL_DRAIN_TIMEOUT = 15.0  # stopped by a signal: trips in flight get at most this long (exit within 30 s)
 HARD_EXIT_AFTER = 25.0  # stopped by a signal: whatever still hangs after this, the process exits (within 30 s)
 
 
@@ -68,38 +55,27 @@ class PeerDaemon:
     def __init__(self, manifest: Manifest, options: PeerOptions):
         self.manifest, self.options = manifest, options
         self.stats = Stats()
-        self.runtime: StageRuntime | None = None
-        self.index: int | None = None
-        self.state = "joining"
-        self.lane = options.lane or 0  # the chunk of every sequence this peer holds (0 without context parallelism)
-        self.lanes = manifest.lanes
-        self.kv: KVService | None = None  # K/V between the lanes of a trip (context parallelism only)
-        self.hop: Hop | None = None
-        self.throughput = 0.0
+        self.trips = trip_flavour(manifest, options)
+        self.stage: int | None = None  # the stage placement put this peer on (None before the first)
+        self.service: StageService | None = None  # the slot served now, or the one last left
         self.stopping = asyncio.Event()
         self.dht: DHT | None = None
         self.p2p = None
-        self.router: Router | None = None
-        self.announcer: Announcer | None = None
         self.reachability: ReachabilityCheck | None = None
         self.relaying: Relaying | None = None
         self.placement = Placement(manifest, options, self._fetch, lambda: self.peer_id, lambda: self.label,
                                    random.Random())
         self.refusal_log = RefusalLog(interval=max(6 * options.log_interval, 10.0), started=time.monotonic())
-        self.server = TripServer(
-            self.stats, self._fetch_routed, lambda: self.state, self.overload_cap, self.refusal_log, lambda: self.label
-        )
+        self.server = TripServer(self.stats, lambda: self.state, self.overload_cap, self.refusal_log,
+                                 lambda: self.label)
         self._temp_identity: Path | None = None
         self.stop_signals = StopSignals(self.stopping, lambda: self.label, HARD_EXIT_AFTER)
         self.started = time.monotonic()
-        self.online_since = time.monotonic()  # when this peer last went online on its stage
 
     @property
     def overload_cap(self) -> int:
-        """Trips in flight here at most. Every driver's trips pass through every lane: with P lanes a peer
-        carries P times the trips of a pipeline without lanes (measured: 4 lanes refused each other's
-        chunks `overloaded` until their trips collapsed on an 8 Mbit/s link)."""
-        return 4 * max(self.options.max_inflight, 1) * self.manifest.num_stages * self.lanes
+        """Trips in flight here at most: per driver trip, the flavour's share of them (`overload_factor`)."""
+        return 4 * max(self.options.max_inflight, 1) * self.manifest.num_stages * self.trips.overload_factor
 
     # --- identity and logging -------------------------------------------------------------------
 
@@ -110,7 +86,12 @@ class PeerDaemon:
     @property
     def label(self) -> str:
         name = self.options.public_name or self.peer_id[-6:]
-        return f"[{name} stage {self.index if self.index is not None else '?'}]"
+        return f"[{name} stage {self.stage if self.stage is not None else '?'}]"
+
+    @property
+    def state(self) -> str:
+        """joining (also while a slot is being built), online or leaving: the served slot's."""
+        return self.service.state if self.service is not None else "joining"
 
     # --- start-up ---------------------------------------------------------------------------------
 
@@ -123,197 +104,31 @@ class PeerDaemon:
         """The records of `stages` (None: every stage; placement and rebalancing compare them all)."""
         return await asyncio.to_thread(fetch_stages, self.dht, self.manifest, stages)
 
-    def _admit_kv_sender(self, peer: PeerID) -> ErrorCode | None:
-        return self.hop.admit_kv_sender(peer) if isinstance(self.hop, LaneHop) else ErrorCode.LEAVING
-
-    async def _fetch_routed(self) -> dict:
-        """With lanes, every stage: a driver picks a trip's group in each, stage 0 admits the other drivers."""
-        return await self._fetch(None if self.lanes > 1 else routed_stages(self.manifest, self.index))
-
-    # --- what the peer announces -----------------------------------------------------------------
-
-    def record(self) -> StagePeerRecord:
-        return stage_record(
-            peer_id=self.peer_id,
-            state=self.state,
-            stage=self.index,
-            throughput=self.throughput,
-            runtime=self.runtime,
-            lane=self.lane,
-            stats=self.stats,
-            public_name=self.options.public_name,
-            addrs=[str(a) for a in self.dht.get_visible_maddrs()],
-            reachability=self.reachability.result if self.reachability is not None else "",
-            relay=self.reachability.relay if self.reachability is not None else "",
-        )
-
-    # --- routing and rebalancing --------------------------------------------------------------------
-
-    async def refresh_loop(self) -> None:
-        """Keep the router's records of the stages it needs (`routed_stages`) fresh, every REFRESH_INTERVAL."""
-        while True:
-            try:
-                self.router.update(await self._fetch_routed())
-            except Exception as exc:  # noqa: BLE001
-                logger.warning("%s could not read the DHT: %s", self.label, exc)
-            await asyncio.sleep(REFRESH_INTERVAL)
+    # --- placement and serving ----------------------------------------------------------------------
 
     async def move_target(self) -> Slot | None:
         """Where a move would pay (`peer/rebalance.py`); None to stay."""
-        here, t_fixed = (self.index, self.lane), self.runtime.stage.subspace.t_fixed_sha256
-        return await self.placement.move_target(here, self.throughput, t_fixed, self.router.unreachable(),
-                                                self.online_since)
+        service = self.service
+        here, t_fixed = (service.index, service.lane), service.runtime.stage.subspace.t_fixed_sha256
+        return await self.placement.move_target(here, service.throughput, t_fixed, service.router.unreachable(),
+                                                service.online_since)
 
-    async def switch_lane(self, lane: int) -> None:
-        """Lanes of a stage are replicas of its weights: changing lanes keeps them, only the record changes, and
-        what the K/V handler and the next trips take."""
-        self.lane, self.online_since = lane, time.monotonic()
-        if isinstance(self.hop, LaneHop):
-            self.hop.lane = self.lane
-            self.kv.serve(self.kv.codec, self.lane)
-        await self.announcer.announce_now()
-
-    async def log_loop(self) -> None:
-        await log_progress(
-            self.stats, lambda: self.runtime.epoch, self.refusal_log, lambda: self.label, self.options.log_interval
-        )
-
-    # --- serving one stage -------------------------------------------------------------------------
-
-    async def serve(self, slot: Slot) -> Slot | None:
+    async def serve(self, parts: PeerParts, slot: Slot) -> Slot | None:
         """Serve lane `slot[1]` of stage `slot[0]` until stopped (returns None) or a rebalance says move (returns
         the target)."""
-        index, self.lane = slot
-        self.index, self.state = index, "joining"
-        self.stats.leaving = False  # back to counting errors after a move to this stage
-        device = pick_device(self.options.device)
-        with stop_signals_ignored_by_children():  # hivemind's averagers are child processes
-            runtime = StageRuntime(
-                self.manifest,
-                index,
-                self.dht,
-                device,
-                self.label,
-                self.options.checkpoint_dir,
-                self.options.fault_t_fixed_seed,
-                checkpoint_every=self.options.checkpoint_every,
-            )
-        self.runtime = runtime
-        subspace = runtime.stage.subspace
-        bounds = {s: plausible_throughput(self.manifest, s) for s in range(self.manifest.num_stages)}
-        ledger = Ledger(audit_rate=self.options.audit_rate)
-        self.router = router = Router(subspace.t_fixed_sha256, self.peer_id, claim_bounds=bounds, lanes=self.lanes,
-                                     ledger=ledger)
-        # messages go straight, or through the relay the peer's record names (peer/link.py)
-        link = Link(self.relaying.senders[TRIPS], router)
-        next_hop = NextHop(self.manifest, index, runtime, router, link, self._fetch_routed, self.stats, self.label,
-                           self.options.trip_timeout)
-        hop_args = (self.manifest, index, runtime, next_hop, self.stats, self.label)
-        if self.kv is not None:
-            kv_link = Link(self.relaying.senders[KV], router)
-            hop = LaneHop(*hop_args, lane=self.lane, kv=self.kv, peer_id=self.peer_id, kv_link=kv_link)
-        else:
-            hop = Hop(*hop_args)
-        self.hop = hop
-        self.announcer = Announcer(self.dht, self.manifest, self.signer, self.record, lambda: self.label)
-        self.throughput = await runtime.run(runtime.measure_throughput)
-        self.server.set_throughput(self.throughput, hop.tokens_per_trip)
-        await self.announcer.announce_now()
-        stages = await self._fetch([index, *routed_stages(self.manifest, index)])
-        peers_here = [e for e in stages.get(index, []) if router.compatible(e)]
-        sync = None
-        if self.manifest.updates_u:
-            sync = SubspaceSync(hop, self.dht, self.signer, self.peer_id, self.announcer.announce_now)
-            router.update(stages)
-            await sync.catch_up()  # before loading state: donors' tensors live in the current span(U)
-        if peers_here:
-            loaded = await runtime.run(runtime.load_from_peers)
-            logger.info(
-                "%s %s state from %d peer(s) of the stage (epoch %d)",
-                self.label,
-                "loaded" if loaded else "could not load",
-                len(peers_here),
-                runtime.epoch,
-            )
-        elif not await runtime.run(runtime.load_checkpoint):
-            logger.info("%s starting stage %d from the seed", self.label, index)
-        router.update(stages)
-        if self.kv is not None:
-            if self.options.fault_cp_version is not None:  # fault injection: another CP basis version, same bytes
-                runtime.stage.cp_basis.version = self.options.fault_cp_version
-            self.kv.serve(lane_codec(self.manifest, runtime.stage), self.lane)
-        self.server.hop = hop
-        self.state = "online"
-        self.online_since = time.monotonic()
-        await self.announcer.announce_now()
-        logger.info("%s online: %.0f tokens/s measured, layers %s", self.label, self.throughput,
-                    list(self.manifest.layers_of(index)))
-        tasks = [asyncio.create_task(coro) for coro in (self.announcer.run(), self.refresh_loop(), self.log_loop())]
+        self.stage, self.service = slot[0], None
+        service = self.service = await StageService.create(parts, slot, self.label)
+        moves = []
         if not self.placement.pinned:
-            moves = self.placement.run(self.move_target, lambda: self.index, self.switch_lane)
-            tasks.append(asyncio.create_task(moves))
-        if sync is not None:
-            tasks.append(asyncio.create_task(sync.run()))
-        driver = None
-        if runtime.stage.is_head:
-            driver = Driver(hop, self.peer_id, self.options.data, self.options.max_inflight, self.options.drain_timeout,
-                            self._fetch)
-            tasks.append(asyncio.create_task(driver.run()))
-        stop = asyncio.create_task(self.stopping.wait())
-        target = None
-        try:
-            done, _ = await asyncio.wait([stop, *tasks], return_when=asyncio.FIRST_COMPLETED)
-            for task in done:
-                if task is not stop and task.exception() is not None:
-                    if isinstance(task.exception(), StageMove):
-                        target = task.exception().target
-                    else:
-                        raise task.exception()
-        finally:
-            # audit duplicates still out belong to this stage too (peer/next_hop.py `NextHop.shadows`)
-            await self.leave([*tasks, stop, *hop.next_hop.shadows.values()], driver)
-        return target
-
-    async def leave(self, tasks: list[asyncio.Task], driver) -> None:
-        """Announce LEAVING, stop driving, let trips in flight finish, checkpoint, release the stage. From here on
-        what fails is the leave's doing, not the swarm's: it is counted apart from errors (`Stats.leaving`)."""
-        self.state = "leaving"
-        self.stats.leaving = True
-        if driver is not None:
-            driver.stop()
-        await self.announcer.announce_now(timeout=LEAVE_DHT_TIMEOUT)  # p2pd may be gone already (a group SIGTERM)
-        drain = self.options.drain_timeout
-        if self.stop_signals.received:
-            drain = min(drain, SIGNAL_DRAIN_TIMEOUT)
-        deadline = time.monotonic() + drain
-        while (self.stats.load > 0 or (driver is not None and driver.inflight > 0)) and time.monotonic() < deadline:
-            await asyncio.sleep(0.1)
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        self.server.hop = self.hop = None
-        if self.kv is not None:
-            self.kv.serve(None)
-        runtime, self.runtime = self.runtime, None
-        if runtime is not None:
-            await runtime.run(runtime.save_checkpoint)  # queued behind any backward still running
-            # hivemind's Optimizer.shutdown joins its tracker and averagers (5 s each): off the event loop,
-            # so a second Ctrl-C is still handled meanwhile
-            await asyncio.to_thread(runtime.shutdown)
-        logger.info(
-            "%s left the stage (trips %d, tokens %d, errors %s, failed while leaving %d)",
-            self.label,
-            self.stats.trips,
-            self.stats.tokens,
-            dict(self.stats.errors) or 0,
-            self.stats.leaving_failures,
-        )
+            moves.append(self.placement.run(self.move_target, lambda: service.index, service.switch_lane))
+        return await service.run(self.stopping, *moves)
 
     async def heartbeat_loop(self) -> None:
         def describe() -> dict:
-            described = {"time": time.time(), "state": self.state, "stage": self.index, "peer_id": self.peer_id}
-            if self.lanes > 1:  # read by `kv_bytes_per_token` (`protocol-swarm local`, benchmarks/netsim)
-                described.update(lane=self.lane, kv_bytes=self.stats.kv_bytes, kv_tokens=self.stats.kv_tokens)
+            service = self.service
+            described = {"time": time.time(), "state": self.state, "stage": self.stage, "peer_id": self.peer_id}
+            if service is not None:
+                described.update(self.trips.heartbeat(service.lane, self.stats))
             return described
 
         await write_heartbeats(
@@ -339,22 +154,11 @@ class PeerDaemon:
                 min_rate=self.options.min_stream_rate,
             )
             await servicer.add_p2p_handlers(self.p2p, namespace=self.manifest.run_id)
-            if self.lanes > 1:
-                self.kv = KVService(
-                    self.p2p,
-                    self.manifest.run_id,
-                    largest_kv_message(self.manifest),
-                    admit=self._admit_kv_sender,
-                    min_rate=self.options.min_stream_rate,
-                    receive_timeout=self.options.trip_timeout,
-                )
-                max_bytes = max(max_bytes, self.kv.servicer.max_bytes)  # relaying for others, K/V too
+            max_bytes = max(max_bytes, self.trips.message_bound())  # relaying for others: K/V too, with lanes
             self.relaying = Relaying(self.p2p, self.manifest.run_id, self.options, servicer.serve_stream, self._fetch,
                                      self.peer_id, max_bytes, lambda: self.label)
             await self.relaying.start()
-            if self.kv is not None:
-                await self.kv.start()  # never removed, like the trip handler: p2pd stops with the DHT
-                await self.relaying.deliver(KV, self.kv.servicer.serve_stream)  # K/V our relay delivers
+            await self.trips.start(self.p2p, self.relaying, self.peer_id)
             self.reachability = ReachabilityCheck(
                 self.p2p, self._fetch, self.peer_id, self.options.host_maddrs, lambda: self.label, self.relaying.client
             )
@@ -365,9 +169,12 @@ class PeerDaemon:
                 self.manifest.run_id,
                 " ".join(str(a) for a in self.dht.get_visible_maddrs()),
             )
+            parts = PeerParts(self.manifest, self.options, self.dht, self.signer, self.peer_id, self.stats,
+                              self.server, self.relaying, self.reachability, self.refusal_log, self.stop_signals,
+                              self._fetch, self.trips)
             slot = await self.pick_stage_or_stop()
             while slot is not None and not self.stopping.is_set():
-                slot = await self.serve(slot)
+                slot = await self.serve(parts, slot)
         finally:
             if self.reachability is not None:
                 await self.reachability.stop()

@@ -4,8 +4,9 @@ With `context_parallel.size` P > 1 a trip is a row of P lane trips. The driver (
 `LaneHop.drive`) fixes the trip's *group* when it starts: one peer per lane of every stage
 (`peer/lanes.py` `pick_group`). It serves its own lane itself and sends every other lane's chunk to that
 lane's stage-0 peer; lane c of stage s hands its boundary message to the group's lane-c peer of stage s+1
-and waits for its reply, like a `Hop`, while every layer's K/V crosses between the lanes of the stage
-(`peer/kv_exchange.py`, computed by `swarm.cp_lane.LaneTrip`).
+and waits for its reply, like a pipeline `Hop` (`peer/trip.py`, its sibling: both serve through `serve_trip`),
+while every layer's K/V crosses between the lanes of the stage (`peer/kv_exchange.py`, computed by
+`swarm.cp_lane.LaneTrip`).
 
 Every boundary message of a lane trip carries its claim (`peer/lane_claim.py`: the group, the chunk's place, and
 on an audited trip the audit fork, the lane trips' equivalent of a pipeline hop's duplicate), checked before any
@@ -35,7 +36,9 @@ from peer.kv_exchange import KVService, LaneExchange, message_limit
 from peer.lane_claim import Fork, Group, LaneClaim, new_fork, read_claim, split_claims
 from peer.lanes import EmptyLane, Strikes, pick_audit, pick_group
 from peer.link import Link
-from peer.trip import Hop, HopResult
+from peer.next_hop import NextHop
+from peer.stats import Stats
+from peer.trip import HopResult, Refuse, serve_trip
 from swarm.context_parallel import CPBasis
 from swarm.cp_lane import LaneTrip
 from swarm.cp_modes import DENSE_KV
@@ -91,13 +94,21 @@ async def _nothing() -> None:
     return None
 
 
-class LaneHop(Hop):
+class LaneHop:
     """This peer's lane `lane` of stage `index` in every lane trip through it (`serve`), and, on stage 0, the
     driver of whole trips (`drive`). The next hop is the group's, not the router's: a trip never changes
-    peers midway (its K/V would go stale); the driver runs it again with another group instead."""
+    peers midway (its K/V would go stale); the driver runs it again with another group instead. A sibling of
+    `peer/trip.py` `Hop` over the same `StageRuntime`, `NextHop` and serve envelope (`serve_trip`)."""
 
-    def __init__(self, *args, lane: int, kv: KVService, peer_id: str, kv_link: Link | None = None, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(
+        self, next_hop: NextHop, stats: Stats, label: str, *, lane: int, kv: KVService, peer_id: str,
+        kv_link: Link | None = None,
+    ):
+        """The stage (manifest, index, runtime) is its next hop's, as a pipeline `Hop`'s."""
+        self.manifest, self.index, self.runtime = next_hop.manifest, next_hop.index, next_hop.runtime
+        self.next_hop = next_hop
+        self.router, self.fetch, self.stats, self.label = next_hop.router, next_hop.fetch, stats, label
+        self.tokens_per_trip = next_hop.tokens_per_trip
         self.lane, self.kv, self.peer_id = lane, kv, peer_id
         self.kv_link = kv_link  # K/V to the group's lane peers, through their relays (None: straight)
         self.lanes = self.manifest.lanes
@@ -119,6 +130,15 @@ class LaneHop(Hop):
         if self.stage_peers.admits(self.index, self.index, entries, peer.to_base58(), self.fetch, self.label):
             return None
         return ErrorCode.UNKNOWN_SENDER
+
+    async def serve(self, blob: bytes, refuse: Refuse, sender: str = "") -> bytes:
+        """A chunk's forward message in (every stage, stage 0 from the trip's driver), its backward reply out."""
+        return await serve_trip(self, blob, refuse, sender)
+
+    def upstream(self) -> int:
+        """The stage whose peers may send this lane trips: the stage before, and on stage 0 stage 0 itself (the
+        trip's driver is a stage-0 peer handing this lane its chunk)."""
+        return max(self.index - 1, 0)
 
     async def turn(self, header: Header, hidden: torch.Tensor, tokens: torch.Tensor, sender: str) -> HopResult:
         """A chunk's forward message (from the group's previous stage of this lane, or from the driver on stage 0):

@@ -5,7 +5,10 @@ boundary message to the next stage and wait for its reply (the compressed input 
 backward and the optimizer step. Where `run_trip` loops over stages in one process, `Hop.hop` is
 one stage's turn, and the next stage's turn happens in another peer's `Hop.hop`, reached through
 its `next_hop`. The driver (stage 0) starts a trip with `drive`; every other stage runs `serve` on a
-message its `TripServer` admitted.
+message its `TripServer` admitted. `Hop` is the pipeline flavour of a trip; its sibling with context
+parallelism is `peer/lane_trip.py` `LaneHop`. Both answer the same questions (`serve`, `drive`, `upstream`,
+`tokens_per_trip`) and share the serve envelope (`serve_trip`: decode, the flavour's `turn`, the reply);
+which one a served stage gets is picked once, in `peer/stage_service.py` `trip_flavour`.
 
 A trip's activations live exactly as long as the coroutine: if the caller goes away libp2p closes
 the stream, the coroutine is cancelled and the state is released. Which peer of the next stage gets the
@@ -23,13 +26,13 @@ import logging
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from peer.next_hop import NextHop
 from peer.runtime import StageRuntime
 from peer.stats import Stats
-from swarm.manifest import Manifest
 from swarm.wire import ErrorCode, Header, WireError, encode_error
 
 logger = logging.getLogger("peer")
@@ -44,19 +47,61 @@ class HopResult:
     received: int = 0
 
 
+Refuse = Callable[[ErrorCode, str, int], bytes]  # a refusal counted and logged by the server, its reply
+
+
+class Turns(Protocol):
+    """What `serve_trip` needs of a trip flavour (`Hop` here, `peer/lane_trip.py` `LaneHop`)."""
+
+    index: int
+    runtime: StageRuntime
+    stats: Stats
+    label: str
+
+    async def turn(self, header: Header, hidden: torch.Tensor, tokens: torch.Tensor, sender: str) -> HopResult:
+        """This stage's turn in a trip that arrived."""
+
+
+async def serve_trip(hop: Turns, blob: bytes, refuse: Refuse, sender: str) -> bytes:
+    """The serve envelope both trip flavours share: decode the forward message, `hop.turn`, encode the reply. Every
+    failure is a coded error reply (`refuse`: counted and logged by the server), never an exception that could take
+    the peer down. `sender` (who sent it) matters to a lane trip only (`peer/lane_trip.py`), which names its
+    senders."""
+    runtime, index, stats = hop.runtime, hop.index, hop.stats
+    try:
+        header, hidden, tokens = runtime.codec.decode_forward(blob, stage=index)
+    except WireError as exc:
+        return refuse(exc.code, exc.message, 0)
+    stats.load += 1
+    try:
+        result = await hop.turn(header, hidden, tokens, sender)
+        if index:  # stage 0 counts the trips it drives, not the chunks it serves another driver
+            stats.trips += 1
+            stats.tokens += tokens.numel()
+        return runtime.codec.encode_backward(
+            result.input_grad,
+            header.trip_id,
+            to_stage=max(index - 1, 0),  # stage 0 serves only a lane trip's driver (peer/lane_trip.py)
+            loss=result.loss,
+            extra={"versions": result.versions},
+        )
+    except WireError as exc:
+        return refuse(exc.code, exc.message, exc.hops)
+    except Exception as exc:  # noqa: BLE001 - a trip must never take the peer down
+        logger.exception("%s trip %s failed", hop.label, header.trip_id[:8])
+        stats.error(ErrorCode.INTERNAL)
+        return encode_error(ErrorCode.INTERNAL, f"{type(exc).__name__}")
+    finally:
+        stats.load -= 1
+
+
 class Hop:
     """One stage's turn in every trip through it."""
 
-    def __init__(
-        self,
-        manifest: Manifest,
-        index: int,
-        runtime: StageRuntime,
-        next_hop: NextHop,
-        stats: Stats,
-        label: str,
-    ):
-        self.manifest, self.index, self.runtime, self.next_hop = manifest, index, runtime, next_hop
+    def __init__(self, next_hop: NextHop, stats: Stats, label: str):
+        """The stage (manifest, index, runtime) is its next hop's: one stage, one `NextHop`."""
+        self.manifest, self.index, self.runtime = next_hop.manifest, next_hop.index, next_hop.runtime
+        self.next_hop = next_hop
         self.router, self.fetch, self.stats, self.label = next_hop.router, next_hop.fetch, stats, label
         self.tokens_per_trip = next_hop.tokens_per_trip
 
@@ -80,36 +125,14 @@ class Hop:
             stats.losses.append(result.loss)
             stats.last_loss = result.loss
 
-    async def serve(self, blob: bytes, refuse: Callable[[ErrorCode, str, int], bytes], sender: str = "") -> bytes:
-        """Stages 1…n−1: a forward message in, its backward reply out. Every failure is a coded error reply
-        (`refuse`: counted and logged by the server), never an exception that could take the peer down. `sender`
-        (who sent it) matters to a lane trip only (`peer/lane_trip.py`), which names its senders."""
-        runtime = self.runtime
-        try:
-            header, hidden, tokens = runtime.codec.decode_forward(blob, stage=self.index)
-        except WireError as exc:
-            return refuse(exc.code, exc.message, 0)
-        self.stats.load += 1
-        try:
-            result = await self.turn(header, hidden, tokens, sender)
-            if self.index:  # stage 0 counts the trips it drives, not the chunks it serves another driver
-                self.stats.trips += 1
-                self.stats.tokens += tokens.numel()
-            return runtime.codec.encode_backward(
-                result.input_grad,
-                header.trip_id,
-                to_stage=max(self.index - 1, 0),  # stage 0 serves only a lane trip's driver (peer/lane_trip.py)
-                loss=result.loss,
-                extra={"versions": result.versions},
-            )
-        except WireError as exc:
-            return refuse(exc.code, exc.message, exc.hops)
-        except Exception as exc:  # noqa: BLE001 - a trip must never take the peer down
-            logger.exception("%s trip %s failed", self.label, header.trip_id[:8])
-            self.stats.error(ErrorCode.INTERNAL)
-            return encode_error(ErrorCode.INTERNAL, f"{type(exc).__name__}")
-        finally:
-            self.stats.load -= 1
+    async def serve(self, blob: bytes, refuse: Refuse, sender: str = "") -> bytes:
+        """Stages 1…n−1: a forward message in, its backward reply out (`serve_trip`)."""
+        return await serve_trip(self, blob, refuse, sender)
+
+    def upstream(self) -> int | None:
+        """The stage whose peers may send this stage trips (for stage 1 the drivers); None on stage 0, which drives
+        trips and accepts none (`peer/trip_server.py`)."""
+        return self.index - 1 if self.index else None
 
     async def turn(self, header: Header, hidden: torch.Tensor, tokens: torch.Tensor, sender: str) -> HopResult:
         """This stage's turn in a trip that arrived (a lane trip's is `LaneHop.turn`)."""

@@ -8,8 +8,9 @@ ago is served on its retry (`peer/admission.py`). A backward reply is read only 
 stream this peer opened to the peer it chose (`send_trip` dials that peer id, and libp2p
 authenticates the peer at the other end), so nobody else can answer for it. Known senders are held
 to a token bucket and an in-flight cap (`sender_limits`), and every refusal is logged once per
-sender per interval (`peer.refusals`), not once per trip. With context parallelism (P > 1 lanes) stage 0
-accepts too: the chunks a trip's driver, itself a stage-0 peer, hands the other lanes (`peer/lane_trip.py`).
+sender per interval (`peer.refusals`), not once per trip. Which stage is "the stage before" is the trip
+flavour's answer (`upstream`): with context parallelism stage 0 accepts too, from stage 0 (the chunks a trip's
+driver, itself a stage-0 peer, hands the other lanes: `peer/lane_trip.py`); a pipeline's stage 0 accepts none.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from collections.abc import Callable
 from hivemind.p2p import PeerID
 
 from peer.admission import StagePeers
-from peer.next_hop import Fetch
+from peer.lane_trip import LaneHop
 from peer.refusals import RefusalLog, SenderLimits
 from peer.stats import Stats
 from peer.trip import Hop
@@ -31,7 +32,7 @@ logger = logging.getLogger("peer")
 
 
 class TripServer:
-    """Admits or refuses each incoming trip, then hands it to the stage's current `Hop`.
+    """Admits or refuses each incoming trip, then hands it to the stage's current hop (`Hop` or `LaneHop`).
 
     `hop` is None while the peer serves no stage; `state` says the peer's state (joining, online,
     leaving) at the moment of asking."""
@@ -39,17 +40,16 @@ class TripServer:
     def __init__(
         self,
         stats: Stats,
-        fetch: Fetch,
         state: Callable[[], str],
         overload_cap: int,
         refusal_log: RefusalLog,
         label: Callable[[], str],
     ):
-        self.stats, self.fetch, self.state, self.label = stats, fetch, state, label
+        self.stats, self.state, self.label = stats, state, label
         self.overload_cap = overload_cap
         self.refusal_log = refusal_log
         self.sender_limits = self._sender_limits()
-        self.hop: Hop | None = None
+        self.hop: Hop | LaneHop | None = None
         self.upstream = StagePeers()
 
     def _sender_limits(self) -> SenderLimits:
@@ -91,27 +91,19 @@ class TripServer:
             self.refusal_log.note(sender, code.value)
         return encode_error(code, message, hops)
 
-    @staticmethod
-    def _lanes(hop: Hop) -> bool:
-        """Whether the stage is context-parallel: then stage 0 takes chunks from the trip's driver, a stage-0 peer."""
-        return hop.manifest.lanes > 1
-
-    def _upstream_of(self, hop: Hop) -> int:
-        """The stage whose peers may send this stage trips."""
-        return hop.index - 1 if hop.index else 0
-
     def _not_admitted(self, sender: str) -> tuple[ErrorCode, str] | None:
         """None if `sender` may be given a receive slot now, else the refusal (code, message). Pure lookups:
-        an unknown sender is refused at once and a background re-read kicked (`StagePeers.admits`)."""
+        an unknown sender is refused at once and a background re-read of the stage's records (`hop.fetch`) kicked
+        (`StagePeers.admits`)."""
         hop, state = self.hop, self.state()
         if hop is None or state != "online":
             return ErrorCode.LEAVING, f"peer is {state}, not serving"
-        if hop.runtime.stage.is_head and not self._lanes(hop):
+        upstream = hop.upstream()  # for stage 1: the drivers
+        if upstream is None:
             return ErrorCode.WRONG_STAGE, "stage 0 drives trips and accepts none"
-        upstream = self._upstream_of(hop)  # for stage 1: the drivers
-        if not self.upstream.admits(hop.index, upstream, hop.router.stages.get(upstream, []), sender, self.fetch,
+        if not self.upstream.admits(hop.index, upstream, hop.router.stages.get(upstream, []), sender, hop.fetch,
                                     self.label()):
-            return ErrorCode.UNKNOWN_SENDER, f"no live record of stage {self._upstream_of(hop)} for this peer id"
+            return ErrorCode.UNKNOWN_SENDER, f"no live record of stage {upstream} for this peer id"
         return None
 
     def admit_stream(self, peer: PeerID) -> ErrorCode | None:

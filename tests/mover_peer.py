@@ -1,7 +1,8 @@
 """A real peer daemon whose move policy is forced: it moves to the other stage of a 2-stage run every
 `--dwell` seconds online, `--moves` times, then leaves. Everything a move does (leave, release the
-stage, build the next) is the daemon's own. After each move it prints one JSON line with its resident
-memory, threads and child processes, for tests/test_stage_moves.py.
+stage, build the next) is the daemon's own (`peer/stage_service.py` `StageService`). After each move
+it prints one JSON line with its resident memory, threads and child processes, for
+tests/test_stage_moves.py.
 
     python tests/mover_peer.py --manifest M --initial-peers ADDR --moves 5 --dwell 8
 """
@@ -22,6 +23,7 @@ from peer.daemon import PeerDaemon
 from peer.lanes import Slot
 from peer.options import PeerOptions
 from peer.placement import Hysteresis
+from peer.stage_service import PeerParts
 from swarm.manifest import load_manifest
 
 
@@ -62,17 +64,14 @@ class Mover(PeerDaemon):
         self.moves_left, self.dwell, self.moved = moves, dwell, 0
         self.released: list[weakref.ref] = []  # the stages this peer left: each must be collected
 
-    async def leave(self, tasks, driver) -> None:
-        self.released.append(weakref.ref(self.runtime))
-        await super().leave(tasks, driver)
-
     async def move_target(self) -> Slot | None:
-        if time.monotonic() - self.online_since < self.dwell:
+        if time.monotonic() - self.service.online_since < self.dwell:
             return None
-        return 1 - self.index, 0
+        self.released.append(weakref.ref(self.service.runtime))  # the stage this move leaves
+        return 1 - self.service.index, 0
 
-    async def serve(self, slot: Slot) -> Slot | None:
-        target = await super().serve(slot)
+    async def serve(self, parts: PeerParts, slot: Slot) -> Slot | None:
+        target = await super().serve(parts, slot)
         if target is None:
             return None
         self.moved += 1

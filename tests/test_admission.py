@@ -63,7 +63,7 @@ def test_slowest_cuts_stalled_first_and_never_a_young_stream():
 
 def _server(upstream: list[tuple[str, float]], fetched: list[tuple[str, float]]) -> TripServer:
     """A real TripServer in front of a stage-1 hop; the hop's router holds `upstream` (stage 0 entries),
-    and a DHT re-read (`fetch`) returns `fetched`."""
+    and its DHT re-read (`hop.fetch`) returns `fetched`."""
 
     def entries(pairs):
         return [SimpleNamespace(record=SimpleNamespace(peer_id=p), expiration=t) for p, t in pairs]
@@ -71,11 +71,12 @@ def _server(upstream: list[tuple[str, float]], fetched: list[tuple[str, float]])
     async def fetch():
         return {0: entries(fetched)}
 
-    server = TripServer(Stats(), fetch, lambda: "online", 16, RefusalLog(), lambda: "[test]")
+    server = TripServer(Stats(), lambda: "online", 16, RefusalLog(), lambda: "[test]")
     server.hop = SimpleNamespace(
         index=1,
         router=SimpleNamespace(stages={0: entries(upstream)}),
-        runtime=SimpleNamespace(stage=SimpleNamespace(is_head=False)),
+        fetch=fetch,
+        upstream=lambda: 0,
     )
     return server
 

@@ -194,8 +194,7 @@ class Swarm:
 
         link, stats = SimpleNamespace(send=send), Stats()  # a `peer/link.py` Link to the hops of this process
         next_hop = NextHop(MANIFEST, stage, runtime, router, link, fetch, stats, runtime.label, 60.0)
-        hop = hop_class(MANIFEST, stage, runtime, next_hop, stats, runtime.label, lane=lane, kv=service,
-                        peer_id=peer_id)
+        hop = hop_class(next_hop, stats, runtime.label, lane=lane, kv=service, peer_id=peer_id)
         self.services.append(service)
         self.ids.append(peer_id)
         self.hops[peer_id] = hop

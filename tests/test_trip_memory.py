@@ -38,7 +38,7 @@ def test_concurrent_trips_at_the_tail_never_hold_two_graphs(tail_runtime: StageR
 
     link, stats = SimpleNamespace(send=nobody), Stats()
     next_hop = NextHop(MANIFEST, 1, runtime, Router(MANIFEST.t_fixed_sha256, "me"), link, nobody, stats, "[tail]", 30.0)
-    hop = Hop(MANIFEST, 1, runtime, next_hop, stats, "[tail]")
+    hop = Hop(next_hop, stats, "[tail]")
     batch = MANIFEST.batch
     version = runtime.stage.subspace.version
 

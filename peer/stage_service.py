@@ -1,0 +1,365 @@
+"""One served (stage, lane) slot, one object: everything a peer builds, runs and stops while it serves a stage.
+
+`PeerDaemon` (`peer/daemon.py`) runs the process: the DHT, p2pd, signals, relaying, reachability, placement.
+What serving one slot takes is here, so that a reader finds it in one room: the stage's `StageRuntime`, its
+`Router` and `Ledger`, the `Link` over which its trips leave, its `NextHop`, the trip flavour's hop, its record
+(`peer/announcer.py`), the agreement on U (`peer/subspace_sync.py`), the driver on stage 0 (`peer/driver.py`) and
+the leave. `StageService.create` builds a slot up to online, `run` serves it until the peer stops or a
+rebalance moves it, `shutdown` leaves it (checkpoint, release). A move builds a new `StageService`.
+
+The trip flavour is picked once per process, here in `trip_flavour` and nowhere else: a pipeline run's
+`PipelineTrips` (`peer/trip.py` `Hop`) or a context-parallel run's `LaneTrips` (`peer/lane_trip.py` `LaneHop`
+and the `peer/kv_exchange.py` `KVService` that carries K/V between the lanes of a trip). The flavour answers
+every question on which the two differ (the stages whose records a slot keeps, how many trips a peer carries
+per driver trip, what the heartbeat adds, the K/V handler's admission), so the daemon, the trip server and the
+trips ask it instead of testing how many lanes the run has.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass
+
+from hivemind.dht import DHT
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.p2p import P2P, PeerID
+
+from p2pio.relay_service import KV, TRIPS
+from peer.announcer import Announcer, stage_record
+from peer.audit import Ledger
+from peer.driver import Driver
+from peer.kv_exchange import KVService
+from peer.lane_trip import LaneHop, lane_codec, largest_kv_message
+from peer.lanes import Slot
+from peer.link import Link
+from peer.next_hop import NextHop
+from peer.options import PeerOptions, pick_device
+from peer.processes import StopSignals, stop_signals_ignored_by_children
+from peer.reachability import ReachabilityCheck
+from peer.rebalance import StageMove
+from peer.refusals import RefusalLog
+from peer.relay import Relaying
+from peer.routing import REFRESH_INTERVAL, Router, routed_stages
+from peer.runtime import StageRuntime
+from peer.stats import Stats
+from peer.status_log import log_progress
+from peer.subspace_sync import SubspaceSync
+from peer.trip import Hop
+from peer.trip_server import TripServer
+from swarm.manifest import Manifest
+from swarm.records import StagePeerRecord, plausible_throughput
+from swarm.wire import ErrorCode
+
+logger = logging.getLogger("peer")
+
+LEAVE_DHT_TIMEOUT = 5.0  # a DHT call while leaving gives up after this (p2pd may already be gone)
+SIGNAL_DRAIN_TIMEOUT = 15.0  # stopped by a signal: trips in flight get at most this long (exit within 30 s)
+
+FetchStages = Callable[..., Awaitable[dict]]  # records of the stages named (none named: every stage)
+
+
+class PipelineTrips:
+    """A pipeline run's trips (no context parallelism): each served stage gets a `peer/trip.py` `Hop`, and the
+    trip handler is the only one the peer listens on."""
+
+    overload_factor = 1  # trips a peer carries per driver trip
+
+    def __init__(self, manifest: Manifest):
+        self.manifest = manifest
+
+    def message_bound(self) -> int:
+        """The largest message of a channel beside the trips' (none here): what relaying for others must carry."""
+        return 0
+
+    async def start(self, p2p: P2P, relaying: Relaying, peer_id: str) -> None:
+        """Listen beside the trip handler: a pipeline has nothing else to hear."""
+
+    def routed(self, index: int) -> list[int]:
+        """The stages whose records a peer of stage `index` keeps (`peer/routing.py` `routed_stages`)."""
+        return routed_stages(self.manifest, index)
+
+    def hop(self, next_hop: NextHop, stats: Stats, label: str, lane: int) -> Hop:
+        """The slot's hop: the stage's turn in every trip, its next stage reached through `next_hop`."""
+        return Hop(next_hop, stats, label)
+
+    def serve(self, hop: Hop, runtime: StageRuntime) -> None:
+        """The stage goes online: nothing beside the trip server (`TripServer.hop`) takes its trips."""
+
+    def release(self) -> None:
+        """The stage is left: nothing beside the trip server held it."""
+
+    def switch_lane(self, hop: Hop, lane: int) -> None:
+        """A pipeline stage has one lane (`peer/lanes.py` `allowed_slots`): placement never switches it."""
+
+    def heartbeat(self, lane: int, stats: Stats) -> dict:
+        """What the heartbeat adds: nothing (no K/V counters)."""
+        return {}
+
+
+class LaneTrips:
+    """A context-parallel run's trips (issue 17): each served slot gets a `peer/lane_trip.py` `LaneHop`, and the
+    peer listens for K/V too (`KVService`, on its own channel, also delivered by the peer's relay)."""
+
+    def __init__(self, manifest: Manifest, options: PeerOptions):
+        self.manifest, self.options = manifest, options
+        # every driver's trips pass through every lane: with P lanes a peer carries P times the trips of a pipeline
+        # without lanes (measured: 4 lanes refused each other's chunks `overloaded` until their trips collapsed on
+        # an 8 Mbit/s link)
+        self.overload_factor = manifest.lanes
+        self.hop_served: LaneHop | None = None  # the lane the K/V handler serves now, None while none is served
+        # set by `start`, once p2pd is up and before any slot is served
+        self.kv: KVService
+        self.relaying: Relaying
+        self.peer_id: str
+
+    def message_bound(self) -> int:
+        """The largest K/V message of the run: relaying for others carries K/V too."""
+        return largest_kv_message(self.manifest)
+
+    async def start(self, p2p: P2P, relaying: Relaying, peer_id: str) -> None:
+        """The K/V handler, never removed (like the trip handler: p2pd stops with the DHT), and the K/V our relay
+        delivers."""
+        self.relaying, self.peer_id = relaying, peer_id
+        self.kv = KVService(
+            p2p,
+            self.manifest.run_id,
+            self.message_bound(),
+            admit=self.admit_kv_sender,
+            min_rate=self.options.min_stream_rate,
+            receive_timeout=self.options.trip_timeout,
+        )
+        await self.kv.start()
+        await relaying.deliver(KV, self.kv.servicer.serve_stream)
+
+    def admit_kv_sender(self, peer: PeerID) -> ErrorCode | None:
+        """Asked before a K/V stream is read: the served lane's peers of its stage only (`LaneHop.admit_kv_sender`)."""
+        return ErrorCode.LEAVING if self.hop_served is None else self.hop_served.admit_kv_sender(peer)
+
+    def routed(self, index: int) -> list[int] | None:
+        """Every stage (None): a driver picks a trip's group in each, stage 0 admits the other drivers."""
+        return None
+
+    def hop(self, next_hop: NextHop, stats: Stats, label: str, lane: int) -> LaneHop:
+        """The slot's lane hop: its K/V through this process's `KVService`, sent over a K/V `Link`."""
+        kv_link = Link(self.relaying.senders[KV], next_hop.router)  # K/V through a lane peer's relay, as trips go
+        return LaneHop(next_hop, stats, label, lane=lane, kv=self.kv, peer_id=self.peer_id, kv_link=kv_link)
+
+    def serve(self, hop: LaneHop, runtime: StageRuntime) -> None:
+        """The slot goes online: the K/V handler takes its lane's messages under the stage's codec."""
+        if self.options.fault_cp_version is not None:  # fault injection: another CP basis version, same bytes
+            runtime.stage.cp_basis.version = self.options.fault_cp_version
+        self.hop_served = hop
+        self.kv.serve(lane_codec(self.manifest, runtime.stage), hop.lane)
+
+    def release(self) -> None:
+        """The slot is left: every K/V message is refused `leaving` until the next one is served."""
+        self.hop_served = None
+        self.kv.serve(None)
+
+    def switch_lane(self, hop: LaneHop, lane: int) -> None:
+        """Lanes of a stage are replicas of its weights: only what the K/V handler and the next trips take changes."""
+        hop.lane = lane
+        self.kv.serve(self.kv.codec, lane)
+
+    def heartbeat(self, lane: int, stats: Stats) -> dict:
+        """Read by `kv_bytes_per_token` (`protocol-swarm local`, benchmarks/netsim)."""
+        return {"lane": lane, "kv_bytes": stats.kv_bytes, "kv_tokens": stats.kv_tokens}
+
+
+Trips = PipelineTrips | LaneTrips
+
+
+def trip_flavour(manifest: Manifest, options: PeerOptions) -> Trips:
+    """The run's trip flavour, picked once per process: the one place that asks whether the run has lanes."""
+    return LaneTrips(manifest, options) if manifest.lanes > 1 else PipelineTrips(manifest)
+
+
+@dataclass
+class PeerParts:
+    """What a served slot uses of its peer process, each built once by `PeerDaemon`."""
+
+    manifest: Manifest
+    options: PeerOptions
+    dht: DHT
+    signer: RSASignatureValidator
+    peer_id: str
+    stats: Stats  # the peer's counters: they outlive a move
+    server: TripServer  # admits incoming trips for whichever hop is served (`TripServer.hop`)
+    relaying: Relaying  # the senders a `Link` uses, straight or through a relay
+    reachability: ReachabilityCheck  # what the record says about how to reach this peer
+    refusal_log: RefusalLog
+    stop_signals: StopSignals  # a stop by signal shortens the leave's drain
+    fetch: FetchStages
+    trips: Trips
+
+
+class StageService:
+    """Lane `lane` of stage `index`, served by this peer (module docstring). `state`: joining, online, leaving."""
+
+    def __init__(self, parts: PeerParts, slot: Slot, label: str):
+        self.parts, self.label = parts, label
+        self.index, self.lane = slot
+        self.state = "joining"
+        self.online_since = time.monotonic()  # when this peer went online on this stage (or last switched lanes)
+        self.throughput = 0.0
+        self.runtime: StageRuntime | None = None
+        self.hop: Hop | LaneHop | None = None
+        self.sync: SubspaceSync | None = None
+        self.driver: Driver | None = None
+        self.tasks: list[asyncio.Task] = []
+
+    @classmethod
+    async def create(cls, parts: PeerParts, slot: Slot, label: str) -> StageService:
+        """Build the slot and bring it online: runtime, router, next hop, the flavour's hop, measured throughput,
+        U caught up and state loaded (from the stage's peers, else the checkpoint, else the seed)."""
+        service = cls(parts, slot, label)
+        await service._start()
+        return service
+
+    async def _start(self) -> None:
+        parts, manifest, options, index = self.parts, self.parts.manifest, self.parts.options, self.index
+        parts.stats.leaving = False  # back to counting errors after a move to this stage
+        device = pick_device(options.device)
+        with stop_signals_ignored_by_children():  # hivemind's averagers are child processes
+            runtime = StageRuntime(manifest, index, parts.dht, device, self.label, options.checkpoint_dir,
+                                   options.fault_t_fixed_seed, checkpoint_every=options.checkpoint_every)
+        self.runtime = runtime
+        subspace = runtime.stage.subspace
+        bounds = {s: plausible_throughput(manifest, s) for s in range(manifest.num_stages)}
+        ledger = Ledger(audit_rate=options.audit_rate)
+        self.router = router = Router(subspace.t_fixed_sha256, parts.peer_id, claim_bounds=bounds,
+                                      lanes=manifest.lanes, ledger=ledger)
+        # messages go straight, or through the relay the peer's record names (peer/link.py)
+        link = Link(parts.relaying.senders[TRIPS], router)
+        next_hop = NextHop(manifest, index, runtime, router, link, self.fetch_routed, parts.stats, self.label,
+                           options.trip_timeout)
+        self.hop = hop = parts.trips.hop(next_hop, parts.stats, self.label, self.lane)
+        self.announcer = Announcer(parts.dht, manifest, parts.signer, self.record, lambda: self.label)
+        self.throughput = await runtime.run(runtime.measure_throughput)
+        parts.server.set_throughput(self.throughput, hop.tokens_per_trip)
+        await self.announcer.announce_now()
+        stages = await parts.fetch([index, *routed_stages(manifest, index)])
+        peers_here = [e for e in stages.get(index, []) if router.compatible(e)]
+        if manifest.updates_u:
+            self.sync = SubspaceSync(hop, parts.dht, parts.signer, parts.peer_id, self.announcer.announce_now)
+            router.update(stages)
+            await self.sync.catch_up()  # before loading state: donors' tensors live in the current span(U)
+        if peers_here:
+            loaded = await runtime.run(runtime.load_from_peers)
+            logger.info("%s %s state from %d peer(s) of the stage (epoch %d)", self.label,
+                        "loaded" if loaded else "could not load", len(peers_here), runtime.epoch)
+        elif not await runtime.run(runtime.load_checkpoint):
+            logger.info("%s starting stage %d from the seed", self.label, index)
+        router.update(stages)
+        parts.trips.serve(hop, runtime)
+        parts.server.hop = hop
+        self.state = "online"
+        self.online_since = time.monotonic()
+        await self.announcer.announce_now()
+        logger.info("%s online: %.0f tokens/s measured, layers %s", self.label, self.throughput,
+                    list(manifest.layers_of(index)))
+
+    async def fetch_routed(self) -> dict:
+        """The records of the stages this slot keeps (the flavour's `routed`: None reads every stage)."""
+        return await self.parts.fetch(self.parts.trips.routed(self.index))
+
+    def record(self) -> StagePeerRecord:
+        """What the peer announces while it serves this slot (`peer/announcer.py`)."""
+        parts, reachability = self.parts, self.parts.reachability
+        return stage_record(
+            peer_id=parts.peer_id,
+            state=self.state,
+            stage=self.index,
+            throughput=self.throughput,
+            runtime=self.runtime,
+            lane=self.lane,
+            stats=parts.stats,
+            public_name=parts.options.public_name,
+            addrs=[str(a) for a in parts.dht.get_visible_maddrs()],
+            reachability=reachability.result,
+            relay=reachability.relay,
+        )
+
+    async def refresh_loop(self) -> None:
+        """Keep the router's records of the stages it needs (`fetch_routed`) fresh, every REFRESH_INTERVAL."""
+        while True:
+            try:
+                self.router.update(await self.fetch_routed())
+            except Exception as exc:  # noqa: BLE001
+                logger.warning("%s could not read the DHT: %s", self.label, exc)
+            await asyncio.sleep(REFRESH_INTERVAL)
+
+    async def switch_lane(self, lane: int) -> None:
+        """Lanes of a stage are replicas of its weights: changing lanes keeps them, only the record changes, and
+        what the flavour's lane handling takes (`LaneTrips.switch_lane`)."""
+        self.lane, self.online_since = lane, time.monotonic()
+        self.parts.trips.switch_lane(self.hop, lane)
+        await self.announcer.announce_now()
+
+    async def run(self, stopping: asyncio.Event, *jobs: Coroutine) -> Slot | None:
+        """Serve until `stopping` is set (returns None) or one of `jobs` (the daemon's placement) raises
+        `StageMove` (returns its target); any other failure is raised. Always left through `shutdown`."""
+        parts, runtime = self.parts, self.runtime
+        coros = [self.announcer.run(), self.refresh_loop(), self.log_loop(), *jobs]
+        if self.sync is not None:
+            coros.append(self.sync.run())
+        if runtime.stage.is_head:
+            options = parts.options
+            self.driver = Driver(self.hop, parts.peer_id, options.data, options.max_inflight, options.drain_timeout,
+                                 parts.fetch)
+            coros.append(self.driver.run())
+        self.tasks = [asyncio.create_task(coro) for coro in coros]
+        stop = asyncio.create_task(stopping.wait())
+        target = None
+        try:
+            done, _ = await asyncio.wait([stop, *self.tasks], return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                if task is not stop and task.exception() is not None:
+                    if isinstance(task.exception(), StageMove):
+                        target = task.exception().target
+                    else:
+                        raise task.exception()
+        finally:
+            self.tasks.append(stop)
+            await self.shutdown()
+        return target
+
+    async def log_loop(self) -> None:
+        await log_progress(self.parts.stats, lambda: self.runtime.epoch, self.parts.refusal_log, lambda: self.label,
+                           self.parts.options.log_interval)
+
+    async def shutdown(self) -> None:
+        """Announce LEAVING, stop driving, let trips in flight finish, checkpoint, release the stage. From here on
+        what fails is the leave's doing, not the swarm's: it is counted apart from errors (`Stats.leaving`)."""
+        parts, stats, driver = self.parts, self.parts.stats, self.driver
+        self.state = "leaving"
+        stats.leaving = True
+        if driver is not None:
+            driver.stop()
+        await self.announcer.announce_now(timeout=LEAVE_DHT_TIMEOUT)  # p2pd may be gone already (a group SIGTERM)
+        drain = parts.options.drain_timeout
+        if parts.stop_signals.received:
+            drain = min(drain, SIGNAL_DRAIN_TIMEOUT)
+        deadline = time.monotonic() + drain
+        while (stats.load > 0 or (driver is not None and driver.inflight > 0)) and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        # audit duplicates still out belong to this stage too (peer/next_hop.py `NextHop.shadows`)
+        tasks = [*self.tasks, *self.hop.next_hop.shadows.values()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        parts.server.hop = self.hop = None
+        parts.trips.release()
+        # nothing of the stage is kept past its leave: a peer that moved holds only the stage it serves now
+        self.tasks, self.sync, self.driver = [], None, None
+        runtime, self.runtime = self.runtime, None
+        if runtime is not None:
+            await runtime.run(runtime.save_checkpoint)  # queued behind any backward still running
+            # hivemind's Optimizer.shutdown joins its tracker and averagers (5 s each): off the event loop,
+            # so a second Ctrl-C is still handled meanwhile
+            await asyncio.to_thread(runtime.shutdown)
+        logger.info("%s left the stage (trips %d, tokens %d, errors %s, failed while leaving %d)", self.label,
+                    stats.trips, stats.tokens, dict(stats.errors) or 0, stats.leaving_failures)

@@ -131,6 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_log_level(parser)
     parser.add_argument("--fault-t-fixed-seed", type=int, help=argparse.SUPPRESS)  # fault injection for tests
     parser.add_argument("--fault-cp-version", type=int, help=argparse.SUPPRESS)  # fault injection for tests
+    parser.add_argument("--fault-poison-served-state", action="store_true", help=argparse.SUPPRESS)  # for tests
     return parser
 
 
@@ -208,6 +209,7 @@ def resolve(args: argparse.Namespace) -> tuple[Manifest, PeerOptions]:
         log_interval=float(args.log_interval),
         fault_t_fixed_seed=args.fault_t_fixed_seed,
         fault_cp_version=args.fault_cp_version,
+        fault_poison_served_state=args.fault_poison_served_state,
         audit_rate=float(args.audit_rate),
         relay=args.relay,
         relay_service=args.relay_service == "on",

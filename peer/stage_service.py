@@ -225,7 +225,8 @@ class StageService:
         device = pick_device(options.device)
         with stop_signals_ignored_by_children():  # hivemind's averagers are child processes
             runtime = StageRuntime(manifest, index, parts.dht, device, self.label, options.checkpoint_dir,
-                                   options.fault_t_fixed_seed, checkpoint_every=options.checkpoint_every)
+                                   options.fault_t_fixed_seed, options.fault_poison_served_state,
+                                   checkpoint_every=options.checkpoint_every)
         self.runtime = runtime
         subspace = runtime.stage.subspace
         bounds = {s: plausible_throughput(manifest, s) for s in range(manifest.num_stages)}

@@ -1,0 +1,45 @@
+"""A live stage with a hostile state donor: real peers, the joiner takes only what the stage vouches for."""
+
+from __future__ import annotations
+
+import pytest
+from harness import entries_by_name, online, swarm_of, wait_for
+
+from swarm.presets import preset
+
+
+def _driver_tokens(swarm) -> int:
+    return sum(e.record.tokens for e in entries_by_name(swarm).values() if e.record.stage == 0)
+
+
+def _served_hashes(entries: dict, name: str) -> set[str]:
+    return {item.split(":")[1] for item in entries[name].record.served_states} if name in entries else set()
+
+
+@pytest.mark.slow
+def test_a_joiner_takes_the_state_its_stage_vouches_for_not_the_poisoned_one_asked_first():
+    """Stage 1 has two honest peers and a hostile one (`--fault-poison-served-state`: it declares an epoch a
+    million ahead and serves its parameters shifted by 0.5, noting that hash as served). A joiner downloads its
+    state first and takes an honest peer's: one the records announce, or else the one the others agree with."""
+    manifest = preset("tiny", stages=2)
+    names = ["d0", "a1", "b1", "h1"]
+    with swarm_of(manifest, name="poisoned-donor") as swarm:
+        swarm.spawn_peer("d0", "0")
+        swarm.spawn_peer("a1", "1")
+        swarm.spawn_peer("b1", "1")
+        swarm.spawn_peer("h1", "1", ["--fault-poison-served-state"])
+        wait_for(lambda: online(swarm, names), 180, "four peers online")
+        start = _driver_tokens(swarm)
+        wait_for(lambda: _driver_tokens(swarm) > start + 2000, 180, "training through stage 1")
+        swarm.spawn_peer("fresh", "1")
+        found = wait_for(lambda: online(swarm, ["fresh"]), 240, "the joiner to come online")
+        loaded = found["fresh"].record.loaded_state
+        assert loaded, "the joiner took no state at all"
+        log = (swarm.workdir / "fresh.log").read_text()
+        # it asked the hostile peer first (its record notes the poisoned copy it served) and did not take that
+        poisoned = wait_for(lambda: _served_hashes(entries_by_name(swarm), "h1"), 30, "h1's served state")
+        assert "took state" in log, log[-3000:]
+        assert loaded.split(":")[1] not in poisoned
+        # what it took is a state an honest peer served
+        wait_for(lambda: loaded.split(":")[1] in _served_hashes(entries_by_name(swarm), "a1")
+                 | _served_hashes(entries_by_name(swarm), "b1"), 30, "an honest peer's record to show the state")

@@ -27,6 +27,7 @@ operator's many identities (two of them vouch for each other).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -93,9 +94,14 @@ class VerifiedStateLoad(DecentralizedAverager):
             raise ValueError("a state download is checked before it is returned: wait=False is not supported")
         if time.monotonic() < self.retry_at:
             return None
-        future = MPFuture()
-        self._outer_pipe.send(("_download_states", [], dict(future=future, layout=self.local_state_layout())))
-        states = future.result()
+        layout, future = self.local_state_layout(), MPFuture()
+        self._outer_pipe.send(("_download_states", [], dict(future=future, layout=layout)))
+        budget = StateStream([shape for _, shape in layout], [dtype for dtype, _ in layout]).budget
+        try:  # every donor's stream is bounded by its budget: this only guards against a download that never ends
+            states = future.result(timeout=MAX_ASKED * budget + CONFIRM_WAIT)
+        except TimeoutError:
+            logger.warning("the state download did not end within its donors' budgets")
+            states = []
         if states and self.choose is None:
             return states[0][:2]
         count = len(self.main_parameters)
@@ -109,6 +115,10 @@ class VerifiedStateLoad(DecentralizedAverager):
         """In the averager's process: up to MAX_STATES states, as (metadata, tensors, donor id), from the first
         MAX_ASKED donors by declared priority whose streams read well."""
         states = []
+        # hivemind starts this task without keeping it, and the DHT future it awaits is only weakly held: a task
+        # nobody references is collected while it waits (measured: "Task was destroyed but it is pending", the
+        # owner waiting for ever), so the averager holds it until it ends
+        self._downloads = {*getattr(self, "_downloads", set()), asyncio.current_task()}
         try:
             key = f"{self._matchmaking.group_key_manager.prefix}.all_averagers"
             declared, _ = await self.dht.get(key, latest=True, return_future=True) or ({}, None)
@@ -134,6 +144,7 @@ class VerifiedStateLoad(DecentralizedAverager):
                     break
         finally:
             future.set_result(states)
+            self._downloads.discard(asyncio.current_task())
 
 
 def records_pick(

@@ -110,13 +110,18 @@ def witnesses_needed(other_online: int) -> int:
 
 def agreeing_state(seed: Sequence[torch.Tensor], states: Sequence[Sequence[torch.Tensor]]) -> int | None:
     """Which of several downloaded states to take where no record vouches for any: the medoid (least summed
-    distance to the others), if its nearest other state is no farther from it than either of the two is from
-    `seed` (the run's initial parameters: how far training moved them is the scale honest peers differ on).
+    distance to the others), if its nearest other state is close enough, on the scale of how far training moved
+    the two from `seed` (the run's initial parameters).
 
-    Two honest peers that trained apart differ by less than they moved (measured, tiny preset, 60 s of a local
-    swarm: 0.82 of it), so with one hostile state among three the medoid is honest, and a hostile state is taken
-    only within that distance of an honest one. Of two states, one hostile, neither is taken unless the two
-    agree that closely. None: fewer than two states, or no agreement."""
+    Of three or more states, close enough is the distance the two would be apart had training moved them at right
+    angles, hypot(moved, moved'): honest peers descend one loss from one seed, their moves are not opposed, and
+    they are never farther apart than that, however unequal their epochs (the replicas of a stage step apart,
+    measured: 5, 8 and 12 epochs in one live stage, farther apart than the lesser move; and a peer the drivers sent
+    no trip yet is still at the seed, at epoch 0, beside one at epoch 20). With one hostile state
+    among three the medoid is honest; the hostile one is the medoid only if it lies nearer both honest states
+    than they lie to each other. Of two states, where either may be hostile and a hostile one can inflate its own
+    move, close enough is the lesser move: neither is taken unless the two agree that closely.
+    None: fewer than two states, or no agreement."""
     if len(states) < 2:
         return None
     origin = torch.cat([t.detach().float().flatten() for t in seed])
@@ -129,7 +134,10 @@ def agreeing_state(seed: Sequence[torch.Tensor], states: Sequence[Sequence[torch
     others = apart[pick].clone()
     others[pick] = float("inf")
     near = int(others.argmin())
-    return pick if apart[pick, near] <= min(moved[pick], moved[near]) else None
+    pair = moved[[pick, near]]
+    bound = pair.min() if len(states) == 2 else pair.norm()
+    # a peer still at the seed is exactly the other's move away, which the two norms may round apart
+    return pick if apart[pick, near] <= bound * (1 + 1e-9) else None
 
 
 def online_peers(entries: Sequence[PeerEntry], index: int, t_fixed_sha256: str) -> list[PeerEntry]:

@@ -187,3 +187,21 @@ def test_where_no_record_vouches_the_state_the_others_agree_with_is_taken():
     assert agreeing_state(seed, [near, honest[0]]) == 0
     assert agreeing_state(seed, [[torch.full((1000,), float("nan"))], *honest]) is None
     assert agreeing_state(seed, [[torch.zeros(10)], [torch.zeros(10)]]) is None  # not this stage's shape
+
+
+def test_honest_states_of_unequal_epochs_agree_where_three_are_offered_and_a_far_one_never_does():
+    generator = torch.Generator().manual_seed(1)
+    seed = [torch.zeros(1000)]
+    trained = torch.randn(1000, generator=generator)
+    early = [0.4 * trained + 0.2 * torch.randn(1000, generator=generator)]  # fewer epochs: moved less than apart
+    late = [trained + 0.2 * torch.randn(1000, generator=generator)]
+    moved = float(early[0].norm())
+    assert float((late[0] - early[0]).norm()) > moved  # the lesser move would refuse the honest pair
+    far = [trained + 5.0]
+    assert agreeing_state(seed, [far, early, late]) in (1, 2)  # of three, one of the honest two
+    assert agreeing_state(seed, [far, late]) is None  # of two, a far one inflates its own move in vain
+    assert agreeing_state(seed, [far, early]) is None
+    assert agreeing_state(seed, [[trained * 50.0], early, late]) in (1, 2)  # however far it moved
+    assert agreeing_state(seed, [far, [torch.zeros(1000)], late]) == 2  # beside a peer still at the seed
+    opposed = [-late[0]]  # moves at more than a right angle are no agreement
+    assert agreeing_state(seed, [far, opposed, late]) is None

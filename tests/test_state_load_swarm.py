@@ -34,8 +34,9 @@ def test_a_joiner_takes_the_state_its_stage_vouches_for_not_the_poisoned_one_ask
         swarm.spawn_peer("fresh", "1")
         found = wait_for(lambda: online(swarm, ["fresh"]), 240, "the joiner to come online")
         loaded = found["fresh"].record.loaded_state
-        assert loaded, "the joiner took no state at all"
         log = (swarm.workdir / "fresh.log").read_text()
+        loads = [line for line in log.splitlines() if "peer.state_load" in line or "load state" in line]
+        assert loaded, "the joiner took no state at all:\n" + "\n".join(loads)
         # it asked the hostile peer first (its record notes the poisoned copy it served) and did not take that
         poisoned = wait_for(lambda: _served_hashes(entries_by_name(swarm), "h1"), 30, "h1's served state")
         assert "took state" in log, log[-3000:]

@@ -81,6 +81,14 @@ class VerifiedStateLoad(DecentralizedAverager):
     choose: Choose | None = None
     retry_at = -float("inf")  # (this process's clock) no download before this
 
+    def __init__(self, *args, **kwargs):
+        # hivemind starts each download task without keeping it, and the DHT future it awaits is held only
+        # weakly: a task nobody references is collected while it waits (measured: "Task was destroyed but it
+        # is pending", the owner waiting for ever). The averager holds its downloads here until they end; set
+        # before hivemind starts the averager's process, where they run
+        self._downloads: set[asyncio.Task] = set()
+        super().__init__(*args, **kwargs)
+
     def local_state_layout(self) -> Layout:
         """Our own state's tensors, as a donor streams its own: same model, same optimizer, so the same layout
         (TrainingStateAverager's listing, not a subclass's, which may note what it serves)."""
@@ -115,10 +123,7 @@ class VerifiedStateLoad(DecentralizedAverager):
         """In the averager's process: up to MAX_STATES states, as (metadata, tensors, donor id), from the first
         MAX_ASKED donors by declared priority whose streams read well."""
         states = []
-        # hivemind starts this task without keeping it, and the DHT future it awaits is only weakly held: a task
-        # nobody references is collected while it waits (measured: "Task was destroyed but it is pending", the
-        # owner waiting for ever), so the averager holds it until it ends
-        self._downloads = {*getattr(self, "_downloads", set()), asyncio.current_task()}
+        self._downloads.add(asyncio.current_task())  # held until it ends (`__init__`)
         try:
             key = f"{self._matchmaking.group_key_manager.prefix}.all_averagers"
             declared, _ = await self.dht.get(key, latest=True, return_future=True) or ({}, None)

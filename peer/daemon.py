@@ -63,8 +63,8 @@ class PeerDaemon:
         self.p2p = None
         self.reachability: ReachabilityCheck | None = None
         self.relaying: Relaying | None = None
-        self.placement = Placement(manifest, options, self._fetch, lambda: self.peer_id, lambda: self.label,
-                                   random.Random())
+        self.placement = Placement(manifest, options, self.trips.pinned_lane, self._fetch, lambda: self.peer_id,
+                                   lambda: self.label, random.Random())
         self.refusal_log = RefusalLog(interval=max(6 * options.log_interval, 10.0), started=time.monotonic())
         self.server = TripServer(self.stats, lambda: self.state, self.overload_cap, self.refusal_log,
                                  lambda: self.label)

@@ -37,21 +37,18 @@ class Placement:
         self,
         manifest: Manifest,
         options: PeerOptions,
+        pinned_lane: int | None,
         fetch: Callable[[], Awaitable[dict]],
         peer_id: Callable[[], str],
         label: Callable[[], str],
         rng: random.Random,
     ):
-        self.manifest, self.options, self.fetch = manifest, options, fetch
+        self.manifest, self.options, self.fetch, self.pinned_lane = manifest, options, fetch, pinned_lane
         self.peer_id, self.label, self.rng = peer_id, label, rng
 
     @property
     def pinned_stage(self) -> int | None:
         return None if self.options.stage == "auto" else int(self.options.stage)
-
-    @property
-    def pinned_lane(self) -> int | None:
-        return 0 if self.manifest.lanes == 1 else self.options.lane
 
     @property
     def pinned(self) -> bool:

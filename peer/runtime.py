@@ -1,8 +1,9 @@
 """The stage a peer serves: its layers, its hivemind optimizer, its checkpoints.
 
 All torch work of a stage runs on one worker thread, so concurrent trips never interleave their
-backward passes with an optimizer step: a trip (`peer/trip.py`) submits `backward` (backward,
-check, clip) and `step` (`opt.step`, `zero_grad`) as one job. The event loop only awaits that thread.
+backward passes with an optimizer step. A trip submits one job per phase: `forward`, then `learn` (backward,
+check, clip, then `step`: `opt.step`, `zero_grad`), or `learn_lane` for a lane trip (`peer/trip.py`,
+`peer/lane_trip.py`). The event loop only awaits that thread.
 
 A stage never applies a non-finite update, whatever a trip or a fellow peer sends:
 - a microbatch whose gradients (of the parameters or of the input), or loss, are not finite is
@@ -18,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import time
 from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -155,7 +155,7 @@ class StageRuntime:
         version: int | None = None,
     ) -> tuple[torch.Tensor | None, float | None]:
         """Backward from the incoming gradient (or from the loss on the tail); returns (input gradient,
-        loss). The caller then calls `step` in the same stage-thread job.
+        loss). A trip calls it through `learn`, which steps in the same stage-thread job.
 
         If an optimizer epoch ended while this trip was in flight, the saved graph refers to
         weights that have since changed and autograd refuses it; the forward is then recomputed
@@ -182,6 +182,22 @@ class StageRuntime:
             residual,
             grad.to(self.device) if grad is not None else None,
         )
+        return result
+
+    def learn(
+        self,
+        leaf: torch.Tensor | None,
+        output: torch.Tensor,
+        grad: torch.Tensor | None,
+        tokens: torch.Tensor,
+        residual: torch.Tensor | None,
+        version: int,
+    ) -> tuple[torch.Tensor | None, float | None]:
+        """After a pipeline trip's reply (or on the tail, its forward): `backward` (checked and clipped), then the
+        optimizer's step, in one stage-thread job so no other trip's gradients come in between. Returns (input
+        gradient, loss); a refused trip raises before the step (`_refuse_if_not_finite`)."""
+        result = self.backward(leaf, output, grad, tokens, residual, version)
+        self.step(batch_size=tokens.shape[0])
         return result
 
     def learn_lane(
@@ -289,24 +305,6 @@ class StageRuntime:
         self._hashed_epoch = self.epoch
         self.state_sha256 = parameters_sha256(self.stage)
         self.state_hashes.append(state_entry(self.epoch, self.state_sha256))
-
-    def measure_throughput(self, repeats: int = 2) -> float:
-        """Tokens/s of forward + backward on one microbatch (no optimizer step)."""
-        batch = self.manifest.batch
-        tokens = torch.randint(0, self.manifest.model.vocab_size, (batch.microbatch_size, batch.seq_len))
-        hidden = None
-        if not self.stage.is_head:
-            hidden = self.stage.subspace.t_fixed[tokens.to(self.device)].detach().clone()
-        best = float("inf")
-        for _ in range(repeats):
-            started = time.perf_counter()
-            _, output, _ = self.forward(hidden, tokens)
-            output.float().pow(2).mean().backward()
-            best = min(best, time.perf_counter() - started)
-        self.stage.zero_grad(set_to_none=True)
-        if self.stage.u_accumulator is not None:  # the probe's gradients are not training signal
-            self.stage.u_accumulator.reset()
-        return tokens.numel() / best
 
     def load_from_peers(self) -> bool:
         before = (self.epoch, parameters_sha256(self.stage))

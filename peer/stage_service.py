@@ -66,6 +66,7 @@ class PipelineTrips:
     trip handler is the only one the peer listens on."""
 
     overload_factor = 1  # trips a peer carries per driver trip
+    pinned_lane = 0  # a pipeline stage has one lane: placement picks only the stage
 
     def __init__(self, manifest: Manifest):
         self.manifest = manifest
@@ -105,6 +106,7 @@ class LaneTrips:
 
     def __init__(self, manifest: Manifest, options: PeerOptions):
         self.manifest, self.options = manifest, options
+        self.pinned_lane = options.lane  # --lane, or None: placement picks the lane too
         # every driver's trips pass through every lane: with P lanes a peer carries P times the trips of a pipeline
         # without lanes (measured: 4 lanes refused each other's chunks `overloaded` until their trips collapsed on
         # an 8 Mbit/s link)
@@ -239,7 +241,8 @@ class StageService:
                            options.trip_timeout)
         self.hop = hop = parts.trips.hop(next_hop, parts.stats, self.label, self.lane)
         self.announcer = Announcer(parts.dht, manifest, parts.signer, self.record, lambda: self.label)
-        self.throughput = await runtime.run(runtime.measure_throughput)
+        batch = manifest.batch
+        self.throughput = await runtime.run(runtime.stage.measure_throughput, batch.microbatch_size, batch.seq_len)
         parts.server.set_throughput(self.throughput, hop.tokens_per_trip)
         await self.announcer.announce_now()
         stages = await parts.fetch([index, *routed_stages(manifest, index)])

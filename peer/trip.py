@@ -147,26 +147,12 @@ class Hop:
             # graph never outlives its job and a burst of trips holds one graph's memory, not one per trip
             def whole() -> tuple[torch.Tensor | None, float | None]:
                 leaf, output, residual = runtime.forward(hidden, tokens, version)
-                return self._learn(leaf, output, None, tokens, residual, version)
+                return runtime.learn(leaf, output, None, tokens, residual, version)
 
             input_grad, loss = await runtime.run(whole)
             return HopResult(input_grad, loss, [version])
         leaf, output, residual = await runtime.run(runtime.forward, hidden, tokens, version)
         message = await runtime.run(runtime.encode_forward, version, output, tokens, trip_id, self.index + 1)
         reply = await self.next_hop.send(message)
-        input_grad, _ = await runtime.run(self._learn, leaf, output, reply.grad, tokens, residual, version)
+        input_grad, _ = await runtime.run(runtime.learn, leaf, output, reply.grad, tokens, residual, version)
         return HopResult(input_grad, reply.loss, reply.versions + [version], len(message), reply.size)
-
-    def _learn(
-        self,
-        leaf: torch.Tensor | None,
-        output: torch.Tensor,
-        grad: torch.Tensor | None,
-        tokens: torch.Tensor,
-        residual: torch.Tensor | None,
-        version: int,
-    ) -> tuple[torch.Tensor | None, float | None]:
-        """Backward and the step in one job on the stage thread: no other trip's gradients in between."""
-        result = self.runtime.backward(leaf, output, grad, tokens, residual, version)
-        self.runtime.step(batch_size=tokens.shape[0])
-        return result

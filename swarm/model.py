@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import time
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -255,6 +256,24 @@ class PipelineStage(nn.Module):
         if self.is_tail:
             return self.lm_head(self.final_norm(hidden)), None
         return hidden, residual
+
+    def measure_throughput(self, microbatch_size: int, seq_len: int, repeats: int = 2) -> float:
+        """Tokens/s of forward + backward on one random microbatch (no optimizer step): the speed a peer
+        announces. The probe's gradients are not training signal: they and its U terms are dropped."""
+        device = self.rope_cos.device
+        tokens = torch.randint(0, self.manifest.model.vocab_size, (microbatch_size, seq_len), device=device)
+        hidden = None if self.is_head else self.subspace.t_fixed[tokens].detach().clone().requires_grad_(True)
+        best = float("inf")
+        for _ in range(repeats):
+            started = time.perf_counter()
+            with torch.enable_grad():
+                output, _ = self.forward_with_residual(hidden, tokens)
+                output.float().pow(2).mean().backward()
+            best = min(best, time.perf_counter() - started)
+        self.zero_grad(set_to_none=True)
+        if self.u_accumulator is not None:
+            self.u_accumulator.reset()
+        return tokens.numel() / best
 
     def note_boundaries(
         self,

@@ -47,6 +47,9 @@ def test_the_flavour_answers_what_differs_between_a_pipeline_and_lanes():
     stats.kv_bytes, stats.kv_tokens = 10, 5
     assert pipeline.heartbeat(0, stats) == {}
     assert lanes.heartbeat(1, stats) == {"lane": 1, "kv_bytes": 10, "kv_tokens": 5}
+    # placement picks the lane only where there are lanes: a pipeline's is pinned at 0 whatever --lane said
+    assert (pipeline.pinned_lane, lanes.pinned_lane) == (0, None)
+    assert trip_flavour(LANES, PeerOptions(lane=1)).pinned_lane == 1
 
 
 def test_a_pipeline_stage_0_accepts_no_trips_and_a_lane_stage_0_accepts_its_drivers():
@@ -71,7 +74,8 @@ def test_a_pipeline_stage_0_accepts_no_trips_and_a_lane_stage_0_accepts_its_driv
 
 
 def test_no_module_but_the_factory_asks_whether_the_run_has_lanes():
-    switch = re.compile(r"lanes\s*>\s*1|isinstance\([^)]*LaneHop|\bkv is (not )?None")
+    # a pure check of a value (`peer/lanes.py` `lane_refusal(lane, lanes)`) is not a switch; the manifest's lanes are
+    switch = re.compile(r"lanes\s*>\s*1|\.lanes\s*[=!]=\s*1\b|isinstance\([^)]*LaneHop|\bkv is (not )?None")
     found = [f"{path.name}:{n}" for path in sorted(PEER.glob("*.py"))
              for n, line in enumerate(path.read_text().splitlines(), 1) if switch.search(line)]
     assert found == [f"stage_service.py:{_factory_line()}"], found

@@ -12,6 +12,7 @@ import socket
 import statistics
 import subprocess
 import sys
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,7 @@ from benchmarks.netsim.delay import LinkDelay  # noqa: E402
 from benchmarks.netsim.delay_sweep import points, report  # noqa: E402
 from benchmarks.netsim.forwarder import Direction  # noqa: E402
 from benchmarks.netsim.net import Topology, namespaces  # noqa: E402
+from benchmarks.netsim.trip_time import in_flight, process_cpu_seconds  # noqa: E402
 
 
 def _can_make_delayed_links() -> bool:
@@ -115,3 +117,18 @@ def test_nothing_is_left_when_the_code_using_delayed_links_fails():
     assert not [n for n in namespaces() if n.startswith(topology.tag)]
     assert not _links(topology.tag)
     assert not [pid for pid in pids if Path(f"/proc/{pid}").exists()]
+
+
+def test_trip_accounting_reads_the_logged_trips_held_and_cpu_within_the_window(tmp_path):
+    """`trip_time` explains a cell from outside the peers: the `in flight N` lines of a peer's progress log
+    inside the window (local time, as `logging` writes it), and CPU seconds from /proc."""
+    log = tmp_path / "stage1-lane0.log"
+    log.write_text("2026-11-26 10:00:00,001 INFO peer: s1 900 tokens/s, loss 3.1, 9.0 wire bytes/token, epoch 1, "
+                   "trips 4, in flight 1, errors 0\n"
+                   "2026-11-26 10:00:10,001 INFO peer: s1 950 tokens/s, loss 3.0, 9.0 wire bytes/token, epoch 1, "
+                   "trips 8, in flight 3, errors 0\n"
+                   "2026-11-26 10:00:12,500 WARNING peer: something else\n")
+    at = datetime(2026, 11, 26, 10, 0, 5).timestamp()
+    assert in_flight(log, at, at + 10) == [3]
+    assert in_flight(log, at - 10, at + 10) == [1, 3]
+    assert process_cpu_seconds(os.getpid()) > 0 and process_cpu_seconds(2**22 + 1) is None

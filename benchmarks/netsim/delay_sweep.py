@@ -1,10 +1,13 @@
-"""The pipeline's tokens/s at round-trip delays (issue 27), interleaved and resumable.
+"""The pipeline's or the lanes' tokens/s at round-trip delays (issue 27), interleaved and resumable.
 
     sudo OMP_NUM_THREADS=1 python -m benchmarks.netsim.delay_sweep --out benchmarks/netsim/delay-pipeline.json
+    sudo OMP_NUM_THREADS=1 python -m benchmarks.netsim.delay_sweep --lanes 2 --out benchmarks/netsim/delay-lanes.json
 
 For each target RTT between two peers (each host's link gets RTT/4 each way: a frame crosses the
-sender's link and the receiver's) and each mode, one swarm of real peers (`run.sweep`, one peer per
-stage, the unshaped rate unless `--rate`) is started, measured once, and stopped. Points run RTT by
+sender's link and the receiver's) and each mode, one swarm of real peers (one per stage, or with
+`--lanes P` one per stage and lane, `cp.py`'s manifests and stream floor) is started at the unshaped
+rate unless `--rate`, measured once, and stopped; the cell also keeps each process's CPU share, the
+trips each peer held and the load average (`trip_time.py`), since the cores are shared. Points run RTT by
 RTT with the modes' order alternating, so slow drift of the shared machine falls on both modes alike;
 every cell is appended to `--out` as soon as it is measured and points already there are skipped, so
 an interrupted sweep resumes. `--report` prints the table (ratios to each mode's RTT-0 cell and
@@ -17,11 +20,14 @@ import argparse
 import json
 import signal
 import sys
+import tempfile
 from pathlib import Path
 
-from benchmarks.netsim.harness import cell_dict
+from benchmarks.netsim import cp, trip_time
+from benchmarks.netsim.delay import LinkDelay
+from benchmarks.netsim.harness import NetSimError, NetSwarm, cell_dict
 from benchmarks.netsim.net import cleanup_leftovers
-from benchmarks.netsim.run import MODES, code_version, manifest_for, sweep
+from benchmarks.netsim.run import MODES, code_version, manifest_for
 from tracker.summary import POLL_INTERVAL
 
 
@@ -41,6 +47,33 @@ def points(rtts: list[float], modes: list[str], repeats: int) -> list[tuple[int,
             for mode in modes if (i + repeat) % 2 == 0 else list(reversed(modes)):
                 order.append((repeat, rtt, mode))
     return order
+
+
+def measure_point(mode: str, rtt: float, rate: float | None, args, log) -> dict:
+    """One swarm at one (RTT, rate): started, warmed up, measured once with the probes around it, stopped."""
+    if args.lanes > 1:
+        manifest, peer_args = cp.manifest_for(mode, args.stages, args.lanes, args.seed), \
+            ("--min-stream-kbit", str(args.min_stream_kbit))
+    else:
+        manifest, peer_args = manifest_for(mode, args.stages, args.k, args.seed), ()
+    workdir = Path(tempfile.mkdtemp(prefix=f"netsim-delay-{mode}-"))
+    swarm = NetSwarm(manifest, workdir, max_inflight=args.max_inflight, log=log, peer_args=peer_args,
+                     records_interval=args.records_interval, delay=LinkDelay.symmetric(rtt / 4))
+    try:
+        swarm.start()
+        swarm.wait_training(trips=args.warmup_trips)
+        before = trip_time.snapshot(swarm)
+        cell = swarm.measure(mode, rate, 0, min_window=args.window, max_window=args.max_window,
+                             min_trips=args.min_trips)
+        accounting = trip_time.account(swarm, before, trip_time.snapshot(swarm), cell)
+    finally:
+        swarm.stop()
+        log(f"  stopped; logs in {workdir}")
+    log(f"  load {accounting['load_start']:.1f}->{accounting['load_end']:.1f}, CPU share "
+        + ", ".join(f"{n} {p['cpu_share']:.2f}" for n, p in accounting["peers"].items() if p["cpu_share"] is not None)
+        + ", in flight " + ", ".join(f"{n} {p['in_flight_mean']:.1f}" for n, p in accounting["peers"].items()
+                                      if p["in_flight_mean"] is not None))
+    return {**cell_dict(cell), **accounting}
 
 
 def report(data: dict) -> str:
@@ -68,27 +101,61 @@ def report(data: dict) -> str:
     return "\n".join(lines)
 
 
+def _mean(values: list) -> float | None:
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
+
+
+def trips_report(data: dict) -> str:
+    """Per cell: load average, driver trips/s, and per stage (mean over its lanes) the CPU share of one core,
+    the trips held (log lines), Little's law's seconds per trip there and the CPU seconds per trip."""
+    fmt = lambda v, spec=".2f": "—" if v is None else format(v, spec)  # noqa: E731
+    lines = ["| RTT (ms) | mode | tok/s | load (start–end) | driver trips/s | forwarders' CPU | per stage: CPU share "
+             "of a core / trips held / s per trip there (Little) / CPU s per trip |", "|---|---|---|---|---|---|---|"]
+    for c in sorted((c for c in data["cells"] if "peers" in c), key=lambda c: (c["rtt_ms"], c["repeat"])):
+        stages: dict[str, list[dict]] = {}
+        for name, peer in c["peers"].items():
+            if name != "bootstrap":
+                stages.setdefault(name.split("-")[0], []).append(peer)
+        per_stage = "; ".join(
+            f"{stage}: " + " / ".join(fmt(_mean([p[key] for p in peers]), spec) for key, spec in
+                                      [("cpu_share", ".2f"), ("in_flight_mean", ".1f"), ("seconds_per_trip", ".1f"),
+                                       ("cpu_seconds_per_trip", ".2f")])
+            for stage, peers in sorted(stages.items()))
+        lines.append(f"| {c['rtt_ms']:g} | {c['mode']} | {c['tokens_per_s']:.0f} | {c['load_start']:.1f}–"
+                     f"{c['load_end']:.1f} | {c['trip_rate']:.2f} | {c['forwarders_cpu_share']:.2f} | {per_stage} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rtts", default="0,20,50,100", help="RTT between two peers, ms")
-    parser.add_argument("--modes", default="boundary,dense-bf16")
+    parser.add_argument("--lanes", type=int, default=1, help="context_parallel.size P; > 1 sweeps cp.py's lanes")
+    parser.add_argument("--modes", help="default boundary,dense-bf16; with --lanes cp-subspace,cp-dense")
     parser.add_argument("--rate", default="unshaped", help="Mbit/s per host and direction, or 'unshaped'")
-    parser.add_argument("--stages", type=int, default=3)
+    parser.add_argument("--stages", type=int, help="default 3; with --lanes 2")
     parser.add_argument("--k", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--max-inflight", type=int, default=4)
+    parser.add_argument("--max-inflight", type=int, help="per driver; default 4, with --lanes 2 (cp.py's)")
+    parser.add_argument("--min-stream-kbit", type=float, default=16.0, help="with --lanes: passed to every peer")
     parser.add_argument("--window", type=float, default=40.0)
     parser.add_argument("--max-window", type=float, default=150.0)
-    parser.add_argument("--min-trips", type=int, default=6)
+    parser.add_argument("--min-trips", type=int, help="default 6; with --lanes 4 (cp.py's)")
     parser.add_argument("--warmup-trips", type=int, default=4)
     parser.add_argument("--records-interval", type=float, default=POLL_INTERVAL)
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--out", default="benchmarks/netsim/delay-pipeline.json")
     parser.add_argument("--report", action="store_true", help="print the table from --out and exit")
     args = parser.parse_args(argv)
+    lanes = args.lanes > 1
+    defaults = {"modes": "cp-subspace,cp-dense" if lanes else "boundary,dense-bf16", "stages": 2 if lanes else 3,
+                "max_inflight": 2 if lanes else 4, "min_trips": 4 if lanes else 6}
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     out = Path(args.out)
     if args.report:
-        print(report(_load(out)))
+        print(report(_load(out)) + "\n\n" + trips_report(_load(out)))
         return 0
 
     def on_term(*_):
@@ -106,26 +173,23 @@ def main(argv: list[str] | None = None) -> int:
     data.setdefault("commands", []).append(" ".join(["python -m benchmarks.netsim.delay_sweep",
                                                      *(argv if argv is not None else sys.argv[1:])]))
     data.setdefault("code", code_version())
-    if unknown := [m for m in modes if m not in MODES]:
-        parser.error(f"unknown modes {unknown}; choose from {list(MODES)}")
-    # one measurement per swarm: the repeats are further swarms, interleaved with the other points
-    sweep_args = argparse.Namespace(**{**vars(args), "repeats": 1, "jitter_ms": 0.0, "loss": 0.0})
+    known = cp.MODES if lanes else MODES
+    if unknown := [m for m in modes if m not in known]:
+        parser.error(f"unknown modes {unknown}; choose from {list(known)}")
     try:
         for repeat, rtt, mode in points([float(r) for r in args.rtts.split(",")], modes, args.repeats):
             if _done(data, mode, rtt, repeat):
                 continue
-            sweep_args.delay_ms = rtt / 4
             log(f"RTT {rtt:g} ms ({rtt / 4:g} ms per link each way), {mode}, repeat {repeat}")
-            cells, _ = sweep(mode, manifest_for(mode, args.stages, args.k, args.seed), sweep_args, [rate], log,
-                             extend=False)
-            data["cells"] += [{**cell_dict(c), "rtt_ms": rtt, "repeat": repeat} for c in cells]
+            cell = measure_point(mode, rtt, rate, args, log)
+            data["cells"].append({**cell, "rtt_ms": rtt, "repeat": repeat, "code": code_version()})
             out.write_text(json.dumps(data, indent=1))
-    except KeyboardInterrupt:
-        log("interrupted; what was measured is in the file")
-        return 130
+    except (KeyboardInterrupt, NetSimError) as exc:
+        log(f"stopped: {exc or 'interrupted'}; what was measured is in the file")
+        return 130 if isinstance(exc, KeyboardInterrupt) else 1
     finally:
         cleanup_leftovers()
-    print(report(data))
+    print(report(data) + "\n\n" + trips_report(data))
     return 0
 
 

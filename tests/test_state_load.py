@@ -43,10 +43,10 @@ async def _huge_state(
 HugeDonor = type("SnapshotStateAverager", (TrainingStateAverager,), {"rpc_download_state": _huge_state})
 
 
-def _averager(cls, dht: DHT, value: float) -> TrainingStateAverager:
+def _averager(cls, dht: DHT, value: float, weight_decay: float = 0.0) -> TrainingStateAverager:
     params = [torch.nn.Parameter(torch.full((SIZE,), value))]
-    return cls(dht=dht, optimizer=partial(torch.optim.Adam, lr=0.1), params=params, prefix=PREFIX,
-               min_matchmaking_time=1.0, request_timeout=3.0, start=True)
+    return cls(dht=dht, optimizer=partial(torch.optim.Adam, lr=0.1, weight_decay=weight_decay), params=params,
+               prefix=PREFIX, min_matchmaking_time=1.0, request_timeout=3.0, start=True)
 
 
 def _declared(dht: DHT) -> list[float]:
@@ -60,18 +60,21 @@ def test_a_joiner_refuses_states_the_records_do_not_vouch_for_and_takes_the_next
     first = DHT(start=True)
     dhts, averagers = [first], []
     try:
-        dhts += [DHT(start=True, initial_peers=first.get_visible_maddrs()) for _ in range(3)]
+        dhts += [DHT(start=True, initial_peers=first.get_visible_maddrs()) for _ in range(4)]
         honest = _averager(SnapshotStateAverager, dhts[1], 1.0)
         poisoned = _averager(PoisonedStateDonor, dhts[2], 1.0)  # serves 1.5, declares a million epochs ahead
         huge = _averager(HugeDonor, dhts[3], 1.0)
-        averagers += [honest, poisoned, huge]
+        # honest parameters, but an optimizer whose weight decay of 100 would flip every weight's sign at a step
+        decaying = _averager(SnapshotStateAverager, dhts[4], 1.0, weight_decay=100.0)
+        averagers += [honest, poisoned, huge, decaying]
         honest.state_sharing_priority = 1.0
         poisoned.state_sharing_priority = 1.0
+        decaying.state_sharing_priority = 1e5
         huge.state_sharing_priority = 2e6  # asked first of all
         joiner = _averager(SnapshotStateAverager, first, 0.0)
         averagers.append(joiner)
         deadline = time.monotonic() + 60
-        while _declared(first)[:3] != [2e6, 1e6 + 1, 1.0]:
+        while _declared(first)[:4] != [2e6, 1e6 + 1, 1e5, 1.0]:
             assert time.monotonic() < deadline, "the donors never declared themselves"
             time.sleep(0.5)
         offered: list[list[tuple[str, float]]] = []
@@ -84,8 +87,9 @@ def test_a_joiner_refuses_states_the_records_do_not_vouch_for_and_takes_the_next
         joiner.choose = choose
         joiner.load_state_from_peers()
         ids = {a.peer_id.to_base58(): name for a, name in ((honest, "honest"), (poisoned, "poisoned"))}
-        # the huge donor was read first and refused by the reader (never offered), the poisoned and the honest
-        # states were offered in priority order, and the honest one taken
+        # the huge donor was read first and refused by the reader (never offered), the decaying one's optimizer
+        # state refused before any choice (never offered either), the poisoned and the honest states were offered
+        # in priority order, and the honest one taken
         assert [[(ids[d], v) for d, v in offer] for offer in offered] == [[("poisoned", 1.5), ("honest", 1.0)]]
         assert torch.equal(joiner.main_parameters[0].detach(), torch.ones(SIZE))
 

@@ -107,23 +107,35 @@ def _mean(values: list) -> float | None:
 
 
 def trips_report(data: dict) -> str:
-    """Per cell: load average, driver trips/s, and per stage (mean over its lanes) the CPU share of one core,
-    the trips held (log lines), Little's law's seconds per trip there and the CPU seconds per trip."""
-    fmt = lambda v, spec=".2f": "—" if v is None else format(v, spec)  # noqa: E731
+    """Per cell: load average, driver trips/s, forwarders' CPU, and per stage (mean over its lanes) the main
+    process's CPU share of a core, trips held (log lines), Little's law's seconds per trip there, CPU seconds per
+    trip, and where recorded the stage thread's shares of the window running / runnable (waiting for a core) /
+    neither (waiting for K/V, a reply or a trip)."""
+    fmt = lambda v, spec: "—" if v is None else format(v, spec)  # noqa: E731
     lines = ["| RTT (ms) | mode | tok/s | load (start–end) | driver trips/s | forwarders' CPU | per stage: CPU share "
-             "of a core / trips held / s per trip there (Little) / CPU s per trip |", "|---|---|---|---|---|---|---|"]
+             "/ trips held / s per trip there / CPU s per trip / stage thread running, runnable, waiting |",
+             "|---|---|---|---|---|---|---|"]
     for c in sorted((c for c in data["cells"] if "peers" in c), key=lambda c: (c["rtt_ms"], c["repeat"])):
-        stages: dict[str, list[dict]] = {}
+        stages: dict[str, list[tuple[str, dict]]] = {}
         for name, peer in c["peers"].items():
             if name != "bootstrap":
-                stages.setdefault(name.split("-")[0], []).append(peer)
-        per_stage = "; ".join(
-            f"{stage}: " + " / ".join(fmt(_mean([p[key] for p in peers]), spec) for key, spec in
-                                      [("cpu_share", ".2f"), ("in_flight_mean", ".1f"), ("seconds_per_trip", ".1f"),
-                                       ("cpu_seconds_per_trip", ".2f")])
-            for stage, peers in sorted(stages.items()))
+                stages.setdefault(name.split("-")[0], []).append((name, peer))
+        parts = []
+        for stage, peers in sorted(stages.items()):
+            lanes = len(peers) if len(peers) > 1 else 1
+            text = " / ".join([fmt(_mean([p["cpu_share"] for _, p in peers]), ".2f"),
+                               fmt(_mean([p["in_flight_mean"] for _, p in peers]), ".1f"),
+                               fmt(_mean([trip_time.seconds_per_trip(n, p, c["trip_rate"], lanes) for n, p in peers]),
+                                   ".1f"),
+                               fmt(_mean([p["cpu_seconds_per_trip"] for _, p in peers]), ".2f")])
+            if all("threads" in p for _, p in peers):
+                running = _mean([p["threads"]["stage"]["running"] for _, p in peers])
+                runnable = _mean([p["threads"]["stage"]["runnable"] for _, p in peers])
+                text += f" / {running:.2f}, {runnable:.2f}, {1 - running - runnable:.2f}"
+            parts.append(f"{stage}: {text}")
         lines.append(f"| {c['rtt_ms']:g} | {c['mode']} | {c['tokens_per_s']:.0f} | {c['load_start']:.1f}–"
-                     f"{c['load_end']:.1f} | {c['trip_rate']:.2f} | {c['forwarders_cpu_share']:.2f} | {per_stage} |")
+                     f"{c['load_end']:.1f} | {c['trip_rate']:.2f} | {c['forwarders_cpu_share']:.2f} | "
+                     + "; ".join(parts) + " |")
     return "\n".join(lines)
 
 

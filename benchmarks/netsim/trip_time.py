@@ -48,6 +48,37 @@ def session_cpu_seconds(sid: int) -> float:
     return total
 
 
+def thread_times(pid: int) -> dict[str, tuple[float, float]]:
+    """Per thread id: seconds on a CPU and seconds runnable but waiting for one (`/proc/<pid>/task/*/schedstat`)."""
+    times = {}
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:
+        return times
+    for task in tasks:
+        try:
+            run_ns, wait_ns = (int(v) for v in (task / "schedstat").read_text().split()[:2])
+        except (OSError, ValueError):
+            continue  # the thread ended
+        times[task.name] = (run_ns / 1e9, wait_ns / 1e9)
+    return times
+
+
+def thread_shares(pid: int, before: dict, after: dict, wall: float) -> dict[str, dict[str, float]]:
+    """Shares of the window each kind of thread spent running and runnable (waiting for a core): `loop`, the main
+    thread (event loop, wire); `stage`, the busiest other thread in the window (Python names no OS thread, but
+    `peer/runtime.py`'s one-worker stage executor runs the model: the busiest one while trips flow); `other`, the
+    rest together. A stage thread neither running nor runnable waits for work: K/V, a reply, or a trip."""
+    deltas = {tid: (end[0] - before.get(tid, (0.0, 0.0))[0], end[1] - before.get(tid, (0.0, 0.0))[1])
+              for tid, end in after.items()}
+    main = deltas.pop(str(pid), (0.0, 0.0))
+    stage = max(deltas, key=lambda tid: deltas[tid][0], default=None)
+    busiest = deltas.pop(stage) if stage is not None else (0.0, 0.0)
+    rest = (sum(d[0] for d in deltas.values()), sum(d[1] for d in deltas.values()))
+    return {kind: {"running": run / wall, "runnable": wait / wall}
+            for kind, (run, wait) in {"loop": main, "stage": busiest, "other": rest}.items()}
+
+
 def loadavg() -> float:
     """The one-minute load average."""
     return float(Path("/proc/loadavg").read_text().split()[0])
@@ -58,6 +89,7 @@ def snapshot(swarm) -> dict:
     return {"at": time.time(), "load": loadavg(),
             "cpu": {child.name: process_cpu_seconds(child.process.pid) for child in swarm.children},
             "session_cpu": {child.name: session_cpu_seconds(child.process.pid) for child in swarm.children},
+            "threads": {child.name: thread_times(child.process.pid) for child in swarm.children},
             "forwarders": swarm.topology.forwarder_cpu_seconds()}
 
 
@@ -71,9 +103,22 @@ def in_flight(log: Path, since: float, until: float) -> list[int]:
     return values
 
 
+def served_share(name: str, lanes: int) -> float:
+    """The share of the drivers' trips a peer serves (and holds in `in flight`): every one past stage 0; at
+    stage 0 a lane serves the other lanes' drivers' chunks ((P-1)/P), a pipeline's driver none."""
+    return 1.0 if not name.startswith("stage0") else (lanes - 1) / lanes
+
+
+def seconds_per_trip(name: str, peer: dict, trip_rate: float, lanes: int) -> float | None:
+    """Little's law: the seconds a trip spends at a peer, its trips held over the trips it serves per second."""
+    served = trip_rate * served_share(name, lanes)
+    return peer["in_flight_mean"] / served if peer["in_flight_mean"] is not None and served > 0 else None
+
+
 def account(swarm, before: dict, after: dict, cell) -> dict:
-    """A cell's accounting: per peer, CPU share of one core and trips held (mean of its log lines); machine
-    load at both ends; forwarders' CPU share; and Little's law's seconds per trip at each peer."""
+    """A cell's accounting: per peer, CPU share of one core (main process, whole session, and per kind of thread
+    running and runnable) and trips held (mean of its log lines); machine load at both ends; forwarders' CPU
+    share (`seconds_per_trip` turns trips held into time)."""
     wall = max(after["at"] - before["at"], 1e-9)
     trip_rate = cell.trips / cell.window_s if cell.window_s > 0 else 0.0  # driver trips finished per second
     peers = {}
@@ -81,12 +126,13 @@ def account(swarm, before: dict, after: dict, cell) -> dict:
         start, end = before["cpu"].get(child.name), after["cpu"].get(child.name)
         held = in_flight(child.log, before["at"], after["at"]) if child.name != "bootstrap" else []
         mean_held = statistics.mean(held) if held else None
+        threads = thread_shares(child.process.pid, before["threads"][child.name], after["threads"][child.name], wall)
         peers[child.name] = {
             "cpu_share": None if start is None or end is None else (end - start) / wall,
             "session_cpu_share": (after["session_cpu"][child.name] - before["session_cpu"][child.name]) / wall,
             "in_flight": held, "in_flight_mean": mean_held,
             # Little's law: trips held / trips finished per second = seconds a trip spends at this peer
-            "seconds_per_trip": mean_held / trip_rate if mean_held is not None and trip_rate > 0 else None,
+            "threads": threads,
             "cpu_seconds_per_trip": (end - start) / (trip_rate * wall)
             if start is not None and end is not None and trip_rate > 0 else None,
         }

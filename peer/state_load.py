@@ -21,8 +21,9 @@ choosing (finite ones pass the stage's finiteness check), or make it allocate wi
   behind) waits `RETRY_S`, so a refused load does not hold the stage thread.
 
 - the optimizer state that comes with the parameters is no record's (replicas' moments differ), so it is checked
-  on its own before any choice (`swarm/optimizer_state.py`): the run's hyperparameters, whole step counts, and
-  moments Adam's recurrences can produce; a state that fails is dropped whatever its parameters.
+  on its own before any choice (`swarm/optimizer_state.py`): our entries one for one, the run's hyperparameters,
+  whole step counts, and moments Adam's recurrences can produce; a state that fails is dropped whatever its
+  parameters, one that passes is loaded with our own values (the learning rate too).
 
 Not checked: moments that are plausible but skewed (they bend a few tens of steps, at an honest step's size), and
 peers that are one operator's many identities (two of them vouch for each other).
@@ -38,11 +39,11 @@ from functools import partial
 
 import torch
 from hivemind.averaging.averager import DecentralizedAverager
-from hivemind.optim.state_averager import TrainingStateAverager
+from hivemind.optim.state_averager import TrainingStateAverager, dump_optimizer_state
 from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils.mpfuture import MPFuture
-from hivemind.utils.nested import nested_flatten, nested_pack
+from hivemind.utils.nested import nested_pack
 from hivemind.utils.timed_storage import ValueWithExpiration
 
 from dhtio.records import fetch_stages
@@ -58,7 +59,7 @@ from swarm.live_state import (
 )
 from swarm.manifest import Manifest
 from swarm.model import PipelineStage
-from swarm.optimizer_state import optimizer_state_refusal
+from swarm.optimizer_state import canonical_leaves, optimizer_state_refusal
 from swarm.records import ANNOUNCE_INTERVAL, PeerEntry
 
 logger = logging.getLogger("peer.state_load")
@@ -126,18 +127,22 @@ class VerifiedStateLoad(DecentralizedAverager):
         return states[pick][:2]
 
     def _optimizer_state_fits(self, metadata: dict, tensors: list[torch.Tensor], donor: str) -> bool:
-        """Whether the optimizer state of a downloaded state may be ours (`swarm/optimizer_state.py`): it is rebuilt
-        into our optimizer's structure as hivemind's `load_optimizer_state` would, then checked."""
+        """Whether the optimizer part of a downloaded state may be ours (`swarm/optimizer_state.py`). If it may, its
+        metadata is replaced by ours, so hivemind loads the donor's tensors with our own values (the learning rate
+        included) in our own order."""
+        own_metadata, _ = dump_optimizer_state(self.optimizer)
         ours = self.optimizer.state_dict()
+        offset = len(self.main_parameters) + len(self.extra_tensors)
         try:
-            theirs = packed_optimizer_state(ours, metadata.get("optimizer_metadata"),
-                                            tensors[len(self.main_parameters) + len(self.extra_tensors):])
-            why = optimizer_state_refusal(ours, theirs)
-        except (LiveStateError, TypeError, ValueError, KeyError, AttributeError) as exc:
-            why = f"malformed ({exc})"
+            leaves = canonical_leaves(own_metadata, metadata.get("optimizer_metadata"), tensors[offset:])
+            why = optimizer_state_refusal(ours, nested_pack(leaves, structure=ours))
+        except Exception as exc:  # noqa: BLE001 - whatever a donor's metadata makes fail is a refusal, never a retry
+            why = f"malformed ({str(exc)[:120]})"
         if why is not None:
             logger.warning("state from peer %s refused: its optimizer state: %s", donor[-8:], why)
-        return why is None
+            return False
+        metadata["optimizer_metadata"] = own_metadata
+        return True
 
     async def _download_states(self, future: MPFuture, layout: Layout) -> None:
         """In the averager's process: up to MAX_STATES states, as (metadata, tensors, donor id), from the first
@@ -170,26 +175,6 @@ class VerifiedStateLoad(DecentralizedAverager):
         finally:
             future.set_result(states)
             self._downloads.discard(asyncio.current_task())
-
-
-def packed_optimizer_state(ours: dict, flat_metadata: object, tensors: Sequence[torch.Tensor]) -> dict:
-    """A served optimizer state (hivemind's `dump_optimizer_state`: a flat list of values and tensor indices) as a
-    state dict of `ours`'s structure; LiveStateError if it does not have that structure's leaves."""
-    if not isinstance(flat_metadata, list):
-        raise LiveStateError("no optimizer metadata list")
-    flat = []
-    for elem in flat_metadata:
-        if isinstance(elem, dict) and elem.get("type") == "tensor" and type(elem.get("index")) is int \
-                and 0 <= elem["index"] < len(tensors):
-            flat.append(tensors[elem["index"]])
-        elif isinstance(elem, dict) and elem.get("type") == "value" and "value" in elem:
-            flat.append(elem["value"])
-        else:
-            raise LiveStateError(f"optimizer metadata entry {str(elem)[:80]!r}")
-    leaves = sum(1 for _ in nested_flatten(ours))
-    if len(flat) != leaves:
-        raise LiveStateError(f"{len(flat)} optimizer state entries, ours has {leaves}")
-    return nested_pack(flat, structure=ours)
 
 
 def records_pick(

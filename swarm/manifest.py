@@ -75,6 +75,14 @@ class OptimizerSpec(_Strict):
     warmup_steps: int = Field(default=0, ge=0)
     grad_clip: float = Field(default=1.0, ge=0)
 
+    @model_validator(mode="after")
+    def _moments_bounded(self) -> OptimizerSpec:
+        # Adam's first moment is bounded by its second only when β1² < β2: a peer checks a served optimizer
+        # state against that bound (swarm/optimizer_state.py)
+        if self.beta1**2 >= self.beta2:
+            raise ValueError(f"optimizer.beta1² ({self.beta1**2:g}) must be below optimizer.beta2 ({self.beta2:g})")
+        return self
+
 
 class BatchSpec(_Strict):
     microbatch_size: int = Field(gt=0)

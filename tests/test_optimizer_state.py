@@ -1,21 +1,23 @@
-"""A served optimizer state is loaded only with the run's hyperparameters and moments Adam can produce
-(`swarm/optimizer_state.py`, `peer/state_load.py packed_optimizer_state`)."""
+"""A served optimizer state is loaded only in our own layout, with the run's hyperparameters (and our learning
+rate) and moments Adam can produce (`swarm/optimizer_state.py`, `peer/state_load.py`)."""
 
 from __future__ import annotations
 
 import copy
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 from builders import tiny_manifest
-from hivemind.optim.state_averager import dump_optimizer_state
+from hivemind.optim.state_averager import dump_optimizer_state, load_optimizer_state
+from hivemind.utils.nested import nested_pack
 
-from peer.state_load import packed_optimizer_state
-from swarm.live_state import LiveStateError
+from peer.state_load import VerifiedStateLoad
+from swarm.manifest import OptimizerSpec
 from swarm.model import PipelineStage
 from swarm.optim import make_optimizer
-from swarm.optimizer_state import moment_bound_squared, optimizer_state_refusal
+from swarm.optimizer_state import canonical_leaves, moment_bound_squared, optimizer_state_refusal
 
 
 def _trained(steps: int = 12, seed: int = 0) -> tuple[PipelineStage, torch.optim.Optimizer]:
@@ -42,7 +44,15 @@ def _served(opt: torch.optim.Optimizer) -> tuple[list, list[torch.Tensor]]:
 
 def _refusal(opt: torch.optim.Optimizer, metadata: list, tensors: list[torch.Tensor]) -> str | None:
     ours = opt.state_dict()
-    return optimizer_state_refusal(ours, packed_optimizer_state(ours, metadata, tensors))
+    leaves = canonical_leaves(dump_optimizer_state(opt)[0], metadata, tensors)
+    return optimizer_state_refusal(ours, nested_pack(leaves, structure=ours))
+
+
+def _fits(opt: torch.optim.Optimizer, metadata: list, tensors: list[torch.Tensor]) -> tuple[bool, dict]:
+    """`VerifiedStateLoad._optimizer_state_fits` on a served state (an averager of `opt` with no parameters)."""
+    averager = SimpleNamespace(optimizer=opt, main_parameters=[], extra_tensors=[])
+    served = {"optimizer_metadata": metadata}
+    return VerifiedStateLoad._optimizer_state_fits(averager, served, tensors, "donor"), served
 
 
 def _tensor_of(metadata: list, tensors: list[torch.Tensor], opt, param: int, key: str) -> torch.Tensor:
@@ -109,12 +119,48 @@ def test_the_moment_bound_is_tight_enough_to_matter():
     assert 1.1 < math.sqrt(moment_bound_squared(0.9, 0.95, 10_000)) < 1.2
 
 
-def test_a_malformed_served_state_is_an_error_not_a_crash():
+def test_a_state_not_in_our_layout_is_refused_never_raised():
+    # a tensor where a value belongs (it made the comparison raise, and hivemind retried the load for ever), one
+    # moment named twice or in another parameter's place (shared tensors broke the optimizer for good)
     _, opt = _trained()
-    ours = opt.state_dict()
     metadata, tensors = _served(opt)
-    far, flag = {"type": "tensor", "index": 10**6}, {"type": "tensor", "index": True}
-    for bad in (None, "x", metadata[:-1], metadata + [{"type": "value", "value": 1}],
-                [far] + metadata[1:], [flag] + metadata[1:]):
-        with pytest.raises(LiveStateError):
-            packed_optimizer_state(ours, bad, tensors)
+    slots = [i for i, entry in enumerate(metadata) if entry["type"] == "tensor"]
+    values = [i for i, entry in enumerate(metadata) if entry["type"] == "value"]
+    swapped = copy.deepcopy(metadata)
+    swapped[slots[0]]["index"], swapped[slots[1]]["index"] = metadata[slots[1]]["index"], metadata[slots[0]]["index"]
+    shared = copy.deepcopy(metadata)
+    shared[slots[1]]["index"] = metadata[slots[0]]["index"]
+    tensor_value = copy.deepcopy(metadata)
+    tensor_value[values[0]] = {"type": "tensor", "index": 1}
+    boxed = copy.deepcopy(metadata)
+    boxed[values[0]] = {"type": "value", "value": torch.ones(1)}
+    flag = copy.deepcopy(metadata)
+    flag[slots[0]]["index"] = True if metadata[slots[0]]["index"] == 1 else metadata[slots[0]]["index"] + 0.0
+    for name, bad in {"none": None, "text": "x", "short": metadata[:-1], "long": metadata + [metadata[-1]],
+                      "swapped": swapped, "shared": shared, "tensor as a value": tensor_value,
+                      "a value that is a tensor": boxed, "index not an int": flag,
+                      "not an entry": [None] + metadata[1:]}.items():
+        assert _fits(opt, bad, tensors)[0] is False, name
+        with pytest.raises(ValueError):
+            canonical_leaves(dump_optimizer_state(opt)[0], bad, tensors)
+
+
+def test_a_state_that_fits_is_loaded_with_our_values_and_learning_rate():
+    _, ours = _trained(steps=3, seed=2)
+    _, donor = _trained(steps=12, seed=1)
+    for group in donor.param_groups:
+        group["lr"] = 1e6  # honest moments, a learning rate that would wreck one step
+    metadata, tensors = _served(donor)
+    fits, served = _fits(ours, metadata, tensors)
+    assert fits and served["optimizer_metadata"] == dump_optimizer_state(ours)[0]
+    own_lrs = [group["lr"] for group in ours.param_groups]
+    load_optimizer_state(ours, served["optimizer_metadata"], tensors)  # what hivemind then does
+    assert [group["lr"] for group in ours.param_groups] == own_lrs
+    assert torch.equal(ours.state_dict()["state"][0]["exp_avg"], donor.state_dict()["state"][0]["exp_avg"])
+
+
+def test_the_run_must_have_bounded_moments():
+    assert OptimizerSpec(beta1=0.9, beta2=0.999) and OptimizerSpec(beta1=0.0, beta2=0.01)
+    for beta1, beta2 in ((0.9, 0.8), (0.5, 0.0), (0.99, 0.95)):
+        with pytest.raises(ValueError, match="beta1"):
+            OptimizerSpec(beta1=beta1, beta2=beta2)

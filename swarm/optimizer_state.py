@@ -23,7 +23,7 @@ of its choosing. So a served state is taken only in the canonical form, and what
   slice's Σ m² ≤ the same factor times n·v.
 
 So the first step after a load moves a weight (a constrained slice: its root mean square) by at most the
-learning rate times sup_t √(B(t)(1-β2^t))/(1-β1^t) — 1.17 at the default betas (0.9, 0.95), 7.1 at (0.9, 0.999)
+learning rate times sup_t √(B(t)(1-β2^t))/(1-β1^t) — 1.17 at the default betas (0.9, 0.95), 7.3 at (0.9, 0.999)
 — as an honest state's can. Not caught: honest-looking moments that point a chosen way, or a second moment
 inflated to slow the stage, until Adam's averages forget them (tens of steps).
 """

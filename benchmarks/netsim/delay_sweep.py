@@ -107,14 +107,16 @@ def _mean(values: list) -> float | None:
 
 
 def trips_report(data: dict) -> str:
-    """Per cell: load average, driver trips/s, forwarders' CPU, and per stage (mean over its lanes) the main
+    """Per cell: the peers' CPU (their sessions, p2pd and hivemind's processes included) and tokens per CPU-second
+    of it (flat across RTTs when CPU, not delay, sets the rate), load average, driver trips/s, forwarders' CPU,
+    and per stage (mean over its lanes) the main
     process's CPU share of a core, trips held (log lines), Little's law's seconds per trip there, CPU seconds per
     trip, and where recorded the stage thread's shares of the window running / runnable (waiting for a core) /
     neither (waiting for K/V, a reply or a trip)."""
     fmt = lambda v, spec: "—" if v is None else format(v, spec)  # noqa: E731
-    lines = ["| RTT (ms) | mode | tok/s | load (start–end) | driver trips/s | forwarders' CPU | per stage: CPU share "
-             "/ trips held / s per trip there / CPU s per trip / stage thread running, runnable, waiting |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| RTT (ms) | mode | tok/s | peers' CPU (cores) | tok per peer CPU-s | load (start–end) | driver trips/s "
+             "| forwarders' CPU | per stage: CPU share / trips held / s per trip there / CPU s per trip / stage thread "
+             "running, runnable, waiting |", "|---|---|---|---|---|---|---|---|---|"]
     for c in sorted((c for c in data["cells"] if "peers" in c), key=lambda c: (c["rtt_ms"], c["repeat"])):
         stages: dict[str, list[tuple[str, dict]]] = {}
         for name, peer in c["peers"].items():
@@ -133,7 +135,9 @@ def trips_report(data: dict) -> str:
                 runnable = _mean([p["threads"]["stage"]["runnable"] for _, p in peers])
                 text += f" / {running:.2f}, {runnable:.2f}, {1 - running - runnable:.2f}"
             parts.append(f"{stage}: {text}")
-        lines.append(f"| {c['rtt_ms']:g} | {c['mode']} | {c['tokens_per_s']:.0f} | {c['load_start']:.1f}–"
+        cores = sum(p["session_cpu_share"] for n, p in c["peers"].items() if n != "bootstrap")
+        lines.append(f"| {c['rtt_ms']:g} | {c['mode']} | {c['tokens_per_s']:.0f} | {cores:.2f} | "
+                     f"{c['tokens_per_s'] / cores:.0f} | {c['load_start']:.1f}–"
                      f"{c['load_end']:.1f} | {c['trip_rate']:.2f} | {c['forwarders_cpu_share']:.2f} | "
                      + "; ".join(parts) + " |")
     return "\n".join(lines)
@@ -167,7 +171,8 @@ def main(argv: list[str] | None = None) -> int:
             setattr(args, name, value)
     out = Path(args.out)
     if args.report:
-        print(report(_load(out)) + "\n\n" + trips_report(_load(out)))
+        data = _load(out)
+        print(report(data) + ("\n\n" + trips_report(data) if any("peers" in c for c in data["cells"]) else ""))
         return 0
 
     def on_term(*_):

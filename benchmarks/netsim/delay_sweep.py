@@ -108,11 +108,11 @@ def _mean(values: list) -> float | None:
 
 def trips_report(data: dict) -> str:
     """Per cell: the peers' CPU (their sessions, p2pd and hivemind's processes included) and tokens per CPU-second
-    of it (flat across RTTs when CPU, not delay, sets the rate), load average, driver trips/s, forwarders' CPU,
-    and per stage (mean over its lanes) the main
-    process's CPU share of a core, trips held (log lines), Little's law's seconds per trip there, CPU seconds per
-    trip, and where recorded the stage thread's shares of the window running / runnable (waiting for a core) /
-    neither (waiting for K/V, a reply or a trip)."""
+    of it (the work per token: it grows with retried trips or overheads, not with waiting), load average, driver
+    trips/s, forwarders' CPU, and per stage (mean over its lanes) the main process's CPU share of a core, trips
+    held (log lines), Little's law's seconds per trip there, CPU seconds per trip, and where recorded the stage
+    thread's shares of the window running / runnable (waiting for a core) / neither (waiting for K/V, a reply
+    or a trip)."""
     fmt = lambda v, spec: "—" if v is None else format(v, spec)  # noqa: E731
     lines = ["| RTT (ms) | mode | tok/s | peers' CPU (cores) | tok per peer CPU-s | load (start–end) | driver trips/s "
              "| forwarders' CPU | per stage: CPU share / trips held / s per trip there / CPU s per trip / stage thread "

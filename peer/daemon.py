@@ -99,6 +99,7 @@ class PeerDaemon:
         """Join the DHT (`peer/join.py`); on a failure `stop_processes` stops what it started."""
         joined = join_dht(self.manifest, self.options)
         self.dht, self.signer, self._temp_identity = joined.dht, joined.signer, joined.temp_identity
+        self.signing_key = joined.signing_key
 
     async def _fetch(self, stages: list[int] | None = None) -> dict:
         """The records of `stages` (None: every stage; placement and rebalancing compare them all)."""
@@ -169,9 +170,9 @@ class PeerDaemon:
                 self.manifest.run_id,
                 " ".join(str(a) for a in self.dht.get_visible_maddrs()),
             )
-            parts = PeerParts(self.manifest, self.options, self.dht, self.signer, self.peer_id, self.stats,
-                              self.server, self.relaying, self.reachability, self.refusal_log, self.stop_signals,
-                              self._fetch, self.trips)
+            parts = PeerParts(self.manifest, self.options, self.dht, self.signer, self.signing_key, self.peer_id,
+                              self.stats, self.server, self.relaying, self.reachability, self.refusal_log,
+                              self.stop_signals, self._fetch, self.trips)
             slot = await self.pick_stage_or_stop()
             while slot is not None and not self.stopping.is_set():
                 slot = await self.serve(parts, slot)

@@ -19,6 +19,7 @@ from pathlib import Path
 from hivemind.dht import DHT
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.p2p import P2P
+from hivemind.utils.crypto import RSAPrivateKey
 
 from dhtio.identity import load_identity_key
 from dhtio.validators import make_validators
@@ -33,6 +34,7 @@ from swarm.manifest import Manifest
 class Joined:
     dht: DHT
     signer: RSASignatureValidator  # signs this peer's records (`dhtio.validators.make_validators`)
+    signing_key: RSAPrivateKey  # the signer's key: hivemind's progress tracker must sign with it too
     temp_identity: Path | None  # the throwaway identity's directory, None with --identity
 
 
@@ -48,7 +50,8 @@ def join_dht(manifest: Manifest, options: PeerOptions) -> Joined:
             Path(identity).parent.mkdir(parents=True, exist_ok=True)
             P2P.generate_identity(identity)
             kwargs["check_if_identity_free"] = False  # made just now: nobody else can hold it
-        signer, validators = make_validators(manifest, load_identity_key(identity))
+        key = load_identity_key(identity)
+        signer, validators = make_validators(manifest, key)
         kwargs["record_validators"] = validators
         kwargs["identity_path"] = identity
         if options.announce_maddrs:
@@ -56,7 +59,7 @@ def join_dht(manifest: Manifest, options: PeerOptions) -> Joined:
         kwargs.update(relay_options(options.relay, options.announce_maddrs, options.host_maddrs, route_source()))
         flags = relay_service_flags(options.relay_service, options.relay_budget)
         with stop_signals_ignored_by_children(), daemon_flags(flags):
-            return Joined(DHT(**kwargs), signer, temp)
+            return Joined(DHT(**kwargs), signer, key, temp)
     except BaseException:
         if temp is not None:
             shutil.rmtree(temp, ignore_errors=True)

@@ -21,11 +21,14 @@ bans) but changes nothing in them.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from collections.abc import Callable, Sequence
 
 import torch
 from hivemind.averaging.allreduce import AllreduceException, AllReduceRunner, AveragingMode
+from hivemind.averaging.key_manager import GroupKeyManager
 from hivemind.averaging.partition import TensorPartContainer, TensorPartReducer
 from hivemind.p2p import PeerID
 from hivemind.utils.asyncio import as_aiter, azip
@@ -150,7 +153,9 @@ class CheckedPartContainer(TensorPartContainer):
             super().register_processed_part(peer_index, part_index, part)
 
     def _check(self, own: torch.Tensor, delta: torch.Tensor) -> str | None:
-        if self.reduces_nothing:  # no honest change to compare with: shape and finiteness only
+        # no honest change to compare with, or (a group of two) nothing that can judge the other: shape and
+        # finiteness only
+        if self.reduces_nothing or len(self.num_parts_by_peer) <= 2:
             if delta.shape != own.shape or not torch.isfinite(delta).all():
                 return "a reduced part of the wrong shape or with NaN or inf"
             return None
@@ -195,17 +200,53 @@ class RobustAllReduceRunner(AllReduceRunner):
         self._accuse(self.ordered_peer_ids[peer_index], f"as a reducer: {why}")
 
 
+def pace_lookups(keys: GroupKeyManager, interval: float) -> None:
+    """Let `keys` read the group's averagers from the DHT at most once per `interval` seconds.
+
+    While this peer looks for a group and no one else is declared, hivemind's matchmaking reads the group key
+    again as soon as the last read returned (`PotentialLeaders.pop_next_leader` finds the queue empty and
+    triggers `_update_queue_periodically` at once): a loop of DHT reads for as long as the search lasts, on a
+    machine whose cores the stages' trips need. A read asked for sooner waits out the interval; the cost is
+    that a peer declared meanwhile is seen up to `interval` later."""
+    read = keys.get_averagers
+    last = -float("inf")
+
+    async def paced(group_key, only_active):
+        nonlocal last
+        wait = last + interval - time.monotonic()
+        if wait > 0:
+            await asyncio.sleep(wait)
+        last = time.monotonic()
+        keys.reads = getattr(keys, "reads", 0) + 1
+        return await read(group_key, only_active)
+
+    keys.get_averagers = paced
+
+
 class RobustAveraging:
     """Mixin for a hivemind averager (before it in the bases): every all-reduce runs `runner_class`, and peers
-    accused in any round are banned from this averager's later rounds."""
+    accused in any round are banned from this averager's later rounds. Its matchmaking reads the DHT at most
+    once per `LOOKUP_INTERVAL` (`pace_lookups`)."""
 
     runner_class: type[AllReduceRunner] = RobustAllReduceRunner
     robust_rule = RobustRule()
+    LOOKUP_INTERVAL = 0.2  # seconds between two DHT reads of a matchmaking (`pace_lookups`)
 
     def __init__(self, *args, **kwargs):
         # accused peers and the first reason; set before hivemind forks the averager's process, which owns it
         self.banned_peers: dict[PeerID, str] = {}
         super().__init__(*args, **kwargs)
+
+    @property
+    def _matchmaking(self):
+        return self.__dict__.get("_matchmaking")
+
+    @_matchmaking.setter
+    def _matchmaking(self, matchmaking) -> None:
+        # hivemind builds its Matchmaking in the averager's process, with no hook for the key manager
+        if matchmaking is not None:
+            pace_lookups(matchmaking.group_key_manager, self.LOOKUP_INTERVAL)
+        self.__dict__["_matchmaking"] = matchmaking
 
     def get_banned_peers(self) -> dict[str, str]:
         """The peers this averager banned and why (asked of the averager's process, which holds the list)."""
@@ -225,6 +266,7 @@ class RobustAveraging:
     async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs):
         """hivemind's step, with `runner_class`: build the runner, hand it to the group, add what it yields."""
         group_id = group_info.group_id if group_id is None else group_id
+        began = get_dht_time()
         runner = self.runner_class(
             p2p=self._p2p,
             servicer_type=type(self),
@@ -246,3 +288,6 @@ class RobustAveraging:
             tensor.add_(update, alpha=self._averaging_alpha)
             self.last_updated = get_dht_time()
             self._state_updated.set()
+        keys = self._matchmaking.group_key_manager
+        logger.info("%s averaged in a group of %d in %.2f s (DHT reads so far %d)", self.prefix,
+                    len(group_info.peer_ids), get_dht_time() - began, getattr(keys, "reads", 0))

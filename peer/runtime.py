@@ -24,18 +24,18 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
+from hivemind.utils.crypto import RSAPrivateKey
 
 from peer.finite_state import FiniteStateGuard
 from peer.processes import close_abandoned_loops, release_freed_memory
-from peer.progress import PROGRESS_INTERVAL
-from peer.stage_optimizer import PoisonedStateDonor, SnapshotStateAverager, StageOptimizer
+from peer.stage_optimizer import stage_optimizer
 from peer.state_load import stage_choice
 from swarm.codec import BoundaryCodec
 from swarm.cp_lane import LaneTrip
 from swarm.live_state import copies_entry, parameters_sha256, state_entry
 from swarm.manifest import Manifest
 from swarm.model import PipelineStage, next_token_loss
-from swarm.optim import clip_grad_norm, lr_at, make_optimizer, parameter_groups
+from swarm.optim import clip_grad_norm
 from swarm.subspace import t_fixed_table, tensor_sha256
 from swarm.wire import MAX_GRADIENT_NORM, ErrorCode, WireError, max_token_norm
 
@@ -53,8 +53,7 @@ class StageRuntime:
         checkpoint_dir: str | None = None,
         fault_t_fixed_seed: int | None = None,
         fault_poison_served_state: bool = False,
-        matchmaking_time: float = 3.0,
-        averaging_timeout: float = 30.0,
+        signing_key: RSAPrivateKey | None = None,
         checkpoint_every: int = 50,
     ):
         self.manifest, self.index, self.device, self.label = manifest, index, device, label
@@ -66,39 +65,17 @@ class StageRuntime:
             self.stage.subspace.t_fixed_sha256 = tensor_sha256(table)
         self.codec = BoundaryCodec(manifest, self.stage.subspace)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"stage{index}")
-        spec = manifest.optimizer
-        self.optimizer = StageOptimizer(
-            dht=dht,
-            run_id=f"{manifest.optimizer_prefix}_stage{index}",
-            # with context parallelism each of a stage's P lanes counts a trip's B sequences (of its chunk): an
-            # epoch of `target_batch_size` sequences is P times as many lane samples
-            target_batch_size=manifest.batch.target_batch_size * manifest.lanes,
-            batch_size_per_step=manifest.batch.microbatch_size,
-            optimizer=lambda params: make_optimizer(self.stage, params),
-            params=parameter_groups(self.stage),
-            scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(
-                opt, lambda epoch: lr_at(epoch, spec.lr, spec.warmup_steps) / spec.lr
-            ),
-            matchmaking_time=matchmaking_time,
-            averaging_timeout=averaging_timeout,
-            averager_opts=dict(request_timeout=1.0),
-            # reading the stage's progress more often than peers report it (PROGRESS_INTERVAL) finds nothing new
-            tracker_opts=dict(min_refresh_period=PROGRESS_INTERVAL),
-            # the optimizer steps the stage's own tensors: checkpoints, U switches and re-projections
-            # then act on the one copy that exists (an offloaded copy would silently undo them)
-            offload_optimizer=False,
-            verbose=False,
-            state_donor=PoisonedStateDonor if fault_poison_served_state else SnapshotStateAverager,
+        self.optimizer = stage_optimizer(
+            self.stage, manifest, index, dht, signing_key, fault_poison_served_state, label
         )
-        self.optimizer.state_averager.after_averaging = self._averaged_state_landed
         self.checkpoint_dir = Path(checkpoint_dir) / manifest.run_id if checkpoint_dir else None
         self.checkpoint_every = max(checkpoint_every, 1)
         self.state_sha256 = parameters_sha256(self.stage)
         self.state_hashes: deque[str] = deque(maxlen=16)
         self.loaded_state = ""
         self.served_states: deque[str] = deque(maxlen=4)
-        self.optimizer.state_averager.after_serving = self._state_served
         averager = self.optimizer.state_averager
+        averager.after_averaging, averager.after_serving = self._averaged_state_landed, self._state_served
         averager.choose = stage_choice(self.stage, averager.main_parameters, dht, manifest, index, label)
         self._hashed_epoch = -1
         self._skipped_steps = 0
@@ -265,8 +242,9 @@ class StageRuntime:
         raise WireError(code, f"{what} out of range or not finite; this trip was not trained on")
 
     def step(self, batch_size: int) -> None:
-        """The optimizer step for one microbatch of `batch_size` sequences: hivemind accumulates it and,
-        when the stage's peers together reach the target batch, averages and applies the update."""
+        """The optimizer step for one microbatch of `batch_size` sequences: hivemind accumulates it and, when the
+        stage's peers together reach the target batch, starts averaging; the update lands at a later step, once
+        the round is over (`StageOptimizer`)."""
         self.optimizer.step(batch_size=batch_size)
         self.optimizer.zero_grad(set_to_none=True)
         skipped = getattr(self.optimizer.opt, "skipped_steps", 0)
@@ -275,9 +253,10 @@ class StageRuntime:
             self.guard.report("optimizer step skipped (non-finite averaged gradients)")
         if not self.guard.is_finite():  # averaging with peers, or a download, brought NaN or inf
             self._restore_finite_state("non-finite parameters replaced by the last finite state")
-        if self.epoch != self._hashed_epoch:
-            # the step left constrained tensors in span(U) (SubspaceAdamW projects them); averaged parameters are
-            # re-projected and hashed where they land (_averaged_state_landed)
+        if self.epoch != self._hashed_epoch and not self.optimizer.update_pending:
+            # the epoch's update landed (a step or more after the epoch ended: StageOptimizer); the step left
+            # constrained tensors in span(U) (SubspaceAdamW projects them); averaged parameters are re-projected
+            # and hashed where they land (_averaged_state_landed)
             self._note_state()
             self.guard.keep()
             if self.checkpoint_dir and self.epoch and self.epoch % self.checkpoint_every == 0:

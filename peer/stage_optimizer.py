@@ -4,19 +4,43 @@ progress."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable
 
 import torch
+from hivemind.averaging.control import StepControl
+from hivemind.dht import DHT
 from hivemind.optim.grad_averager import GradientAverager
 from hivemind.optim.optimizer import Optimizer
 from hivemind.optim.state_averager import TrainingStateAverager
+from hivemind.utils.crypto import RSAPrivateKey
 
-from peer.progress import PacedProgressTracker
+from peer.progress import PROGRESS_INTERVAL, PacedProgressTracker
 from peer.robust_averaging import RobustAveraging
 from peer.state_load import VerifiedStateLoad
+from swarm.manifest import Manifest
+from swarm.model import PipelineStage
+from swarm.optim import lr_at, make_optimizer, parameter_groups
 
 DECLARE_INTERVAL = 10.0  # seconds between two state-donor declarations of one peer, at most one in between
+MATCHMAKING_TIME = 1.0  # seconds a group's leader waits for the stage's other peers at an epoch's end
+# A state round starts where each replica's update lands (up to a microbatch or two apart) and runs in the
+# background. With groups of one allowed, the first replica to start formed a group alone at once (hivemind's
+# matchmaking assembles a group as soon as its first declaration times out the leader queue, measured: every
+# state round a group of one, 0.3-0.9 s): a state round takes two peers, waits up to STATE_MATCHMAKING_TIME for
+# the other and gives up after STATE_ROUND_TIMEOUT. The cost: an update landing before the round's result is
+# applied waits for the round and is then overwritten by it (hivemind's delayed state averaging), which epochs
+# longer than the timeout (4 s or more in the probe) leave no time for
+STATE_MATCHMAKING_TIME, STATE_ROUND_TIMEOUT = 3.0, 5.0
+AVERAGING_TIMEOUT = 30.0  # seconds an averaging round may take, matchmaking and all-reduce, before it is given up
+REQUEST_TIMEOUT = 0.5  # seconds to wait for a would-be leader's answer (a dead peer's declaration costs this)
+# seconds a peer's progress record lives: it is renewed every half of it even when idle; a dead peer counts in
+# the stage's progress (its samples extrapolated at its last rate) until its record expires
+PROGRESS_EXPIRATION = 30.0
+MAX_STALE = 5  # epochs a peer may fall behind its stage and move on without downloading the stage's state
+
+logger = logging.getLogger(__name__)
 
 
 class RobustGradientAverager(RobustAveraging, GradientAverager):
@@ -105,22 +129,152 @@ PoisonedStateDonor.__name__ = SnapshotStateAverager.__name__
 
 class StageOptimizer(Optimizer):
     """hivemind's Optimizer with robust gradient and state averaging, serving consistent state to joiners, and
-    quiet while a stage has one peer.
+    averaging rounds that start only at a step that ends the epoch.
 
-    hivemind books a gradient-averaging group ahead of every epoch's end even when no other peer trains
-    the stage, and cancels it at the end. Looking for a group polls the DHT many times a second, and
-    with short epochs a stage looks for one all the time: measured on a 3-stage local swarm, ~100
-    DHT lookups a second, the bulk of each peer's non-trip traffic. Alone in its stage a peer has
-    nobody to average with, so it books nothing (hivemind itself skips the rounds at the epoch).
+    hivemind books each averaging round (gradients, then state) ahead of the epoch's end, at the time it
+    estimates the epoch will end, and commits the peer to a group then. A volunteer running its own data
+    loop always reaches that end; a stage peer reaches it only when a trip reaches it. In a pipeline the
+    booked partner may get no trip for long: the peer that did reach the end waits for it, holding the
+    drivers' trips that would have let it step. Measured in the failover test (tests/test_peer_swarm.py):
+    a joiner booked into a round with the stage's other peer, every trip in flight held by that peer, both
+    idle for the 30 s averaging timeout, epoch after epoch. Here a round starts at the step that ends the
+    epoch: its leader waits `MATCHMAKING_TIME` for whoever else of the stage also ended it, then averages
+    with them (alone, when none came: `min_group_size` 1). Booking nothing ahead also keeps the DHT quiet
+    (booking polls it many times a second: ~100 lookups a second on a 3-stage local swarm).
+
+    The round runs behind the stage's back. hivemind's step waits, on the stage's one thread, for the whole
+    round: matchmaking (at least `MATCHMAKING_TIME`, longer while the other replica reaches the epoch's end)
+    and the all-reduce. Measured on the probe (benchmarks/stage_averaging_probe.py, 128 sequences per epoch):
+    1.0 to 3.5 s a round (once 12 s), of which the all-reduce took 0.15 to 0.5 s; every trip in flight
+    through the stage waited that long, each stage at its own time. Here the step that ends the epoch only
+    hands the accumulated gradients to the averager (its own process) and moves to the next epoch; the
+    stage's trips go on accumulating the next epoch's gradients. The update lands at the first step after
+    the round ended: averaged gradients (or, if the round failed, what the buffers hold: our own gradients,
+    or some parts averaged) into `.grad`, then the optimizer step and, every `average_state_every` epochs,
+    a state round (in the background, as hivemind does it). Everything touching the stage's tensors stays
+    on the stage thread, so the optimizer keeps stepping the stage's own tensors (no offloaded copy for U
+    switches, re-projections and checkpoints to miss). The cost: the first trips of an epoch are computed
+    with the weights before the last epoch's update (at most one update behind, as hivemind's
+    `delay_optimizer_step`); an epoch that ends before the last round did waits for it first.
     """
 
-    def __init__(self, *args, state_donor: type[SnapshotStateAverager] = SnapshotStateAverager, **kwargs):
+    def __init__(self, *args, state_donor: type[SnapshotStateAverager] = SnapshotStateAverager, label: str = "",
+                 **kwargs):
         self.state_donor = state_donor  # the state averager's class: PoisonedStateDonor only to inject a fault
+        self.label = label
+        # the running gradient round whose update has not landed yet, and when its epoch ended
+        self._round: StepControl | None = None
+        self._round_began = 0.0
         super().__init__(*args, **kwargs)
 
+    @property
+    def update_pending(self) -> bool:
+        """An epoch ended and its update has not reached the weights yet (its round is running)."""
+        return self._round is not None
+
+    def step(self, *args, **kwargs):
+        loss = super().step(*args, **kwargs)  # this microbatch's gradients are accumulated by now
+        if self._round is not None and self._round.done():
+            self._land()
+        return loss
+
+    def _update_global_epoch(self, grad_scaler) -> None:
+        """The epoch's end: start its gradient round in the background and move to the next epoch."""
+        assert grad_scaler is None, "a stage steps without a gradient scaler"
+        if self._round is not None:  # the last epoch's round is still running: its update comes first
+            self._land()
+        with self.tracker.pause_updates():
+            round_ = None
+            if self.tracker.global_progress.num_peers > 1:
+                try:
+                    round_ = self.grad_averager.step(wait=False, timeout=self.averaging_timeout)
+                except Exception as exc:  # noqa: BLE001 - then the update is made of our own gradients
+                    logger.warning("%s could not start a gradient round: %r", self.label, exc)
+            if round_ is None:
+                self.grad_averager.load_accumulators_into_averager_()
+                self.grad_averager.reset_accumulated_grads_()
+            self.state_averager.local_epoch += 1
+            self.tracker.update_epoch(new_epoch=self.local_epoch)
+            self._should_check_synchronization_on_update = True
+            if not self.client_mode:
+                self.state_averager.state_sharing_priority = self.local_epoch
+        self._round, self._round_began = round_, time.perf_counter()
+        if round_ is None:  # alone: nothing to wait for
+            self._land()
+
+    def _land(self) -> None:
+        """The ended epoch's update reaches the weights: the round's gradients, the optimizer step, and every
+        `average_state_every` epochs a state round (stage thread)."""
+        round_, self._round = self._round, None
+        waited, group = time.perf_counter() - self._round_began, "alone"
+        if round_ is not None:
+            try:
+                group = f"{len(round_.result(self.averaging_timeout))} peers"
+            except BaseException as exc:  # noqa: BLE001 - a failed round still leaves usable gradients
+                group = f"failed ({exc!r:.60})"
+                if not round_.done():
+                    round_.cancel()
+        began = time.perf_counter()
+        self._load_averaged_gradients_into_optimizer_()
+        average_state = (
+            self.tracker.global_progress.num_peers > 1
+            and self.local_epoch % self.average_state_every == 0
+            and not self.state_averager.averaging_in_progress
+        )
+        self.state_averager.step(
+            optimizer_step=True,
+            averaging_round=average_state,
+            delay_averaging=True,
+            averaging_opts=dict(timeout=STATE_ROUND_TIMEOUT) if average_state else None,
+        )
+        # one line an epoch: INFO when the stage's peers averaged (or failed to), DEBUG for a peer alone
+        logger.log(logging.DEBUG if round_ is None else logging.INFO,
+                   "%s epoch %d update landed: gradients %s, %.2f s after the epoch ended; step %.3f s%s", self.label,
+                   self.local_epoch, group, waited, time.perf_counter() - began,
+                   "; state round started" if average_state else "")
+
+    def _drop_round(self) -> None:
+        """Before a download or a shutdown: the running round is hivemind's to finish (it tags along with it)."""
+        if self._round is not None:
+            self.scheduled_grads, self._round = self._round, None
+            self.grad_averager.notify_used_averaged_gradients()
+
+    def load_state_from_peers(self, **kwargs):
+        self._drop_round()
+        began = time.perf_counter()
+        try:
+            return super().load_state_from_peers(**kwargs)
+        finally:
+            logger.info("%s loading the stage's state took %.2f s (epoch now %d)", self.label,
+                        time.perf_counter() - began, self.local_epoch)
+
+    def shutdown(self):
+        self._drop_round()
+        super().shutdown()
+
+    def _should_load_state_from_peers(self) -> bool:
+        behind = self.tracker.global_epoch - self.local_epoch
+        if behind == 1:
+            # another peer of the stage just ended the epoch and is looking for a group: this step ends ours too
+            # (hivemind's `ready_to_update_epoch`), with what we accumulated (nothing, for an idle peer: then it
+            # tags along and takes the others' update), so that its round has us. Moving the epoch instead left
+            # the other peer's round without a partner (measured: it waited 9.6 s, and this peer's epoch had no
+            # update at all)
+            return False
+        if 0 < behind <= MAX_STALE:  # a few epochs behind: move on with the stage instead of downloading its state
+            logger.info("%s epoch %d -> %d: the stage moved on (caught up without a download)", self.label,
+                        self.local_epoch, self.tracker.global_epoch)
+            with self.tracker.pause_updates():
+                self.state_averager.local_epoch = self.tracker.global_epoch
+                self.tracker.update_epoch(self.tracker.global_epoch)
+            return False
+        return behind > MAX_STALE
+
     def _maybe_schedule_gradient_averaging(self) -> None:
-        if self.tracker.global_progress.num_peers > 1:
-            super()._maybe_schedule_gradient_averaging()
+        """Books nothing ahead (the class docstring)."""
+
+    def _maybe_schedule_state_averaging(self) -> None:
+        """Books nothing ahead (the class docstring)."""
 
     def _make_gradient_averager(self, factory, **kwargs):
         # always the robust averager (hivemind passes its default). Joiners download state from the state
@@ -141,10 +295,11 @@ class StageOptimizer(Optimizer):
         )
 
     def _make_state_averager(self, **kwargs) -> TrainingStateAverager:
+        kwargs["min_group_size"] = 2  # STATE_MATCHMAKING_TIME
         return self.state_donor(
             dht=self.dht,
             prefix=f"{self.run_id}_state_averager",
-            min_matchmaking_time=self.matchmaking_time,
+            min_matchmaking_time=STATE_MATCHMAKING_TIME,
             allreduce_timeout=self.allreduce_timeout,
             shutdown_timeout=self.shutdown_timeout,
             offload_optimizer=self.offload_optimizer,
@@ -156,3 +311,41 @@ class StageOptimizer(Optimizer):
             start=True,
             **kwargs,
         )
+
+
+def stage_optimizer(stage: PipelineStage, manifest: Manifest, index: int, dht: DHT, signing_key: RSAPrivateKey | None,
+                    poison_served_state: bool = False, label: str = "") -> StageOptimizer:
+    """The optimizer of stage `index` of the run, on `stage`'s own tensors.
+
+    Its progress records are signed with `signing_key`, the key the DHT's signature validator signs with
+    (`peer/join.py`): under hivemind's default key every node refused them, each peer saw no other and
+    stepped alone, and replicas of a stage never averaged. A group may be one peer (`min_group_size` 1):
+    a peer whose partner died waits out one matchmaking, not the whole averaging timeout, at each epoch
+    until the dead peer's progress record expires."""
+    spec = manifest.optimizer
+    return StageOptimizer(
+        dht=dht,
+        run_id=f"{manifest.optimizer_prefix}_stage{index}",
+        # with context parallelism each of a stage's P lanes counts a trip's B sequences (of its chunk): an
+        # epoch of `target_batch_size` sequences is P times as many lane samples
+        target_batch_size=manifest.batch.target_batch_size * manifest.lanes,
+        batch_size_per_step=manifest.batch.microbatch_size,
+        optimizer=lambda params: make_optimizer(stage, params),
+        params=parameter_groups(stage),
+        scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(
+            opt, lambda epoch: lr_at(epoch, spec.lr, spec.warmup_steps) / spec.lr
+        ),
+        matchmaking_time=MATCHMAKING_TIME,
+        averaging_timeout=AVERAGING_TIMEOUT,
+        average_state_every=5,
+        averager_opts=dict(request_timeout=REQUEST_TIMEOUT, min_group_size=1),
+        # read no more often than peers report (PROGRESS_INTERVAL)
+        tracker_opts=dict(min_refresh_period=PROGRESS_INTERVAL, private_key=signing_key,
+                          metadata_expiration=PROGRESS_EXPIRATION),
+        # the optimizer steps the stage's own tensors: checkpoints, U switches and re-projections
+        # then act on the one copy that exists (an offloaded copy would silently undo them)
+        offload_optimizer=False,
+        verbose=False,
+        state_donor=PoisonedStateDonor if poison_served_state else SnapshotStateAverager,
+        label=label,
+    )

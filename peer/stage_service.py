@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from hivemind.dht import DHT
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.p2p import P2P, PeerID
+from hivemind.utils.crypto import RSAPrivateKey
 
 from p2pio.relay_service import KV, TRIPS
 from peer.announcer import Announcer, stage_record
@@ -187,6 +188,7 @@ class PeerParts:
     options: PeerOptions
     dht: DHT
     signer: RSASignatureValidator
+    signing_key: RSAPrivateKey  # the signer's key, which the stage's progress records are signed with too
     peer_id: str
     stats: Stats  # the peer's counters: they outlive a move
     server: TripServer  # admits incoming trips for whichever hop is served (`TripServer.hop`)
@@ -228,7 +230,7 @@ class StageService:
         with stop_signals_ignored_by_children():  # hivemind's averagers are child processes
             runtime = StageRuntime(manifest, index, parts.dht, device, self.label, options.checkpoint_dir,
                                    options.fault_t_fixed_seed, options.fault_poison_served_state,
-                                   checkpoint_every=options.checkpoint_every)
+                                   signing_key=parts.signing_key, checkpoint_every=options.checkpoint_every)
         self.runtime = runtime
         subspace = runtime.stage.subspace
         bounds = {s: plausible_throughput(manifest, s) for s in range(manifest.num_stages)}

@@ -3,6 +3,8 @@ hostile one a plain hivemind averager sending bad parts or a reducer returning b
 
 from __future__ import annotations
 
+import asyncio
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -12,7 +14,7 @@ from hivemind.averaging.allreduce import AllReduceRunner
 from hivemind.averaging.partition import TensorPartReducer
 from hivemind.dht import DHT
 
-from peer.robust_averaging import RobustAveraging
+from peer.robust_averaging import RobustAveraging, pace_lookups
 
 pytestmark = pytest.mark.slow
 
@@ -138,3 +140,25 @@ def test_four_honest_peers_ban_nobody_and_get_about_their_mean():
         # CenteredClip clips the honest parts furthest from the centre too: close to the mean, not equal to it
         assert float((averaged - mean_of_four).norm()) < 0.1 * spread()
     assert bans == [{}, {}, {}]
+
+
+def test_matchmaking_reads_the_dht_at_most_once_an_interval():
+    """hivemind re-reads the group key as soon as a read returns while nobody else is declared: paced, a burst of
+    reads is spread one interval apart, each still answered."""
+    calls: list[float] = []
+
+    class Keys:  # what `pace_lookups` wraps of hivemind's GroupKeyManager
+        async def get_averagers(self, group_key, only_active):
+            calls.append(time.monotonic())
+            return [(group_key, only_active)]
+
+    keys = Keys()
+    pace_lookups(keys, 0.05)
+
+    async def burst() -> list:
+        return [await keys.get_averagers("stage1", True) for _ in range(5)]
+
+    assert asyncio.run(burst()) == [[("stage1", True)]] * 5
+    gaps = [later - earlier for earlier, later in zip(calls, calls[1:], strict=False)]
+    # asyncio may wake a timer up to its clock's resolution early: unpaced, the reads would be microseconds apart
+    assert len(calls) == 5 and min(gaps) >= 0.04 and keys.reads == 5

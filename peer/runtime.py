@@ -20,6 +20,7 @@ import asyncio
 import logging
 import math
 from collections import Counter, deque
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -77,6 +78,7 @@ class StageRuntime:
         averager = self.optimizer.state_averager
         averager.after_averaging, averager.after_serving = self._averaged_state_landed, self._state_served
         averager.choose = stage_choice(self.stage, averager.main_parameters, dht, manifest, index, label)
+        self.optimizer.checked_download = self._checked_download
         self._hashed_epoch = -1
         self._skipped_steps = 0
         self.guard = FiniteStateGuard(self.stage, self.optimizer, device, label)
@@ -286,12 +288,18 @@ class StageRuntime:
         self.state_hashes.append(state_entry(self.epoch, self.state_sha256))
 
     def load_from_peers(self) -> bool:
-        before = (self.epoch, parameters_sha256(self.stage))
+        """A joiner's download of the stage's state (the optimizer's catch-up downloads take the same checks)."""
         try:
-            self.optimizer.load_state_from_peers()
+            return self.optimizer.load_state_from_peers()
         except Exception as exc:  # noqa: BLE001 - a failed download must not kill the peer
             logger.warning("%s could not load state from peers: %s", self.label, exc)
             return False
+
+    def _checked_download(self, download: Callable[[], None]) -> bool:
+        """Every download (stage thread): refused if not finite; the state taken is noted as loaded, so our record
+        is no witness of it (`swarm/live_state.py confirmations`), then re-projected and hashed as ours."""
+        before = (self.epoch, parameters_sha256(self.stage))
+        download()
         # hashed as received, before our own re-projection, so it compares with the donor's hashes
         received = (self.epoch, parameters_sha256(self.stage))
         if received == before:  # hivemind returns quietly if no donor answered

@@ -165,6 +165,8 @@ class StageOptimizer(Optimizer):
         # the running gradient round whose update has not landed yet, and when its epoch ended
         self._round: StepControl | None = None
         self._round_began = 0.0
+        # every download, a join's or a catch-up inside `step`, goes through the owner's checks (peer/runtime.py)
+        self.checked_download: Callable[[Callable[[], None]], bool] = _unchecked
         super().__init__(*args, **kwargs)
 
     @property
@@ -239,11 +241,14 @@ class StageOptimizer(Optimizer):
             self.scheduled_grads, self._round = self._round, None
             self.grad_averager.notify_used_averaged_gradients()
 
-    def load_state_from_peers(self, **kwargs):
+    def load_state_from_peers(self, **kwargs) -> bool:
+        """Whether a state was taken. hivemind calls this from `step` too, when the peer fell more than MAX_STALE
+        epochs behind: that download is checked and noted as a join's is, or the peer would hash the state it took
+        as its own and vouch for it to the next joiner (`swarm/live_state.py confirmations`)."""
         self._drop_round()
         began = time.perf_counter()
         try:
-            return super().load_state_from_peers(**kwargs)
+            return self.checked_download(lambda: super(StageOptimizer, self).load_state_from_peers(**kwargs))
         finally:
             logger.info("%s loading the stage's state took %.2f s (epoch now %d)", self.label,
                         time.perf_counter() - began, self.local_epoch)
@@ -311,6 +316,11 @@ class StageOptimizer(Optimizer):
             start=True,
             **kwargs,
         )
+
+
+def _unchecked(download: Callable[[], None]) -> bool:
+    download()
+    return True
 
 
 def stage_optimizer(stage: PipelineStage, manifest: Manifest, index: int, dht: DHT, signing_key: RSAPrivateKey | None,

@@ -90,12 +90,14 @@ def model_from_state(manifest: Manifest, index: int, tensors: Sequence[torch.Ten
 def confirmations(entries: Sequence[PeerEntry], index: int, entry: str, donor: str) -> list[StagePeerRecord]:
     """The records of online peers of stage `index` that announce the state `entry` ("epoch:hash"): as one they
     held (`state_hashes`), or, for the donor, as the one it served (`served_states`, hashed from the copy it sent,
-    so found however many epochs it stepped before announcing). A peer that loaded `entry` from another is no
-    witness; one record per peer."""
+    so found however many epochs it stepped before announcing). A peer that loaded those parameters from another
+    is no witness, whatever epoch it loaded them at (hivemind may move a download's epoch on by one); one record
+    per peer."""
     found: dict[str, StagePeerRecord] = {}
+    digest = entry.partition(":")[2]
     for e in entries:
         record = e.record
-        if record.state != "online" or record.stage != index or record.loaded_state == entry:
+        if record.state != "online" or record.stage != index or record.loaded_state.partition(":")[2] == digest:
             continue
         if entry in record.state_hashes or (record.peer_id == donor and entry in record.served_states):
             found[record.peer_id] = record

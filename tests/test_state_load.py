@@ -170,6 +170,8 @@ def test_the_records_vouch_with_two_witnesses_or_the_only_other_peer():
     assert _pick([donor, other, liar], [("7:ffffffffffffffff", liar.record.peer_id), *offer]) == 1
     laundered = _peer("joined", state_hashes=[ENTRY], loaded_state=ENTRY)  # it holds the state only by loading it
     assert _pick([donor, laundered], offer) is None
+    moved_on = _peer("caught-up", state_hashes=[ENTRY], loaded_state="6:00112233445566ff")  # loaded at another epoch
+    assert _pick([donor, moved_on], offer) is None
     # our own record is no witness
     me = _peer("me", state_hashes=[ENTRY])
     assert _pick([donor, liar, me], offer, own=me.record.peer_id) is None

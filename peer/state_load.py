@@ -39,11 +39,11 @@ from functools import partial
 
 import torch
 from hivemind.averaging.averager import DecentralizedAverager
-from hivemind.optim.state_averager import TrainingStateAverager, dump_optimizer_state
+from hivemind.optim.state_averager import TrainingStateAverager
 from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils.mpfuture import MPFuture
-from hivemind.utils.nested import nested_pack
+from hivemind.utils.nested import nested_flatten, nested_pack
 from hivemind.utils.timed_storage import ValueWithExpiration
 
 from dhtio.records import fetch_stages
@@ -116,7 +116,8 @@ class VerifiedStateLoad(DecentralizedAverager):
         except TimeoutError:
             logger.warning("the state download did not end within its donors' budgets")
             states = []
-        states = [state for state in states if self._optimizer_state_fits(*state)]
+        ours = self.optimizer.state_dict()  # once per load: every state is checked against the same
+        states = [state for state in states if self._optimizer_state_fits(*state, ours, _metadata_of(ours))]
         if states and self.choose is None:
             return states[0][:2]
         count = len(self.main_parameters)
@@ -126,12 +127,12 @@ class VerifiedStateLoad(DecentralizedAverager):
             return None
         return states[pick][:2]
 
-    def _optimizer_state_fits(self, metadata: dict, tensors: list[torch.Tensor], donor: str) -> bool:
-        """Whether the optimizer part of a downloaded state may be ours (`swarm/optimizer_state.py`). If it may, its
-        metadata is replaced by ours, so hivemind loads the donor's tensors with our own values (the learning rate
-        included) in our own order."""
-        own_metadata, _ = dump_optimizer_state(self.optimizer)
-        ours = self.optimizer.state_dict()
+    def _optimizer_state_fits(self, metadata: dict, tensors: list[torch.Tensor], donor: str, ours: dict,
+                              own_metadata: list[dict]) -> bool:
+        """Whether the optimizer part of a downloaded state may be `ours` (our optimizer's state dict, whose
+        `dump_optimizer_state` metadata is `own_metadata`: `swarm/optimizer_state.py`). If it may, its metadata is
+        replaced by ours, so hivemind loads the donor's tensors with our own values (the learning rate included)
+        in our own order."""
         offset = len(self.main_parameters) + len(self.extra_tensors)
         try:
             leaves = canonical_leaves(own_metadata, metadata.get("optimizer_metadata"), tensors[offset:])
@@ -175,6 +176,18 @@ class VerifiedStateLoad(DecentralizedAverager):
         finally:
             future.set_result(states)
             self._downloads.discard(asyncio.current_task())
+
+
+def _metadata_of(state_dict: dict) -> list[dict]:
+    """hivemind's `dump_optimizer_state` metadata of an optimizer's `state_dict`, without copying its tensors."""
+    metadata, count = [], 0
+    for leaf in nested_flatten(state_dict):
+        if isinstance(leaf, torch.Tensor):
+            metadata.append(dict(type="tensor", index=count))
+            count += 1
+        else:
+            metadata.append(dict(type="value", value=leaf))
+    return metadata
 
 
 def records_pick(

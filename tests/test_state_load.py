@@ -13,7 +13,7 @@ import pytest
 import torch
 from builders import stage_record, tiny_manifest
 from hivemind.dht import DHT
-from hivemind.optim.state_averager import TrainingStateAverager
+from hivemind.optim.state_averager import TrainingStateAverager, dump_optimizer_state
 from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.serializer import MSGPackSerializer
@@ -21,8 +21,10 @@ from hivemind.utils.serializer import MSGPackSerializer
 import p2pio.state_stream
 from p2pio.state_stream import StateStream, read_state
 from peer.stage_optimizer import PoisonedStateDonor, SnapshotStateAverager
-from peer.state_load import records_pick
+from peer.state_load import _metadata_of, records_pick
 from swarm.live_state import LiveStateError, agreeing_state, witnesses_needed
+from swarm.model import PipelineStage
+from swarm.optim import make_optimizer, parameter_groups
 from swarm.records import PeerEntry
 
 PREFIX = "run_stage1_state_averager"
@@ -211,3 +213,12 @@ def test_honest_states_of_unequal_epochs_agree_where_three_are_offered_and_a_far
     assert agreeing_state(seed, [far, [torch.zeros(1000)], late]) == 2  # beside a peer still at the seed
     opposed = [-late[0]]  # moves at more than a right angle are no agreement
     assert agreeing_state(seed, [far, opposed, late]) is None
+
+
+def test_a_load_reads_our_optimizer_metadata_as_hivemind_dumps_it_without_copying_tensors():
+    stage = PipelineStage(MANIFEST, 1)
+    optimizer = make_optimizer(stage, parameter_groups(stage))
+    for param in stage.parameters():
+        param.grad = torch.ones_like(param)
+    optimizer.step()
+    assert _metadata_of(optimizer.state_dict()) == dump_optimizer_state(optimizer)[0]

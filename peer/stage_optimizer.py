@@ -267,13 +267,22 @@ class StageOptimizer(Optimizer):
             # update at all)
             return False
         if 0 < behind <= MAX_STALE:  # a few epochs behind: move on with the stage instead of downloading its state
-            logger.info("%s epoch %d -> %d: the stage moved on (caught up without a download)", self.label,
-                        self.local_epoch, self.tracker.global_epoch)
-            with self.tracker.pause_updates():
-                self.state_averager.local_epoch = self.tracker.global_epoch
-                self.tracker.update_epoch(self.tracker.global_epoch)
+            self._move_epoch("caught up without a download")
+            return False
+        if behind > MAX_STALE and self.local_epoch > 0 and time.monotonic() < self.state_averager.retry_at:
+            # the last download took nothing (`VerifiedStateLoad`): a peer that trained keeps its own state and
+            # moves on, rather than drop every microbatch until the next download (hivemind: "out of sync"). A
+            # joiner at epoch 0 holds only the seed and keeps waiting for a state it can take
+            self._move_epoch("kept its own state: no download it could take")
             return False
         return behind > MAX_STALE
+
+    def _move_epoch(self, why: str) -> None:
+        logger.info("%s epoch %d -> %d: the stage moved on (%s)", self.label, self.local_epoch,
+                    self.tracker.global_epoch, why)
+        with self.tracker.pause_updates():
+            self.state_averager.local_epoch = self.tracker.global_epoch
+            self.tracker.update_epoch(self.tracker.global_epoch)
 
     def _maybe_schedule_gradient_averaging(self) -> None:
         """Books nothing ahead (the class docstring)."""

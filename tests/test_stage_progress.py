@@ -72,28 +72,61 @@ def test_the_peers_of_a_stage_see_each_other_only_when_signing_with_the_dht_key(
             assert stored is None and seen == [0, 0]
 
 
-def test_a_peer_that_fell_behind_and_downloads_inside_its_step_is_no_witness_of_the_state_it_took():
-    """A peer more than MAX_STALE epochs behind downloads the stage's state inside hivemind's `step`, which calls
-    the optimizer's `load_state_from_peers`, not the join's `StageRuntime.load_from_peers`. It must note that state
-    as loaded: had it hashed it as its own (it did, at the next epoch change), a hostile donor's state would gain a
-    witness and the next joiner would take it (a CI run of tests/test_state_load_swarm.py saw exactly that). The
-    records' rule is bypassed here (`choose` takes the first state) so the download is sure to land: what is
-    checked is the bookkeeping around it."""
-    with _two_peers() as (first, runtimes):
-        behind, ahead = runtimes
-        with torch.no_grad():  # the peer ahead trained: its parameters differ from the seed's
-            for param in ahead.stage.parameters():
-                param.add_(0.01)
-        epoch = MAX_STALE + 3
-        ahead.optimizer.state_averager.local_epoch = epoch
-        ahead.optimizer.state_averager.state_sharing_priority = epoch  # declares it a donor
-        behind.optimizer.state_averager.choose = lambda candidates: 0
+def _ahead(runtime: StageRuntime, epoch: int) -> None:
+    """The peer trained on (its parameters moved) and reached `epoch`; it declares itself a state donor."""
+    with torch.no_grad():
+        for param in runtime.stage.parameters():
+            param.add_(0.01)
+    runtime.optimizer.state_averager.local_epoch = epoch
+    runtime.optimizer.state_averager.state_sharing_priority = epoch
+
+
+def _step_until_caught_up(runtime: StageRuntime, ahead: StageRuntime, timeout: float = 90.0) -> None:
+    """Both report progress, as training peers do; `runtime` steps (a microbatch of zero gradients) whenever it
+    sees the stage more than MAX_STALE epochs ahead, until it reached `ahead`'s epoch."""
+    deadline = time.monotonic() + timeout
+    while runtime.epoch < ahead.epoch and time.monotonic() < deadline:
+        ahead.optimizer.tracker.report_local_progress(ahead.epoch, 2)
+        runtime.optimizer.tracker.report_local_progress(runtime.epoch, 1)
+        if runtime.optimizer.tracker.global_epoch > runtime.epoch + MAX_STALE:
+            for param in runtime.stage.parameters():
+                param.grad = torch.zeros_like(param)
+            runtime.step(batch_size=1)
+        time.sleep(1.0)
+    assert runtime.epoch >= ahead.epoch, (runtime.epoch, runtime.optimizer.tracker.global_epoch)
+
+
+def test_a_peer_that_fell_behind_downloads_inside_its_step_and_is_no_witness_of_the_state_it_took():
+    """A peer more than MAX_STALE epochs behind downloads the stage's state inside hivemind's `step`, not through
+    the join's `StageRuntime.load_from_peers`. It must note that state as loaded: had it hashed it as its own (it
+    did, at the next epoch change), a hostile donor's state would gain a witness and the next joiner would take
+    it (a CI run of tests/test_state_load_swarm.py saw exactly that). The records' rule is bypassed here
+    (`choose` takes the first state) so the download is sure to land: what is checked is the bookkeeping."""
+    with _two_peers() as (_, (behind, ahead)):
+        _ahead(ahead, MAX_STALE + 3)
         taken = parameters_sha256(ahead.stage)
-        deadline = time.monotonic() + 30.0
-        while not first.get(f"{behind.optimizer.run_id}_state_averager.all_averagers", latest=True):
-            assert time.monotonic() < deadline, "the donor never declared itself"
-            time.sleep(0.5)
-        assert behind.optimizer.load_state_from_peers()  # what hivemind's step calls when out of sync
-        assert behind.epoch == epoch and behind.loaded_state == state_entry(epoch, taken)
+        behind.optimizer.state_averager.choose = lambda candidates: 0
+        _step_until_caught_up(behind, ahead)
+        assert behind.loaded_state == state_entry(MAX_STALE + 3, taken)
         record = stage_record(1, "behind", state_hashes=list(behind.state_hashes), loaded_state=behind.loaded_state)
         assert not confirmations([PeerEntry(record, 0.0, b"")], 1, behind.loaded_state, donor="ahead")
+
+
+def test_a_peer_that_trained_keeps_its_own_state_when_its_catch_up_takes_nothing():
+    """Where no state can be taken (here `choose` refuses all), a peer that trained (epoch 1) moves to the stage's
+    epoch with its own parameters at the next step, instead of dropping every microbatch until its next download
+    (`StageOptimizer._should_load_state_from_peers`)."""
+    with _two_peers() as (_, (behind, ahead)):
+        with behind.optimizer.tracker.pause_updates():
+            behind.optimizer.state_averager.local_epoch = 1
+            behind.optimizer.tracker.update_epoch(1)
+        _ahead(ahead, MAX_STALE + 3)
+        own = [param.detach().clone() for param in behind.stage.parameters()]
+        behind.optimizer.state_averager.choose = lambda candidates: None
+        _step_until_caught_up(behind, ahead)
+        # its own parameters (the step that moved it may have ended an epoch of zero gradients), not the stage's,
+        # which are 0.01 away
+        params = [param.detach() for param in behind.stage.parameters()]
+        moved = max(float((param - was).abs().max()) for param, was in zip(params, own, strict=True))
+        assert moved < 0.005 and behind.loaded_state == "", moved
+        assert behind.optimizer.state_averager.retry_at > time.monotonic()  # it did try a download first

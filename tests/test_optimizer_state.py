@@ -13,7 +13,7 @@ from builders import tiny_manifest
 from hivemind.optim.state_averager import dump_optimizer_state, load_optimizer_state
 from hivemind.utils.nested import nested_pack
 
-from peer.state_load import VerifiedStateLoad
+from peer.state_load import VerifiedStateLoad, _metadata_of
 from swarm.manifest import OptimizerSpec
 from swarm.model import PipelineStage
 from swarm.optim import make_optimizer
@@ -50,9 +50,9 @@ def _refusal(opt: torch.optim.Optimizer, metadata: list, tensors: list[torch.Ten
 
 def _fits(opt: torch.optim.Optimizer, metadata: list, tensors: list[torch.Tensor]) -> tuple[bool, dict]:
     """`VerifiedStateLoad._optimizer_state_fits` on a served state (an averager of `opt` with no parameters)."""
-    averager = SimpleNamespace(optimizer=opt, main_parameters=[], extra_tensors=[])
-    served = {"optimizer_metadata": metadata}
-    return VerifiedStateLoad._optimizer_state_fits(averager, served, tensors, "donor"), served
+    averager = SimpleNamespace(main_parameters=[], extra_tensors=[])
+    served, ours = {"optimizer_metadata": metadata}, opt.state_dict()
+    return VerifiedStateLoad._optimizer_state_fits(averager, served, tensors, "donor", ours, _metadata_of(ours)), served
 
 
 def _tensor_of(metadata: list, tensors: list[torch.Tensor], opt, param: int, key: str) -> torch.Tensor:

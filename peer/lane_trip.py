@@ -6,7 +6,8 @@ With `context_parallel.size` P > 1 a trip is a row of P lane trips. The driver (
 lane's stage-0 peer; lane c of stage s hands its boundary message to the group's lane-c peer of stage s+1
 and waits for its reply, like a pipeline `Hop` (`peer/trip.py`, its sibling: both serve through `serve_trip`),
 while every layer's K/V crosses between the lanes of the stage (`peer/kv_exchange.py`, computed by
-`swarm.cp_lane.LaneTrip`).
+`swarm.cp_lane.LaneTrip`). A lane sends a layer's K/V (and backward its gradients) without waiting for the
+receivers' ACKs before the next layer (`_Sends`); the trip awaits them all before its step.
 
 Every boundary message of a lane trip carries its claim (`peer/lane_claim.py`: the group, the chunk's place, and
 on an audited trip the audit fork, the lane trips' equivalent of a pipeline hop's duplicate), checked before any
@@ -69,9 +70,9 @@ def largest_kv_message(manifest: Manifest) -> int:
     return max(message_limit(codec, 0, mode) for mode in (spec.mode, DENSE_KV))
 
 
-async def _together(first, second):
-    """Run two awaitables at once; the first failure cancels the other (no orphan keeps a K/V exchange busy)."""
-    tasks = [asyncio.ensure_future(first), asyncio.ensure_future(second)]
+async def _together(*awaitables) -> list:
+    """Run awaitables at once; the first failure cancels the others (no orphan keeps a K/V exchange busy)."""
+    tasks = [asyncio.ensure_future(a) for a in awaitables]
     try:
         return await asyncio.gather(*tasks)
     except BaseException:
@@ -90,8 +91,48 @@ async def _own(exchanging) -> None:
         raise WireError(exc.code, exc.message) from None
 
 
-async def _nothing() -> None:
-    return None
+class _Sends:
+    """One lane trip's K/V sends in flight (issue 27). A receiver needs a message's one-way trip, the sender
+    nothing back: waiting for each layer's ACK before the next layer's compute cost a round trip per layer and
+    direction. Each layer sends at most once per direction, so a trip holds at most 2 × its layers' sends (and
+    their tensors). A failed send fails the trip as soon as a wait of the trip sees it (`watch`), as when every
+    send was awaited; `settle` awaits them all before the step touches weights, and `cancel` leaves no task
+    behind the exchange's close."""
+
+    def __init__(self) -> None:
+        self.tasks: list[asyncio.Future] = []
+        self.failed = asyncio.Event()
+
+    def start(self, send) -> None:
+        task = asyncio.ensure_future(send)
+        task.add_done_callback(self._done)
+        self.tasks.append(task)
+
+    def _done(self, task: asyncio.Future) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            self.failed.set()
+
+    async def watch(self, waiting):
+        """`waiting`'s result, unless a send fails first: then that failure (the wait cancelled)."""
+        tasks = asyncio.ensure_future(waiting), asyncio.ensure_future(self.failed.wait())
+        try:
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        if self.failed.is_set():
+            await self.settle()
+        return tasks[0].result()
+
+    async def settle(self) -> None:
+        """Every send done; the first failure is raised, the others cancelled."""
+        await _together(*self.tasks)
+
+    async def cancel(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
 
 
 class LaneHop:
@@ -159,9 +200,10 @@ class LaneHop:
         backward with the exchange, then the gradients applied and the step in one job."""
         runtime = self.runtime
         exchange = await self.kv.open(trip_id, claim.group[self.index], link=self.kv_link)
+        sends = _Sends()
         try:
             lane = await runtime.run(self._start, claim.lane, tokens, hidden, version)
-            await _own(self._forward(lane, exchange))
+            await _own(self._forward(lane, exchange, sends))
             sent = received = 0
             residual = out_grad = None
             if runtime.stage.is_tail:
@@ -181,32 +223,37 @@ class LaneHop:
                 await runtime.run(lane.backward_output, reply.grad)
                 loss, versions, out_grad = reply.loss, reply.versions + [version], reply.grad
                 sent, received = len(message), reply.size
-            await _own(self._backward(lane, exchange))
+            await _own(self._backward(lane, exchange, sends))
+            await _own(sends.settle())
             input_grad = await runtime.run(runtime.learn_lane, lane, tokens, residual, out_grad, version)
             self.stats.kv_bytes += exchange.bytes_out
             self.stats.kv_tokens += tokens.numel()
             return HopResult(input_grad, loss, versions, sent, received)
         finally:
-            exchange.close()
+            try:
+                await sends.cancel()
+            finally:
+                exchange.close()
 
     def _start(self, lane: int, tokens: torch.Tensor, hidden: torch.Tensor | None, version: int) -> LaneTrip:
         self.runtime.check_version(version)
         device = self.runtime.device
         return LaneTrip(self.runtime.stage, lane, tokens.to(device), None if hidden is None else hidden.to(device))
 
-    async def _forward(self, lane: LaneTrip, exchange: LaneExchange) -> None:
+    async def _forward(self, lane: LaneTrip, exchange: LaneExchange, sends: _Sends) -> None:
         run = self.runtime.run
         for layer in lane.order:
             payload = await run(lane.payload, layer)
-            send = exchange.send_forward(layer, *payload) if payload is not None else _nothing()
-            received, _ = await _together(exchange.receive_forward(layer), send)
+            if payload is not None:
+                sends.start(exchange.send_forward(layer, *payload))
+            received = await sends.watch(exchange.receive_forward(layer))
             await run(lane.complete, layer, received)
 
-    async def _backward(self, lane: LaneTrip, exchange: LaneExchange) -> None:
+    async def _backward(self, lane: LaneTrip, exchange: LaneExchange, sends: _Sends) -> None:
         for layer in reversed(lane.order):
-            grads = await exchange.receive_backward(layer)
+            grads = await sends.watch(exchange.receive_backward(layer))
             back = await self.runtime.run(lane.backward_layer, layer, grads)
-            await exchange.send_backward(layer, back)
+            sends.start(exchange.send_backward(layer, back))
 
     def _encode(self, version: int, output, tokens, trip_id: str, claim: LaneClaim) -> bytes:
         self.runtime.check_version(version)

@@ -1,5 +1,7 @@
 """K/V messages between the lanes of a trip (issue 17): `peer/kv_exchange.py` over real hivemind P2P
-daemons on loopback (three lane peers and an intruder, on one event loop), and its early-message buffer."""
+daemons on loopback (three lane peers and an intruder, on one event loop), its early-message buffer, and a lane
+trip's sends in flight (issue 27, `peer/lane_trip.py` `_Sends`: `LaneHop._forward` of real `LaneTrip`s; no
+wall-clock budget is asserted, only what had happened when)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import dataclasses
 import time
 import tracemalloc
 import uuid
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -16,6 +19,7 @@ from hivemind.p2p import P2P
 
 from peer.kv_early import BufferLimits, EarlyBuffer, EarlyMessage
 from peer.kv_exchange import KVService, message_limit
+from peer.lane_trip import LaneHop, _Sends
 from swarm.context_parallel import ContextParallelSpec, CPBasis
 from swarm.cp_lane import LaneTrip
 from swarm.cp_model import CPDecoder
@@ -26,6 +30,7 @@ from swarm.wire import ErrorCode, WireError
 SHAPE = ModelShape(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=96, vocab_size=256, max_seq_len=64)
 SPEC = ContextParallelSpec(size=3, compression="subspace", theta_max=0.5)
 SEQ, BATCH, LAYERS = 24, 2, 2
+STUCK = 60.0  # how long a test waits for what must happen before it calls it stuck (old code: forever)
 
 
 def make_codec(run_id: str = "run-kv") -> CPCodec:
@@ -436,3 +441,96 @@ def test_early_buffer_bounds_duplicates_and_expiry():
         with pytest.raises(WireError) as caught:
             by_bytes.add(early(sender, "t2"), now=0.0)
         assert caught.value.code == ErrorCode.OVERLOADED
+
+
+def lane_trip(lane: int) -> LaneTrip:
+    n = SEQ // SPEC.size
+    tokens = torch.randint(0, SHAPE.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    return LaneTrip(CPDecoder(SHAPE, SPEC, seed=5), lane, tokens[:, lane * n : (lane + 1) * n])
+
+
+async def _inline(fn, *args):
+    return fn(*args)
+
+
+HOP = SimpleNamespace(runtime=SimpleNamespace(run=_inline))  # `_forward` needs only a runtime's `run`
+
+
+class Gate:
+    """Holds a service's K/V handler on the forward message of layer 0 (so its ACK too) until `release`."""
+
+    def __init__(self, service: KVService):
+        self.service, self.accept, self.release = service, service._accept, asyncio.Event()
+        self.held = asyncio.Event()
+
+    async def _accept(self, blob: bytes, remote) -> None:
+        header, _ = parse_kv_header(blob)
+        if (header.kind, header.layer) == ("forward", 0):
+            self.held.set()
+            await self.release.wait()
+        await self.accept(blob, remote)
+
+    def __enter__(self) -> Gate:
+        self.service._accept = self._accept
+        return self
+
+    def __exit__(self, *_) -> None:
+        self.release.set()
+        self.service._accept = self.accept
+
+
+def test_a_lane_computes_every_layer_while_its_first_send_waits_for_its_ack(net):
+    async def body():
+        trip = trip_id()
+        exchanges = [await s.open(trip, net.group) for s in net.lanes]
+        lane, sends = lane_trip(0), _Sends()
+        with Gate(net.lanes[1]) as gate:
+            # lane 0 hears from no lane: on the old code its forward waited for lane 1's ACK of layer 0, forever here
+            await asyncio.wait_for(LaneHop._forward(HOP, lane, exchanges[0], sends), STUCK)
+            assert lane.done == len(lane.order) > 1  # every layer computed
+            await asyncio.wait_for(gate.held.wait(), STUCK)
+            # layer 1's message reached lane 1 while its handler still holds layer 0's, unanswered
+            assert set(await asyncio.wait_for(exchanges[1].receive_forward(1), STUCK)) == {0}
+            assert not gate.release.is_set() and not sends.tasks[0].done()
+            assert len(sends.tasks) == len(lane.order)  # one send per layer, no more
+            gate.release.set()
+            await asyncio.wait_for(sends.settle(), STUCK)  # what the trip awaits before its step
+        assert all(task.done() and task.exception() is None for task in sends.tasks)
+        assert set(await exchanges[1].receive_forward(0)) == {0}
+        assert all(set(exchanges[2].inbox["forward", layer]) == {0} for layer in lane.order)  # lane 1's still due
+        for exchange in exchanges:
+            exchange.close()
+
+    net.run(body())
+
+
+def test_a_refused_send_fails_the_trip_at_once_and_leaves_no_task(net):
+    async def body():
+        trip = trip_id()
+        exchanges = [await s.open(trip, net.group) for s in net.lanes[:2]]
+        lane, sends = lane_trip(1), _Sends()
+        net.lanes[2].serve(None)  # lane 2 leaves: lane 1's K/V are refused `leaving`
+        try:
+            # lane 0 never sends: lane 1 waits for its layer 0 until its own send's refusal fails the trip (not
+            # after the receive's timeout)
+            with pytest.raises(WireError) as caught:
+                await asyncio.wait_for(LaneHop._forward(HOP, lane, exchanges[1], sends), STUCK)
+        finally:
+            net.lanes[2].serve(make_codec(), 2)
+        assert caught.value.code == ErrorCode.LEAVING
+        assert len(sends.tasks) == 1 and all(task.done() for task in sends.tasks)
+
+        # a trip cancelled while a send waits for its ACK: the send is cancelled and awaited, none left running
+        trip = trip_id()
+        exchanges += [await s.open(trip, net.group) for s in net.lanes]
+        lane, sends = lane_trip(0), _Sends()
+        with Gate(net.lanes[1]) as gate:
+            await asyncio.wait_for(LaneHop._forward(HOP, lane, exchanges[2], sends), STUCK)
+            await asyncio.wait_for(gate.held.wait(), STUCK)
+            assert not sends.tasks[0].done()
+            await sends.cancel()
+            assert all(task.done() for task in sends.tasks) and sends.tasks[0].cancelled()
+        for exchange in exchanges:
+            exchange.close()
+
+    net.run(body())

@@ -247,6 +247,12 @@ def accumulated_grads(runtime: StageRuntime) -> dict[str, torch.Tensor]:
     return {names[id(p)]: g.clone() for p, g in zip(params, grads, strict=True)}
 
 
+def kv_sends(loop: asyncio.AbstractEventLoop) -> list[asyncio.Task]:
+    """K/V sends still running on `loop`: they run in the background of their lane trip, which may not outlive them."""
+    return [t for t in asyncio.all_tasks(loop)
+            if getattr(t.get_coro(), "__qualname__", "").startswith(("LaneExchange.send", "KVService.send"))]
+
+
 def test_a_trip_over_two_stages_of_two_lanes_is_the_whole_sequence(swarm):
     driver = swarm.hops[swarm.ids[0]]
     batch = tokens(7)
@@ -265,6 +271,7 @@ def test_a_trip_over_two_stages_of_two_lanes_is_the_whole_sequence(swarm):
             assert float((got - want).abs().max()) <= 1e-4 * float(want.abs().max()) + 1e-7, name
     assert all(swarm.hops[peer].stats.kv_bytes > 0 for peers in swarm.group for peer in peers)
     assert all(not service.exchanges for service in swarm.services)  # every exchange closed
+    assert not kv_sends(swarm.loop)  # every send awaited before its trip's step
 
 
 def test_a_lane_peer_gone_fails_the_whole_trip_and_applies_nothing(swarm):
@@ -282,6 +289,7 @@ def test_a_lane_peer_gone_fails_the_whole_trip_and_applies_nothing(swarm):
     assert all(runtime.stage.t_s.grad is None for runtime in swarm.runtimes[:1])
     swarm.loop.run_until_complete(asyncio.sleep(0.5))  # the cancelled lanes' exchanges close
     assert all(not service.exchanges for service in swarm.services)
+    assert not kv_sends(swarm.loop)  # a failed trip's pending sends were cancelled and awaited
 
 
 def test_a_lying_lane_peer_is_audited_by_a_fork_and_banned(swarm):

@@ -17,8 +17,10 @@ choosing (finite ones pass the stage's finiteness check), or make it allocate wi
 - where the records vouch for none (peers of a stage hold one state only while averaging keeps them in step),
   the state the others agree with is taken (`swarm/live_state.py agreeing_state`): of three with one hostile,
   an honest one; of two that disagree, neither;
-- a load that took nothing says why in one line, and hivemind's next request (every step while the peer is
-  behind) waits `RETRY_S`, so a refused load does not hold the stage thread.
+- a load that took nothing says why in one line; a peer downloads at most once per `RETRY_S`, taken or not
+  (hivemind asks at every step while the peer is behind; in between, a peer holding a state moves its epoch:
+  `StageOptimizer`), so neither a refused load nor a stage whose epochs outrun a download holds the stage
+  thread trip after trip.
 
 - the optimizer state that comes with the parameters is no record's (replicas' moments differ), so it is checked
   on its own before any choice (`swarm/optimizer_state.py`): our entries one for one, the run's hyperparameters,
@@ -68,7 +70,7 @@ MAX_STATES = 3  # states one load downloads at most (three: a medoid outvotes on
 MAX_ASKED = 6  # donors one load asks at most (each costs its stream's budget at worst)
 CONFIRM_WAIT = 2 * ANNOUNCE_INTERVAL  # how long downloaded states may wait for the records that announce them
 CONFIRM_POLL = 2.0
-RETRY_S = 60.0  # after a load that took nothing, hivemind's next request (every step while behind) waits this long
+RETRY_S = 60.0  # seconds from one download to the next, whether it took a state or not
 
 Layout = list[tuple[str, tuple[int, ...]]]  # (dtype as hivemind names it, shape) of each tensor of a state
 Candidate = tuple[int, list[torch.Tensor], str]  # (epoch, parameters, donor) of a downloaded state
@@ -108,6 +110,7 @@ class VerifiedStateLoad(DecentralizedAverager):
             raise ValueError("a state download is checked before it is returned: wait=False is not supported")
         if time.monotonic() < self.retry_at:
             return None
+        self.retry_at = time.monotonic() + RETRY_S
         layout, future = self.local_state_layout(), MPFuture()
         self._outer_pipe.send(("_download_states", [], dict(future=future, layout=layout)))
         budget = StateStream([shape for _, shape in layout], [dtype for dtype, _ in layout]).budget
@@ -123,7 +126,6 @@ class VerifiedStateLoad(DecentralizedAverager):
         count = len(self.main_parameters)
         pick = self.choose([(m["epoch"], t[:count], donor) for m, t, donor in states]) if states else None
         if pick is None:
-            self.retry_at = time.monotonic() + RETRY_S
             return None
         return states[pick][:2]
 

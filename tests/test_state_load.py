@@ -94,11 +94,14 @@ def test_a_joiner_refuses_states_the_records_do_not_vouch_for_and_takes_the_next
         # in priority order, and the honest one taken
         assert [[(ids[d], v) for d, v in offer] for offer in offered] == [[("poisoned", 1.5), ("honest", 1.0)]]
         assert torch.equal(joiner.main_parameters[0].detach(), torch.ones(SIZE))
+        # one download per RETRY_S, taken or not: hivemind's next request within it downloads nothing
+        assert joiner.load_state_from_peers() is None and len(offered) == 1
 
-        # with only hostile donors left (the honest one's declaration outlives it) nothing is taken, the joiner
-        # keeps its state, and hivemind's next request within RETRY_S downloads nothing
+        # a minute later, with only hostile donors left (the honest one's declaration outlives it) nothing is
+        # taken, the joiner keeps its state, and again the next request within RETRY_S downloads nothing
         honest.shutdown()
         averagers.remove(honest)
+        joiner.retry_at = time.monotonic()
         assert joiner.load_state_from_peers() is None
         assert [[ids[d] for d, _ in offer] for offer in offered[1:]] == [["poisoned"]]
         assert torch.equal(joiner.main_parameters[0].detach(), torch.ones(SIZE))  # what it took before, kept

@@ -98,6 +98,8 @@ class Measure:
     seconds_per_token: float | None = None  # EWMA over answered trips; None: never answered yet
     samples: int = 0
     failures: int = 0  # since the last answer
+    answered_at: float = 0.0  # time.monotonic() of the last answer
+    ahead: float | None = None  # EWMA of our trips already in flight there when we sent one (None: none sent)
 
 
 @dataclass
@@ -107,6 +109,10 @@ class Router:
     claim_bounds: dict[int, float] = field(default_factory=dict)  # stage -> most tokens/s a claim may say
     lanes: int = 1  # the run's P: a record claiming a lane the run does not have serves nothing
     prior_factor: float = 2.0  # an unmeasured peer's claim counts for at most this times the best measured
+    # a measured peer that got none of our trips for this long counts as unmeasured again: one probe, whose
+    # answer replaces the old measure. A peer measured slow once (its first trips waited for a state download,
+    # or a busy moment) would otherwise get no trip, hence no new measure, for as long as a faster one is there
+    remeasure_after: float = 10.0
     ewma_alpha: float = 0.3
     base_ban: float = 5.0
     max_ban: float = 60.0
@@ -139,35 +145,46 @@ class Router:
         # nor trusted on first use, and no loss would be published again (churn, issue 14). Distrust is a ban.
         self.ledger.standings = {peer: s for peer, s in self.ledger.standings.items() if peer in listed}
 
-    def observe(self, peer_id: str, seconds: float, tokens: int) -> None:
-        """A trip to `peer_id` came back checked after `seconds`."""
+    def observe(self, peer_id: str, seconds: float, tokens: int, now: float | None = None) -> None:
+        """A trip to `peer_id` came back checked after `seconds`. The first answer after `remeasure_after`
+        without one replaces the old measure: that is what the peer is now."""
+        now = time.monotonic() if now is None else now
         sample = max(seconds, 1e-6) / max(tokens, 1)
         m = self.measures.setdefault(peer_id, Measure())
-        if m.seconds_per_token is None:
+        if m.seconds_per_token is None or now - m.answered_at > self.remeasure_after:
             m.seconds_per_token = sample
         else:
             m.seconds_per_token += self.ewma_alpha * (sample - m.seconds_per_token)
         m.samples += 1
         m.failures = 0
+        m.answered_at = now
 
     def failed(self, peer_id: str) -> None:
         """A trip to `peer_id` failed (no answer, or one that did not pass the checks)."""
         self.measures.setdefault(peer_id, Measure()).failures += 1
 
-    def rate(self, entry: PeerEntry, stage: int, best_measured: float | None) -> float:
+    def rate(self, entry: PeerEntry, stage: int, best_measured: float | None, now: float | None = None) -> float:
         """Tokens/s we expect of `entry`: measured if we can, else its claim capped as described above."""
         m = self.measures.get(entry.record.peer_id, Measure())
-        if m.seconds_per_token is not None:
-            rate = 1.0 / m.seconds_per_token
+        measured = self.measured_rate(entry.record.peer_id, now)
+        if measured is not None:
+            rate = measured
         else:
             rate = min(entry.record.throughput, self.claim_bounds.get(stage, float("inf")))
             if best_measured is not None:
                 rate = min(rate, best_measured * self.prior_factor)
         return max(rate, 1e-3) * 0.5 ** min(m.failures, 30)
 
-    def measured_rate(self, peer_id: str) -> float | None:
+    def measured_rate(self, peer_id: str, now: float | None = None) -> float | None:
+        """Tokens/s measured of `peer_id`; None if never measured, or if the measure is out of date: no trip of
+        ours in flight there and no answer for `remeasure_after` (it is probed again as an unmeasured peer)."""
         m = self.measures.get(peer_id)
-        return None if m is None or m.seconds_per_token is None else 1.0 / m.seconds_per_token
+        if m is None or m.seconds_per_token is None:
+            return None
+        now = time.monotonic() if now is None else now
+        if not self.inflight.get(peer_id) and now - m.answered_at > self.remeasure_after:
+            return None
+        return 1.0 / m.seconds_per_token
 
     def compatible(self, entry: PeerEntry) -> bool:
         return entry.record.lane < self.lanes and usable_peer(entry.record, self.t_fixed_sha256, self.own_peer_id)
@@ -181,17 +198,21 @@ class Router:
             if self.compatible(e) and self.bans.get(e.record.peer_id, Ban(0, 0)).until <= now
         ]
 
-        measured = [r for e in usable if (r := self.measured_rate(e.record.peer_id)) is not None]
+        measured = [r for e in usable if (r := self.measured_rate(e.record.peer_id, now)) is not None]
         best = max(measured, default=None)
 
         def expected_wait(entry: PeerEntry) -> tuple[bool, float, bool, float]:
             peer_id = entry.record.peer_id
             ours = self.inflight.get(peer_id, 0)
-            unmeasured = self.measured_rate(peer_id) is None
-            # a measured peer's service times already include the queue other senders make there;
-            # an unmeasured one gets one probe at a time, its claimed queue counted
-            queue = ours + 1 + (entry.record.load if unmeasured else 0)
-            wait = queue / self.rate(entry, stage, best)
+            unmeasured = self.measured_rate(peer_id, now) is None
+            # a measured peer's service times already include the queue other senders make there, and ours as
+            # it was when measured: a new trip waits (ours + 1) / (ahead + 1) times that long. An unmeasured one
+            # gets one probe at a time, its claimed queue counted
+            if unmeasured:
+                queue = ours + 1 + entry.record.load
+            else:
+                queue = (ours + 1) / ((self.measures[peer_id].ahead or 0.0) + 1)
+            wait = queue / self.rate(entry, stage, best, now)
             return unmeasured and ours > 0, wait, bool(entry.record.relay), self.rng.random()
 
         return sorted(usable, key=expected_wait)
@@ -243,7 +264,10 @@ class Router:
 
     def sending(self, peer_id: str) -> None:
         """A trip to `peer_id` is under way (counts in its expected queue)."""
-        self.inflight[peer_id] = self.inflight.get(peer_id, 0) + 1
+        ahead = self.inflight.get(peer_id, 0)
+        m = self.measures.setdefault(peer_id, Measure())
+        m.ahead = ahead if m.ahead is None else m.ahead + self.ewma_alpha * (ahead - m.ahead)
+        self.inflight[peer_id] = ahead + 1
 
     def done_sending(self, peer_id: str) -> None:
         self.inflight[peer_id] -= 1

@@ -155,7 +155,7 @@ class StageOptimizer(Optimizer):
     on the stage thread, so the optimizer keeps stepping the stage's own tensors (no offloaded copy for U
     switches, re-projections and checkpoints to miss). The cost: the first trips of an epoch are computed
     with the weights before the last epoch's update (at most one update behind, as hivemind's
-    `delay_optimizer_step`); an epoch that ends before the last round did waits for it first.
+    `delay_optimizer_step`); an epoch that ends before the last round did goes on accumulating until it has.
     """
 
     def __init__(self, *args, state_donor: type[SnapshotStateAverager] = SnapshotStateAverager, label: str = "",
@@ -183,7 +183,12 @@ class StageOptimizer(Optimizer):
     def _update_global_epoch(self, grad_scaler) -> None:
         """The epoch's end: start its gradient round in the background and move to the next epoch."""
         assert grad_scaler is None, "a stage steps without a gradient scaler"
-        if self._round is not None:  # the last epoch's round is still running: its update comes first
+        if self._round is not None:
+            if not self._round.done():
+                # the last epoch's round still runs (matchmaking waits up to `averaging_timeout` for a group that
+                # may never form): its update comes first, and the stage thread does not wait for it. This epoch
+                # goes on accumulating; the step after the round ended lands it and ends this one
+                return
             self._land()
         with self.tracker.pause_updates():
             round_ = None

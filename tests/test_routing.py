@@ -129,6 +129,27 @@ def test_measured_rates_replace_claims_and_an_unmeasured_claim_buys_one_probe():
     assert set(r.measures) == {"honest"}
 
 
+def test_a_peer_measured_slow_once_is_probed_again_after_a_while_without_trips():
+    r = router(entry("steady", 5_000.0), entry("joiner", 5_000.0))
+    r.observe("steady", seconds=1.0, tokens=1000, now=0.0)  # 1000 tokens/s
+    r.observe("joiner", seconds=100.0, tokens=1000, now=0.0)  # its first trip waited for a state download
+    r.inflight["steady"] = 50  # even 50 trips queued at the steady peer beat one at a peer measured 100x slower
+    assert r.candidates(1, now=5.0)[0].record.peer_id == "steady"
+    # no trip of ours there and no answer for `remeasure_after`: its old measure no longer counts
+    assert r.measured_rate("joiner", now=r.remeasure_after + 1) is None
+    assert r.candidates(1, now=r.remeasure_after + 1)[0].record.peer_id == "joiner"
+    r.inflight["joiner"] = 1  # the probe is in flight: the old measure decides again, so one probe at a time
+    assert r.candidates(1, now=r.remeasure_after + 2)[0].record.peer_id == "steady"
+    del r.inflight["joiner"]
+    # the probe's answer replaces the old measure instead of moving an average that is out of date
+    r.observe("joiner", seconds=1.0, tokens=1000, now=r.remeasure_after + 3)
+    assert r.measured_rate("joiner", now=r.remeasure_after + 3) == 1000.0
+    # a peer that keeps answering keeps its measure, however long ago it was first measured
+    for t in range(20, 60, 5):
+        r.observe("steady", seconds=1.0, tokens=1000, now=float(t))
+    assert r.measured_rate("steady", now=60.0) == 1000.0
+
+
 def simulate(behaviours: dict[str, tuple[float, bool]], claims: dict[str, float], trips: int, inflight: int = 4):
     """A driver keeping `inflight` trips in flight through the daemon's routing steps, in simulated time.
 
@@ -145,7 +166,7 @@ def simulate(behaviours: dict[str, tuple[float, bool]], claims: dict[str, float]
     def send(now: float) -> None:
         nonlocal sent
         peer = r.candidates(1, now=now)[0].record.peer_id
-        r.inflight[peer] = r.inflight.get(peer, 0) + 1
+        r.sending(peer)
         seconds, ok = behaviours[peer]
         busy_until[peer] = max(busy_until[peer], now) + seconds
         heapq.heappush(events, (busy_until[peer], sent, peer, now, ok))
@@ -156,9 +177,9 @@ def simulate(behaviours: dict[str, tuple[float, bool]], claims: dict[str, float]
         send(now)
     while sent < trips:
         now, _, peer, started, ok = heapq.heappop(events)
-        r.inflight[peer] -= 1
+        r.done_sending(peer)
         if ok:
-            r.observe(peer, now - started, tokens=1024)
+            r.observe(peer, now - started, tokens=1024, now=now)
             r.forgive(peer)
         else:
             r.failed(peer)

@@ -260,6 +260,10 @@ class StageOptimizer(Optimizer):
 
     def shutdown(self):
         self._drop_round()
+        # the owner's check is bound to its runtime, and something outside keeps a stopped optimizer referenced
+        # (as it does the averagers: peer/runtime.py `shutdown`): dropped here, or every stage a peer leaves stays
+        # in memory (tests/test_stage_moves.py)
+        self.checked_download = _unchecked
         super().shutdown()
 
     def _should_load_state_from_peers(self) -> bool:

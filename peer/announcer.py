@@ -69,9 +69,6 @@ def stage_record(
         mixed_trips=stats.mixed_trips,
         reachability=reachability,
         relay=relay,
-        driver_window=stats.driver_window,
-        driver_inflight=stats.driver_inflight,
-        driver_trip_seconds=stats.driver_trip_seconds / max(stats.driver_trips, 1),
     )
 
 

@@ -98,13 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--checkpoint-dir", help="save the stage here periodically and on exit; resume an empty stage from here"
     )
     parser.add_argument("--checkpoint-every", type=int, default=50, help="optimizer epochs between checkpoints")
-    parser.add_argument(
-        "--max-inflight",
-        type=int,
-        default=4,
-        help="at most this many trips a driver (stage 0) keeps in flight; within it, as many as raise its "
-        "throughput (peer/inflight.py). Each trip holds activations on every stage: the bound is memory's",
-    )
+    parser.add_argument("--max-inflight", type=int, default=4, help="trips a driver (stage 0) keeps in flight")
     parser.add_argument(
         "--audit-rate",
         type=float,

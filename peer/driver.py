@@ -1,8 +1,7 @@
 """The driver: stage-0 peers own the data and keep several trips in flight (pipelining).
 
-Each microbatch is one trip, `Hop.drive` (`peer/trip.py`); this module only feeds trips, as many at once as
-the window of `peer/inflight.py` allows, runs again those refused because U switched under them, and backs
-off while the pipeline is broken."""
+Each microbatch is one trip, `Hop.drive` (`peer/trip.py`); this module only feeds trips, runs again
+those refused because U switched under them, and backs off while the pipeline is broken."""
 
 from __future__ import annotations
 
@@ -11,7 +10,6 @@ import hashlib
 import logging
 import time
 
-from peer.inflight import InflightWindow
 from peer.next_hop import Fetch
 from peer.routing import REFRESH_INTERVAL
 from peer.trip import Hop
@@ -31,11 +29,9 @@ class Driver:
         self, hop: Hop, peer_id: str, data: str | None, max_inflight: int, drain_timeout: float, fetch_all: Fetch
     ):
         self.hop, self.peer_id, self.data = hop, peer_id, data
-        self.drain_timeout = drain_timeout
+        self.max_inflight, self.drain_timeout = max_inflight, drain_timeout
         self.fetch_all = fetch_all  # every stage's records: the whole pipeline, not only the next hop
-        self.controller = InflightWindow(max(max_inflight, 1))  # `--max-inflight` bounds it: trips hold memory
         self.inflight = 0
-        self._freed = asyncio.Event()  # set when a trip ends: the loop may start the next one
         self._stopped = False
         self._failures = 0
 
@@ -48,33 +44,21 @@ class Driver:
         seed = int.from_bytes(hashlib.sha256(self.peer_id.encode()).digest()[:4], "little")
         train, _ = await asyncio.to_thread(load_splits, manifest, self.data, seed)
         await self._wait_for_pipeline()
-        stats = self.hop.stats
+        slots = asyncio.Semaphore(max(self.max_inflight, 1))
         pending: set[asyncio.Task] = set()
-
-        def ended(task: asyncio.Task) -> None:  # a done callback: runs even for a task cancelled before it began
-            pending.discard(task)
-            self.inflight -= 1
-            stats.driver_inflight = self.inflight
-            self._freed.set()
-
         try:
             while not self._stopped:
-                stats.driver_window = self.controller.window
-                if self.inflight >= self.controller.window:  # a window that shrank cancels nothing: new trips wait
-                    self._freed.clear()
-                    await self._freed.wait()
-                    continue
+                await slots.acquire()
+                if self._stopped:
+                    break
                 tokens = train.batch(manifest.batch.microbatch_size)
-                self.inflight += 1
-                stats.driver_inflight = self.inflight
                 task = asyncio.create_task(self._trip(tokens))
                 pending.add(task)
-                task.add_done_callback(ended)
+                task.add_done_callback(lambda t: (pending.discard(t), slots.release()))
                 if self._failures:  # back off while the pipeline is broken, instead of spinning
                     await asyncio.sleep(min(0.2 * 2 ** min(self._failures, 5), 5.0))
         finally:
             self._stopped = True
-            stats.driver_window = 0
             if pending:  # trips still out after the drain are cancelled and awaited: none outlives the driver
                 _, late = await asyncio.wait(pending, timeout=self.drain_timeout)
                 for task in late:
@@ -107,12 +91,8 @@ class Driver:
                 ids = set().union(*live.values())
                 if first is None:
                     first = now
-                    logger.info(
-                        "%s every stage has a peer: driving once each has read the stage before it "
-                        "(%.0f s without a new peer)",
-                        hop.label,
-                        SETTLE,
-                    )
+                    logger.info("%s every stage has a peer: driving once each has read the stage before it "
+                                "(%.0f s without a new peer)", hop.label, SETTLE)
                 if newest is None or not ids <= seen:
                     newest = now
                 seen |= ids
@@ -124,18 +104,13 @@ class Driver:
 
     async def _trip(self, tokens) -> None:
         """One microbatch; a trip refused because U changed under it (its hops disagree, or no peer of the
-        next stage is at our version yet) is run again from the start under the current U. A completed trip
-        moves the window, timed from its first attempt: its retries are part of what the pipeline made it wait."""
-        started = time.monotonic()
+        next stage is at our version yet) is run again from the start under the current U."""
+        self.inflight += 1
         try:
             for attempt in range(RETRIES + 1):
                 try:
                     await self.hop.drive(tokens)
                     self._failures = 0
-                    ended = time.monotonic()
-                    self.controller.finished(started, ended, tokens.numel())
-                    self.hop.stats.driver_trips += 1
-                    self.hop.stats.driver_trip_seconds += ended - started
                     return
                 except WireError as exc:
                     if exc.code not in (ErrorCode.WRONG_VERSION, ErrorCode.NO_PEER) or attempt == RETRIES:
@@ -147,3 +122,5 @@ class Driver:
         except Exception:  # noqa: BLE001 - one bad trip must not stop the driver
             self._failures += 1
             logger.exception("%s trip failed", self.hop.label)
+        finally:
+            self.inflight -= 1

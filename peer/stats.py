@@ -20,12 +20,6 @@ class Stats:
     bytes_in: int = 0
     bytes_out: int = 0
     load: int = 0  # trips this peer is serving right now
-    # a driver's own trips (issue 27, where a trip's time goes): its in-flight window now (`peer/inflight.py`;
-    # 0 when not driving), its trips out now, and the trips it completed with the seconds they took in all
-    driver_window: int = 0
-    driver_inflight: int = 0
-    driver_trips: int = 0
-    driver_trip_seconds: float = 0.0
     kv_bytes: int = 0  # K/V message bytes this peer sent in the lane trips it completed (context parallelism)
     kv_tokens: int = 0  # the tokens of those lane trips (this lane's chunks): kv_bytes / kv_tokens is consistent
     errors: Counter = field(default_factory=Counter)

@@ -20,20 +20,17 @@ logger = logging.getLogger("peer")
 async def log_progress(
     stats: Stats, epoch: Callable[[], int], refusal_log: RefusalLog, label: Callable[[], str], interval: float
 ) -> None:
-    """Every `interval` seconds: tokens/s since the last line, loss, wire bytes per token, counters, a
-    driver's window, trips out and mean trip time since the last line, and the refusals noted since
-    (aggregated per sender)."""
+    """Every `interval` seconds: tokens/s since the last line, loss, wire bytes per token, counters, and the
+    refusals noted since (aggregated per sender)."""
     last_tokens, last_time = stats.tokens, time.monotonic()
-    last_driven = stats.driver_trips, stats.driver_trip_seconds
     while True:
         await asyncio.sleep(interval)
         now, tokens = time.monotonic(), stats.tokens
-        driven = stats.driver_trips, stats.driver_trip_seconds
         rate = (tokens - last_tokens) / max(now - last_time, 1e-9)
         per_token = (stats.bytes_in + stats.bytes_out) / max(tokens, 1)
         loss = f"{stats.last_loss:.3f}" if stats.last_loss is not None else "-"
         logger.info(
-            "%s %.0f tokens/s, loss %s, %.1f wire bytes/token, epoch %d, trips %d, in flight %d, errors %s%s",
+            "%s %.0f tokens/s, loss %s, %.1f wire bytes/token, epoch %d, trips %d, in flight %d, errors %s",
             label(),
             rate,
             loss,
@@ -42,23 +39,15 @@ async def log_progress(
             stats.trips,
             stats.load,
             dict(stats.errors) or 0,
-            driving(stats, driven[0] - last_driven[0], driven[1] - last_driven[1]),
         )
         for line in refusal_log.flush(now):
             logger.warning("%s %s", label(), line)
-        last_tokens, last_time, last_driven = tokens, now, driven
+        last_tokens, last_time = tokens, now
 
 
-def driving(stats: Stats, trips: int, seconds: float) -> str:
-    """The progress line's driver part ("" on a peer that does not drive): its window, its trips out now, and
-    the mean time of the `trips` it completed since the last line (which took `seconds` in all)."""
-    if not stats.driver_window:
-        return ""
-    mean = f"{seconds / trips:.2f} s/trip" if trips else "no trip done"
-    return f", driving {stats.driver_inflight} of window {stats.driver_window}, {mean}"
-
-
-async def write_heartbeats(path: Path, describe: Callable[[], dict], label: Callable[[], str], interval: float) -> None:
+async def write_heartbeats(
+    path: Path, describe: Callable[[], dict], label: Callable[[], str], interval: float
+) -> None:
     """Proof of life for container health checks: rewritten atomically while the event loop runs."""
     while True:
         tmp = path.with_suffix(path.suffix + ".tmp")
@@ -68,3 +57,4 @@ async def write_heartbeats(path: Path, describe: Callable[[], dict], label: Call
         except OSError as exc:
             logger.warning("%s cannot write heartbeat %s: %s", label(), path, exc)
         await asyncio.sleep(interval)
+

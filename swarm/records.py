@@ -111,12 +111,6 @@ class StagePeerRecord(pydantic.BaseModel):
     # ("" when it is, or relays none). A claim: a sender only ever asks that relay to reach this peer id, and the
     # relay opens the stream to it over the peer's own authenticated connection.
     relay: pydantic.constr(strict=True, max_length=128) = ""
-    # a driver's (stage 0) own trips, where their time goes (issue 27): its in-flight window (peer/inflight.py,
-    # at most its --max-inflight; 0 when not driving), its trips in flight, and the mean seconds its completed
-    # trips took from the first send to the reply (0.0 before the first)
-    driver_window: _Count = 0
-    driver_inflight: _Count = 0
-    driver_trip_seconds: _NonNegative = 0.0
 
     @pydantic.validator("relay")
     def _relay_is_a_peer_id(cls, value: str) -> str:  # noqa: N805 - pydantic's validator signature

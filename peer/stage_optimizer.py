@@ -211,16 +211,15 @@ class StageOptimizer(Optimizer):
 
     def _land(self) -> None:
         """The ended epoch's update reaches the weights: the round's gradients, the optimizer step, and every
-        `average_state_every` epochs a state round (stage thread)."""
+        `average_state_every` epochs a state round (stage thread). Called only once the round is over (or there
+        was none): the stage thread never waits for one."""
         round_, self._round = self._round, None
         waited, group = time.perf_counter() - self._round_began, "alone"
         if round_ is not None:
             try:
-                group = f"{len(round_.result(self.averaging_timeout))} peers"
+                group = f"{len(round_.result())} peers"
             except BaseException as exc:  # noqa: BLE001 - a failed round still leaves usable gradients
                 group = f"failed ({exc!r:.60})"
-                if not round_.done():
-                    round_.cancel()
         began = time.perf_counter()
         self._load_averaged_gradients_into_optimizer_()
         average_state = (

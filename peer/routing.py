@@ -165,15 +165,17 @@ class Router:
 
     def rate(self, entry: PeerEntry, stage: int, best_measured: float | None, now: float | None = None) -> float:
         """Tokens/s we expect of `entry`: measured if we can, else its claim capped as described above."""
-        m = self.measures.get(entry.record.peer_id, Measure())
-        measured = self.measured_rate(entry.record.peer_id, now)
+        return self._rate(entry, stage, self.measured_rate(entry.record.peer_id, now), best_measured)
+
+    def _rate(self, entry: PeerEntry, stage: int, measured: float | None, best_measured: float | None) -> float:
+        """`rate`, given the entry's `measured_rate`."""
         if measured is not None:
             rate = measured
         else:
             rate = min(entry.record.throughput, self.claim_bounds.get(stage, float("inf")))
             if best_measured is not None:
                 rate = min(rate, best_measured * self.prior_factor)
-        return max(rate, 1e-3) * 0.5 ** min(m.failures, 30)
+        return max(rate, 1e-3) * 0.5 ** min(self.measures.get(entry.record.peer_id, Measure()).failures, 30)
 
     def measured_rate(self, peer_id: str, now: float | None = None) -> float | None:
         """Tokens/s measured of `peer_id`; None if never measured, or if the measure is out of date: no trip of
@@ -198,13 +200,13 @@ class Router:
             if self.compatible(e) and self.bans.get(e.record.peer_id, Ban(0, 0)).until <= now
         ]
 
-        measured = [r for e in usable if (r := self.measured_rate(e.record.peer_id, now)) is not None]
-        best = max(measured, default=None)
+        measured = {e.record.peer_id: self.measured_rate(e.record.peer_id, now) for e in usable}
+        best = max((r for r in measured.values() if r is not None), default=None)
 
         def expected_wait(entry: PeerEntry) -> tuple[bool, float, bool, float]:
             peer_id = entry.record.peer_id
             ours = self.inflight.get(peer_id, 0)
-            unmeasured = self.measured_rate(peer_id, now) is None
+            unmeasured = measured[peer_id] is None
             # a measured peer's service times already include the queue other senders make there, and ours as
             # it was when measured: a new trip waits (ours + 1) / (ahead + 1) times that long. An unmeasured one
             # gets one probe at a time, its claimed queue counted
@@ -212,7 +214,7 @@ class Router:
                 queue = ours + 1 + entry.record.load
             else:
                 queue = (ours + 1) / ((self.measures[peer_id].ahead or 0.0) + 1)
-            wait = queue / self.rate(entry, stage, best, now)
+            wait = queue / self._rate(entry, stage, measured[peer_id], best)
             return unmeasured and ours > 0, wait, bool(entry.record.relay), self.rng.random()
 
         return sorted(usable, key=expected_wait)

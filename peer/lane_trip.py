@@ -70,15 +70,20 @@ def largest_kv_message(manifest: Manifest) -> int:
     return max(message_limit(codec, 0, mode) for mode in (spec.mode, DENSE_KV))
 
 
+async def _cancel_all(tasks) -> None:
+    """Cancel the tasks and wait until each has ended, whatever it raised (none is left running or unretrieved)."""
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
 async def _together(*awaitables) -> list:
     """Run awaitables at once; the first failure cancels the others (no orphan keeps a K/V exchange busy)."""
     tasks = [asyncio.ensure_future(a) for a in awaitables]
     try:
         return await asyncio.gather(*tasks)
     except BaseException:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await _cancel_all(tasks)
         raise
 
 
@@ -118,9 +123,7 @@ class _Sends:
         try:
             await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await _cancel_all(tasks)
         if self.failed.is_set():
             await self.settle()
         return tasks[0].result()
@@ -130,9 +133,7 @@ class _Sends:
         await _together(*self.tasks)
 
     async def cancel(self) -> None:
-        for task in self.tasks:
-            task.cancel()
-        await asyncio.gather(*self.tasks, return_exceptions=True)
+        await _cancel_all(self.tasks)
 
 
 class LaneHop:
@@ -219,7 +220,9 @@ class LaneHop:
                     fork_claim, fork_id = fork
                     blob = await runtime.run(self._encode, version, output, tokens, fork_id, fork_claim)
                     duplicate = (fork_claim.group[self.index + 1][claim.lane], blob)
+                asked = time.perf_counter()
                 reply = await self.next_hop.ask(claim.group[self.index + 1][claim.lane], message, duplicate)
+                self.stats.reply_wait.add(time.perf_counter() - asked)
                 await runtime.run(lane.backward_output, reply.grad)
                 loss, versions, out_grad = reply.loss, reply.versions + [version], reply.grad
                 sent, received = len(message), reply.size
@@ -246,14 +249,22 @@ class LaneHop:
             payload = await run(lane.payload, layer)
             if payload is not None:
                 sends.start(exchange.send_forward(layer, *payload))
-            received = await sends.watch(exchange.receive_forward(layer))
+            received = await self._kv_wait(sends, exchange.receive_forward(layer))
             await run(lane.complete, layer, received)
 
     async def _backward(self, lane: LaneTrip, exchange: LaneExchange, sends: _Sends) -> None:
         for layer in reversed(lane.order):
-            grads = await sends.watch(exchange.receive_backward(layer))
+            grads = await self._kv_wait(sends, exchange.receive_backward(layer))
             back = await self.runtime.run(lane.backward_layer, layer, grads)
             sends.start(exchange.send_backward(layer, back))
+
+    async def _kv_wait(self, sends: _Sends, receiving):
+        """The other lanes' K/V of one layer (`_Sends.watch`), the wait counted (`Stats.kv_wait`)."""
+        began = time.perf_counter()
+        try:
+            return await sends.watch(receiving)
+        finally:
+            self.stats.kv_wait.add(time.perf_counter() - began)
 
     def _encode(self, version: int, output, tokens, trip_id: str, claim: LaneClaim) -> bytes:
         self.runtime.check_version(version)
@@ -306,9 +317,7 @@ class LaneHop:
             else:
                 tasks.append(asyncio.ensure_future(self._remote(claim, chunk, trip_id)))
         done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-        for task in pending:
-            task.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)
+        await _cancel_all(pending)
         errors = {c: t.exception() for c, t in enumerate(tasks) if t in done and t.exception() is not None}
         if errors:
             # which peer stalled the others cannot always be told (a lane peer that refuses or vanishes fails the

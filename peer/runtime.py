@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import time
 from collections import Counter, deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -31,6 +32,7 @@ from peer.finite_state import FiniteStateGuard
 from peer.processes import close_abandoned_loops, release_freed_memory
 from peer.stage_optimizer import stage_optimizer
 from peer.state_load import stage_choice
+from peer.stats import Stats
 from swarm.codec import BoundaryCodec
 from swarm.cp_lane import LaneTrip
 from swarm.live_state import copies_entry, parameters_sha256, state_entry
@@ -56,8 +58,12 @@ class StageRuntime:
         fault_poison_served_state: bool = False,
         signing_key: RSAPrivateKey | None = None,
         checkpoint_every: int = 50,
+        stats: Stats | None = None,
     ):
+        """`stats`: the peer's counters, where this runtime's stage-thread times are added (its own by default)."""
         self.manifest, self.index, self.device, self.label = manifest, index, device, label
+        stats = stats or Stats()
+        self.queued, self.busy = stats.stage_queued, stats.stage_busy
         self.stage = PipelineStage(manifest, index).to(device)
         if fault_t_fixed_seed is not None:  # fault injection: a peer whose T_fixed bytes differ
             shape = manifest.model
@@ -94,7 +100,18 @@ class StageRuntime:
         return self.optimizer.local_epoch
 
     async def run(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+        """`fn(*args)` on the stage thread; its wait for the thread and its run are counted (`Stats`)."""
+        submitted = time.perf_counter()
+
+        def timed():
+            began = time.perf_counter()
+            try:
+                return fn(*args)
+            finally:
+                self.queued.add(began - submitted)
+                self.busy.add(time.perf_counter() - began)
+
+        return await asyncio.get_running_loop().run_in_executor(self.executor, timed)
 
     # --- work done on the stage thread -------------------------------------------------------
 
@@ -295,6 +312,10 @@ class StageRuntime:
             logger.warning("%s could not load state from peers: %s", self.label, exc)
             return False
 
+    def next_download_in(self) -> float:
+        """Seconds until the stage's state may be downloaded again (`peer/state_load.py` RETRY_S)."""
+        return max(self.optimizer.state_averager.retry_at - time.monotonic(), 0.0)
+
     def _checked_download(self, download: Callable[[], None]) -> bool:
         """Every download (stage thread): refused if not finite; the state taken is noted as loaded, so our record
         is no witness of it (`swarm/live_state.py confirmations`), then re-projected and hashed as ours."""
@@ -328,11 +349,8 @@ class StageRuntime:
         tmp, subspace = path.with_suffix(".tmp"), self.stage.subspace
         torch.save(
             {
-                "run_id": self.manifest.run_id,
-                "stage": self.index,
-                "epoch": self.epoch,
-                "model": self.stage.state_dict(),
-                "optimizer": self.optimizer.state_dict(),
+                "run_id": self.manifest.run_id, "stage": self.index, "epoch": self.epoch,
+                "model": self.stage.state_dict(), "optimizer": self.optimizer.state_dict(),
                 # what the stage computed with: `protocol-swarm export` checks them, and a run whose U moved
                 # can only be exported from checkpoints that say which U their constrained tensors are in
                 "t_fixed_sha256": subspace.t_fixed_sha256,
@@ -374,9 +392,8 @@ class StageRuntime:
         the event loop."""
         # the averager's hooks are bound to this runtime and something outside the runtime keeps the stopped
         # averager referenced: cleared here, or every stage a peer leaves stays in memory (test_stage_moves.py)
-        self.optimizer.state_averager.after_averaging = None
-        self.optimizer.state_averager.after_serving = None
-        self.optimizer.state_averager.choose = None
+        averager = self.optimizer.state_averager
+        averager.after_averaging = averager.after_serving = averager.choose = None
         self.optimizer.shutdown()
         self.executor.shutdown(wait=True, cancel_futures=True)
         close_abandoned_loops()

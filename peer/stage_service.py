@@ -21,6 +21,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Coroutine
+from contextlib import suppress
 from dataclasses import dataclass
 
 from hivemind.dht import DHT
@@ -57,6 +58,7 @@ from swarm.wire import ErrorCode
 logger = logging.getLogger("peer")
 
 LEAVE_DHT_TIMEOUT = 5.0  # a DHT call while leaving gives up after this (p2pd may already be gone)
+MIN_JOIN_RETRY_S = 5.0  # a joiner whose state download failed before it began tries again no sooner
 SIGNAL_DRAIN_TIMEOUT = 15.0  # stopped by a signal: trips in flight get at most this long (exit within 30 s)
 
 FetchStages = Callable[..., Awaitable[dict]]  # records of the stages named (none named: every stage)
@@ -230,7 +232,8 @@ class StageService:
         with stop_signals_ignored_by_children():  # hivemind's averagers are child processes
             runtime = StageRuntime(manifest, index, parts.dht, device, self.label, options.checkpoint_dir,
                                    options.fault_t_fixed_seed, options.fault_poison_served_state,
-                                   signing_key=parts.signing_key, checkpoint_every=options.checkpoint_every)
+                                   signing_key=parts.signing_key, checkpoint_every=options.checkpoint_every,
+                                   stats=parts.stats)
         self.runtime = runtime
         subspace = runtime.stage.subspace
         bounds = {s: plausible_throughput(manifest, s) for s in range(manifest.num_stages)}
@@ -253,10 +256,9 @@ class StageService:
             self.sync = SubspaceSync(hop, parts.dht, parts.signer, parts.peer_id, self.announcer.announce_now)
             router.update(stages)
             await self.sync.catch_up()  # before loading state: donors' tensors live in the current span(U)
-        if peers_here:
-            loaded = await runtime.run(runtime.load_from_peers)
-            logger.info("%s %s state from %d peer(s) of the stage (epoch %d)", self.label,
-                        "loaded" if loaded else "could not load", len(peers_here), runtime.epoch)
+        if peers_here and await self._load_from_peers():
+            logger.info("%s loaded state from %d peer(s) of the stage (epoch %d)", self.label, len(peers_here),
+                        runtime.epoch)
         elif not await runtime.run(runtime.load_checkpoint):
             logger.info("%s starting stage %d from the seed", self.label, index)
         router.update(stages)
@@ -267,6 +269,29 @@ class StageService:
         await self.announcer.announce_now()
         logger.info("%s online: %.0f tokens/s measured, layers %s", self.label, self.throughput,
                     list(manifest.layers_of(index)))
+
+    async def _load_from_peers(self) -> bool:
+        """Whether a state the stage vouches for was taken (`peer/state_load.py`). While the stage has other online
+        peers, the slot stays out of service until one is: serving the seed (or an old checkpoint) beside them
+        would send every trip routed here, and the gradients it returns upstream, through other weights. Tries are
+        RETRY_S apart (the download's own pace); False once no other online peer is left to load from."""
+        runtime, tries = self.runtime, 1
+        while not await runtime.run(runtime.load_from_peers):
+            stages = await self.parts.fetch([self.index])
+            online = sum(self.router.compatible(e) for e in stages.get(self.index, []))
+            if not online:
+                return False
+            wait = max(runtime.next_download_in(), MIN_JOIN_RETRY_S)
+            logger.warning("%s stays joining: no state of %d online peer(s) of the stage taken after %d tr%s; "
+                           "trying again in %.0f s", self.label, online, tries, "y" if tries == 1 else "ies", wait)
+            with suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.parts.stop_signals.stopping.wait(), wait)
+            if self.parts.stop_signals.stopping.is_set():
+                return False  # stopped while joining: the slot goes the way a join always went, to be left at once
+            if self.sync is not None:
+                await self.sync.catch_up()  # the stage may have switched U meanwhile: donors serve the new span
+            tries += 1
+        return True
 
     async def fetch_routed(self) -> dict:
         """The records of the stages this slot keeps (the flavour's `routed`: None reads every stage)."""

@@ -10,6 +10,19 @@ from swarm.wire import ErrorCode
 
 
 @dataclass
+class Seconds:
+    """Seconds summed over events, and how many events: one place a trip's time goes at this peer (issue 27).
+    Sums since the peer started; the progress log shows each interval's share from differences."""
+
+    total: float = 0.0
+    count: int = 0
+
+    def add(self, seconds: float) -> None:
+        self.total += seconds
+        self.count += 1
+
+
+@dataclass
 class Stats:
     """The counters a peer announces in its record and logs."""
 
@@ -23,6 +36,14 @@ class Stats:
     kv_bytes: int = 0  # K/V message bytes this peer sent in the lane trips it completed (context parallelism)
     kv_tokens: int = 0  # the tokens of those lane trips (this lane's chunks): kv_bytes / kv_tokens is consistent
     errors: Counter = field(default_factory=Counter)
+    # where a trip's time goes here: stage-thread jobs waiting for the thread and running on it (`StageRuntime.run`),
+    # a hop waiting for the next stage's reply (the link both ways and every stage after), a lane waiting for the
+    # other lanes' K/V (each layer, both directions), and a served trip from decoded to its reply
+    stage_queued: Seconds = field(default_factory=Seconds)
+    stage_busy: Seconds = field(default_factory=Seconds)
+    reply_wait: Seconds = field(default_factory=Seconds)
+    kv_wait: Seconds = field(default_factory=Seconds)
+    served: Seconds = field(default_factory=Seconds)
     trip_versions: Counter = field(default_factory=Counter)  # drivers: completed trips per U version
     mixed_trips: int = 0
     losses: list[float] = field(default_factory=list)

@@ -22,7 +22,7 @@ async def log_progress(
 ) -> None:
     """Every `interval` seconds: tokens/s since the last line, loss, wire bytes per token, counters, and the
     refusals noted since (aggregated per sender)."""
-    last_tokens, last_time = stats.tokens, time.monotonic()
+    last_tokens, last_time, last_times = stats.tokens, time.monotonic(), time_sums(stats)
     while True:
         await asyncio.sleep(interval)
         now, tokens = time.monotonic(), stats.tokens
@@ -40,9 +40,37 @@ async def log_progress(
             stats.load,
             dict(stats.errors) or 0,
         )
+        times = time_sums(stats)
+        if split := time_split(last_times, times, now - last_time):
+            logger.info("%s where trips' time went: %s", label(), split)
         for line in refusal_log.flush(now):
             logger.warning("%s %s", label(), line)
-        last_tokens, last_time = tokens, now
+        last_tokens, last_time, last_times = tokens, now, times
+
+
+TimeSums = dict[str, tuple[float, int]]  # (seconds, events) of each place a trip's time goes (`Stats`)
+
+
+def time_sums(stats: Stats) -> TimeSums:
+    return {name: (s.total, s.count) for name, s in (
+        ("queued", stats.stage_queued), ("busy", stats.stage_busy), ("reply", stats.reply_wait),
+        ("kv", stats.kv_wait), ("served", stats.served))}
+
+
+def time_split(before: TimeSums, after: TimeSums, seconds: float) -> str:
+    """One interval's split, "" if nothing ran: the share of the interval the stage thread worked, and the mean
+    of each wait (per job for the thread's queue, per trip for a reply or a served trip, per layer for K/V)."""
+    delta = {k: (after[k][0] - before[k][0], after[k][1] - before[k][1]) for k in after}
+    if not any(count for _, count in delta.values()):
+        return ""
+
+    def mean_ms(key: str, per: str) -> str:
+        total, count = delta[key]
+        return f"{1000 * total / count:.0f} ms/{per}" if count else "-"
+
+    busy = delta["busy"][0] / max(seconds, 1e-9)
+    return (f"stage thread busy {100 * busy:.0f}%, queued {mean_ms('queued', 'job')}; reply wait "
+            f"{mean_ms('reply', 'trip')}; K/V wait {mean_ms('kv', 'layer')}; served {mean_ms('served', 'trip')}")
 
 
 async def write_heartbeats(

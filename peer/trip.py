@@ -23,6 +23,7 @@ announces).
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -73,8 +74,10 @@ async def serve_trip(hop: Turns, blob: bytes, refuse: Refuse, sender: str) -> by
     except WireError as exc:
         return refuse(exc.code, exc.message, 0)
     stats.load += 1
+    began = time.perf_counter()
     try:
         result = await hop.turn(header, hidden, tokens, sender)
+        stats.served.add(time.perf_counter() - began)
         if index:  # stage 0 counts the trips it drives, not the chunks it serves another driver
             stats.trips += 1
             stats.tokens += tokens.numel()
@@ -153,6 +156,8 @@ class Hop:
             return HopResult(input_grad, loss, [version])
         leaf, output, residual = await runtime.run(runtime.forward, hidden, tokens, version)
         message = await runtime.run(runtime.encode_forward, version, output, tokens, trip_id, self.index + 1)
+        asked = time.perf_counter()
         reply = await self.next_hop.send(message)
+        self.stats.reply_wait.add(time.perf_counter() - asked)
         input_grad, _ = await runtime.run(runtime.learn, leaf, output, reply.grad, tokens, residual, version)
         return HopResult(input_grad, reply.loss, reply.versions + [version], len(message), reply.size)

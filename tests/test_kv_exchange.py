@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import dataclasses
+import functools
 import time
 import tracemalloc
 import uuid
@@ -20,6 +21,7 @@ from hivemind.p2p import P2P
 from peer.kv_early import BufferLimits, EarlyBuffer, EarlyMessage
 from peer.kv_exchange import KVService, message_limit
 from peer.lane_trip import LaneHop, _Sends
+from peer.stats import Stats
 from swarm.context_parallel import ContextParallelSpec, CPBasis
 from swarm.cp_lane import LaneTrip
 from swarm.cp_model import CPDecoder
@@ -453,7 +455,14 @@ async def _inline(fn, *args):
     return fn(*args)
 
 
-HOP = SimpleNamespace(runtime=SimpleNamespace(run=_inline))  # `_forward` needs only a runtime's `run`
+def _hop() -> SimpleNamespace:
+    """What `_forward` needs of a LaneHop: a runtime's `run`, and the stats where its K/V waits are counted."""
+    hop = SimpleNamespace(runtime=SimpleNamespace(run=_inline), stats=Stats())
+    hop._kv_wait = functools.partial(LaneHop._kv_wait, hop)
+    return hop
+
+
+HOP = _hop()
 
 
 class Gate:
@@ -483,11 +492,12 @@ def test_a_lane_computes_every_layer_while_its_first_send_waits_for_its_ack(net)
     async def body():
         trip = trip_id()
         exchanges = [await s.open(trip, net.group) for s in net.lanes]
-        lane, sends = lane_trip(0), _Sends()
+        lane, sends, hop = lane_trip(0), _Sends(), _hop()
         with Gate(net.lanes[1]) as gate:
             # lane 0 hears from no lane: on the old code its forward waited for lane 1's ACK of layer 0, forever here
-            await asyncio.wait_for(LaneHop._forward(HOP, lane, exchanges[0], sends), STUCK)
+            await asyncio.wait_for(LaneHop._forward(hop, lane, exchanges[0], sends), STUCK)
             assert lane.done == len(lane.order) > 1  # every layer computed
+            assert hop.stats.kv_wait.count == len(lane.order)  # one wait for the other lanes' K/V per layer
             await asyncio.wait_for(gate.held.wait(), STUCK)
             # layer 1's message reached lane 1 while its handler still holds layer 0's, unanswered
             assert set(await asyncio.wait_for(exchanges[1].receive_forward(1), STUCK)) == {0}

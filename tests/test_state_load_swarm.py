@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import signal
+from contextlib import suppress
+from pathlib import Path
+
 import pytest
 from harness import entries_by_name, online, swarm_of, wait_for
 
@@ -27,6 +32,9 @@ def test_a_joiner_takes_the_state_its_stage_vouches_for_not_the_poisoned_one_ask
         swarm.spawn_peer("d0", "0")
         swarm.spawn_peer("a1", "1")
         swarm.spawn_peer("b1", "1")
+        # the hostile peer last: a peer joining a stage of one honest and one hostile peer cannot tell which state
+        # is honest, and stays joining (the next test)
+        wait_for(lambda: online(swarm, names[:3]), 180, "three honest peers online")
         swarm.spawn_peer("h1", "1", ["--fault-poison-served-state"])
         wait_for(lambda: online(swarm, names), 180, "four peers online")
         start = _driver_tokens(swarm)
@@ -44,3 +52,54 @@ def test_a_joiner_takes_the_state_its_stage_vouches_for_not_the_poisoned_one_ask
         # what it took is a state an honest peer served
         wait_for(lambda: loaded.split(":")[1] in _served_hashes(entries_by_name(swarm), "a1")
                  | _served_hashes(entries_by_name(swarm), "b1"), 30, "an honest peer's record to show the state")
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # the process ended meanwhile
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def _averager_processes(pid: int) -> list[int]:
+    """The peer's hivemind averagers (which serve its state): children forked from it, as its DHT process is, but
+    without the DHT's p2pd below them."""
+    own = Path(f"/proc/{pid}/cmdline").read_bytes()
+    forked = [c for c in _children(pid) if Path(f"/proc/{c}/cmdline").read_bytes() == own]
+    return [c for c in forked if not any(b"p2pd" in Path(f"/proc/{g}/cmdline").read_bytes() for g in _children(c))]
+
+
+@pytest.mark.slow
+def test_a_joiner_stays_joining_until_it_takes_a_state_and_never_serves_the_seed_beside_the_stage():
+    """Stage 1's only peer stays online but its averagers stop answering (SIGSTOP): the joiner's download takes
+    nothing, so it stays joining (not online with the seed beside a trained peer) and tries again; once the
+    averagers answer again it takes the stage's state and only then goes online."""
+    manifest = preset("tiny", stages=2)
+    with swarm_of(manifest, name="joiner-waits") as swarm:
+        swarm.spawn_peer("d0", "0")
+        donor = swarm.spawn_peer("a1", "1")
+        wait_for(lambda: online(swarm, ["d0", "a1"]), 180, "two peers online")
+        start = _driver_tokens(swarm)
+        wait_for(lambda: _driver_tokens(swarm) > start + 2000, 180, "training through stage 1")
+        stopped = _averager_processes(donor.process.pid)
+        assert stopped, "found no averager process of a1"
+        try:
+            for pid in stopped:
+                os.kill(pid, signal.SIGSTOP)
+            swarm.spawn_peer("fresh", "1")
+            log = swarm.workdir / "fresh.log"
+            wait_for(lambda: log.exists() and "stays joining" in log.read_text(), 300, "the joiner's refused load")
+            entries = entries_by_name(swarm)
+            assert "fresh" not in entries or entries["fresh"].record.state == "joining", entries["fresh"].record
+        finally:
+            for pid in stopped:
+                with suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
+        found = wait_for(lambda: online(swarm, ["fresh"]), 240, "the joiner to come online")
+        assert found["fresh"].record.loaded_state, log.read_text()[-3000:]
+        assert "starting stage 1 from the seed" not in log.read_text()

@@ -143,6 +143,27 @@ def trips_report(data: dict) -> str:
     return "\n".join(lines)
 
 
+def split_report(data: dict) -> str:
+    """Per cell and stage (mean over its lanes), the peers' own account of where a trip's time went there
+    (`trip_time.time_split`): stage thread busy share, ms a job waited for the thread, ms a hop waited for the
+    next stage's reply, ms a lane waited for one layer's K/V, ms a served trip took from decoded to reply."""
+    fmt = lambda v, spec: "—" if v is None else format(v, spec)  # noqa: E731
+    lines = ["| RTT (ms) | mode | per stage: busy / queued ms / reply ms / K/V ms per layer / served ms |",
+             "|---|---|---|"]
+    for c in sorted((c for c in data["cells"] if "peers" in c), key=lambda c: (c["rtt_ms"], c["repeat"])):
+        stages: dict[str, list[dict]] = {}
+        for name, peer in c["peers"].items():
+            if peer.get("split"):
+                stages.setdefault(name.split("-")[0], []).append(peer["split"])
+        parts = [f"{stage}: " + " / ".join(
+            [fmt(_mean([s["busy_share"] for s in splits]), ".0%")]
+            + [fmt(_mean([s[key] for s in splits]), ".0f") for key in ("queued_ms", "reply_ms", "kv_ms", "served_ms")])
+            for stage, splits in sorted(stages.items())]
+        if parts:
+            lines.append(f"| {c['rtt_ms']:g} | {c['mode']} | " + "; ".join(parts) + " |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rtts", default="0,20,50,100", help="RTT between two peers, ms")
@@ -172,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     if args.report:
         data = _load(out)
-        print(report(data) + ("\n\n" + trips_report(data) if any("peers" in c for c in data["cells"]) else ""))
+        print(report(data) + ("\n\n" + trips_report(data) + "\n\n" + split_report(data)
+                              if any("peers" in c for c in data["cells"]) else ""))
         return 0
 
     def on_term(*_):
@@ -206,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130 if isinstance(exc, KeyboardInterrupt) else 1
     finally:
         cleanup_leftovers()
-    print(report(data) + "\n\n" + trips_report(data))
+    print(report(data) + "\n\n" + trips_report(data) + "\n\n" + split_report(data))
     return 0
 
 

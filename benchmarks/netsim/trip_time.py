@@ -20,6 +20,10 @@ from pathlib import Path
 
 _TICK = os.sysconf("SC_CLK_TCK")
 _IN_FLIGHT = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),\d+ .* in flight (\d+),")
+_SPLIT = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),\d+ .* where trips' time went: stage thread busy (\d+)%, "
+                    r"queued (\S+)(?: ms/job)?; reply wait (\S+)(?: ms/trip)?; K/V wait (\S+)(?: ms/layer)?; "
+                    r"served (\S+)(?: ms/trip)?$")
+SPLIT_KEYS = ("busy_share", "queued_ms", "reply_ms", "kv_ms", "served_ms")
 
 
 def _stat(pid: int | str) -> list[str] | None:
@@ -103,6 +107,20 @@ def in_flight(log: Path, since: float, until: float) -> list[int]:
     return values
 
 
+def time_split(log: Path, since: float, until: float) -> dict[str, float | None]:
+    """The peer's own account of where trips' time went (`peer/status_log.py` `time_split`), each figure's mean
+    over the lines it logged between two wall-clock times: the stage thread's busy share, and the mean ms a job
+    waited for the thread, a trip for the next stage's reply, a lane for one layer's K/V, a served trip in all
+    (None where no line had it)."""
+    rows = []
+    for line in log.read_text(errors="replace").splitlines():
+        match = _SPLIT.match(line)
+        if match and since <= datetime.strptime(match[1], "%Y-%m-%d %H:%M:%S").timestamp() <= until:
+            rows.append([int(match[2]) / 100] + [None if v == "-" else float(v) for v in match.groups()[2:]])
+    return {key: statistics.mean(column) if (column := [r[i] for r in rows if r[i] is not None]) else None
+            for i, key in enumerate(SPLIT_KEYS)}
+
+
 def served_share(name: str, lanes: int) -> float:
     """The share of the drivers' trips a peer serves (and holds in `in flight`): every one past stage 0; at
     stage 0 a lane serves the other lanes' drivers' chunks ((P-1)/P), a pipeline's driver none."""
@@ -133,6 +151,7 @@ def account(swarm, before: dict, after: dict, cell) -> dict:
             "in_flight": held, "in_flight_mean": mean_held,
             # Little's law: trips held / trips finished per second = seconds a trip spends at this peer
             "threads": threads,
+            "split": time_split(child.log, before["at"], after["at"]) if child.name != "bootstrap" else {},
             "cpu_seconds_per_trip": (end - start) / (trip_rate * wall)
             if start is not None and end is not None and trip_rate > 0 else None,
         }

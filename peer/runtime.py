@@ -319,13 +319,12 @@ class StageRuntime:
     def _checked_download(self, download: Callable[[], None]) -> bool:
         """Every download (stage thread): refused if not finite; the state taken is noted as loaded, so our record
         is no witness of it (`swarm/live_state.py confirmations`), then re-projected and hashed as ours."""
-        before = (self.epoch, parameters_sha256(self.stage))
         download()
+        if not self.optimizer.state_averager.taken:  # hivemind returns quietly where the load returned no state
+            logger.warning("%s took no state from the stage's peers", self.label)
+            return False
         # hashed as received, before our own re-projection, so it compares with the donor's hashes
         received = (self.epoch, parameters_sha256(self.stage))
-        if received == before:  # hivemind returns quietly if no donor answered
-            logger.warning("%s no peer of the stage served its state", self.label)
-            return False
         if not self.guard.is_finite():
             self._restore_finite_state("state served by a peer was not finite; kept ours")
             return False

@@ -88,6 +88,7 @@ class VerifiedStateLoad(DecentralizedAverager):
 
     choose: Choose | None = None
     retry_at = -float("inf")  # (this process's clock) no download before this
+    taken = False  # whether the last load returned a state (it may equal ours: two peers still at the seed)
 
     def __init__(self, *args, **kwargs):
         # hivemind starts each download task without keeping it, and the DHT future it awaits is held only
@@ -108,6 +109,7 @@ class VerifiedStateLoad(DecentralizedAverager):
         the checks need the states); `timeout` is hivemind's per-message one, replaced by each donor's budget."""
         if not wait:
             raise ValueError("a state download is checked before it is returned: wait=False is not supported")
+        self.taken = False
         if time.monotonic() < self.retry_at:
             return None
         self.retry_at = time.monotonic() + RETRY_S
@@ -120,14 +122,17 @@ class VerifiedStateLoad(DecentralizedAverager):
             logger.warning("the state download did not end within its donors' budgets")
             states = []
         ours = self.optimizer.state_dict()  # once per load: every state is checked against the same
-        states = [state for state in states if self._optimizer_state_fits(*state, ours, _metadata_of(ours))]
+        # hivemind refuses (quietly) a state of an epoch behind ours: such a state is never taken here either
+        own_metadata = _metadata_of(ours)
+        states = [state for state in states if isinstance(state[0].get("epoch"), int)
+                  and state[0]["epoch"] >= self.local_epoch and self._optimizer_state_fits(*state, ours, own_metadata)]
         if states and self.choose is None:
-            return states[0][:2]
-        count = len(self.main_parameters)
-        pick = self.choose([(m["epoch"], t[:count], donor) for m, t, donor in states]) if states else None
-        if pick is None:
-            return None
-        return states[pick][:2]
+            pick = 0
+        else:
+            count = len(self.main_parameters)
+            pick = self.choose([(m["epoch"], t[:count], donor) for m, t, donor in states]) if states else None
+        self.taken = pick is not None
+        return None if pick is None else states[pick][:2]
 
     def _optimizer_state_fits(self, metadata: dict, tensors: list[torch.Tensor], donor: str, ours: dict,
                               own_metadata: list[dict]) -> bool:

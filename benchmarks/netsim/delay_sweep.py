@@ -56,6 +56,9 @@ def measure_point(mode: str, rtt: float, rate: float | None, args, log) -> dict:
             ("--min-stream-kbit", str(args.min_stream_kbit))
     else:
         manifest, peer_args = manifest_for(mode, args.stages, args.k, args.seed), ()
+    if args.target_batch:  # a longer optimizer epoch: the stage's averaging carries that much less per token
+        manifest = manifest.model_copy(update={"batch": manifest.batch.model_copy(
+            update={"target_batch_size": args.target_batch})})
     workdir = Path(tempfile.mkdtemp(prefix=f"netsim-delay-{mode}-"))
     swarm = NetSwarm(manifest, workdir, max_inflight=args.max_inflight, log=log, peer_args=peer_args,
                      records_interval=args.records_interval, delay=LinkDelay.symmetric(rtt / 4))
@@ -181,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup-trips", type=int, default=4)
     parser.add_argument("--records-interval", type=float, default=POLL_INTERVAL)
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--target-batch", type=int, help="samples per optimizer epoch (default: the preset's)")
     parser.add_argument("--out", default="benchmarks/netsim/delay-pipeline.json")
     parser.add_argument("--report", action="store_true", help="print the table from --out and exit")
     args = parser.parse_args(argv)

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from harness import entries_by_name, online, swarm_of, wait_for
 
+from peer.processes import descendants
 from swarm.presets import preset
 
 
@@ -54,24 +55,12 @@ def test_a_joiner_takes_the_state_its_stage_vouches_for_not_the_poisoned_one_ask
                  | _served_hashes(entries_by_name(swarm), "b1"), 30, "an honest peer's record to show the state")
 
 
-def _children(pid: int) -> list[int]:
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue  # the process ended meanwhile
-        if int(fields[1]) == pid:
-            found.append(int(stat.parent.name))
-    return found
-
-
 def _averager_processes(pid: int) -> list[int]:
-    """The peer's hivemind averagers (which serve its state): children forked from it, as its DHT process is, but
+    """The peer's hivemind averagers (which serve its state): processes forked from it, as its DHT process is, but
     without the DHT's p2pd below them."""
     own = Path(f"/proc/{pid}/cmdline").read_bytes()
-    forked = [c for c in _children(pid) if Path(f"/proc/{c}/cmdline").read_bytes() == own]
-    return [c for c in forked if not any(b"p2pd" in Path(f"/proc/{g}/cmdline").read_bytes() for g in _children(c))]
+    forked = [c for c in descendants(pid) if Path(f"/proc/{c}/cmdline").read_bytes() == own]
+    return [c for c in forked if not any(b"p2pd" in Path(f"/proc/{g}/cmdline").read_bytes() for g in descendants(c))]
 
 
 @pytest.mark.slow

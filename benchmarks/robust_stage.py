@@ -9,7 +9,10 @@ Peer 3 of stage 1 is hostile in one way per run:
 
 - as a sender: `nan`, `huge` (1e4 × its gradient), `sign` (−g), `scale10`, `scale0.1`, `random` (a random
   direction of the honest norm), `weight` (an honest gradient sent with weight 1e9);
-- as a reducer of its part: `reducer-noise` (the mean plus noise of 10× its norm), `reducer-sign` (−mean).
+- as a reducer of its part: `reducer-noise` (the mean plus noise of 10× its norm), `reducer-sign` (−mean);
+- `absent`, a reference, not an attack: peer 3 is not in the group (its microbatch is drawn and dropped, so the
+  honest peers see the same data as in every other run): what training on three peers' gradients costs, the
+  floor for an attacker the rule excludes.
 
 The rule is `robust` (swarm/robust.py, what the peers run: CenteredClip per part, reduced parts checked by
 each honest peer, an accused peer ignored from then on) or `mean` (hivemind's plain weighted mean, for
@@ -19,7 +22,8 @@ averagers in tests/test_robust_averaging.py), state averaging (all peers hold th
 peers drifting apart where they kept their own slice.
 
 The number is the held-out loss after the same tokens, as a ratio to the all-honest robust run of the same
-seed, and the step at which the hostile peer was first accused.
+seed, and the step at which the hostile peer was first accused. The held-out loss is the mean of `TAIL_EVALS`
+evaluations over the last steps (`--tail-every` apart), so that one step's jitter does not decide a 5% bound.
 
     OMP_NUM_THREADS=1 python benchmarks/robust_stage.py --json benchmarks/results/robust-stage.json --jobs 2
 
@@ -51,7 +55,8 @@ from swarm.simulate import evaluate, run_trip  # noqa: E402
 PEERS, HOSTILE = 4, 3
 SENDER_ATTACKS = ["nan", "huge", "sign", "scale10", "scale0.1", "random", "weight"]
 REDUCER_ATTACKS = ["reducer-noise", "reducer-sign"]
-ATTACKS = ["none", *SENDER_ATTACKS, *REDUCER_ATTACKS]
+ATTACKS = ["none", "absent", *SENDER_ATTACKS, *REDUCER_ATTACKS]
+TAIL_EVALS = 5  # evaluations averaged over the run's last steps
 
 
 def hostile_contribution(attack: str, grad: torch.Tensor, generator: torch.Generator) -> tuple[torch.Tensor, float]:
@@ -95,6 +100,8 @@ class Stage1Averaging:
 
     def average(self, grads: list[torch.Tensor], step: int) -> torch.Tensor:
         sent = [(g, 1.0) for g in grads]
+        if self.attack == "absent":
+            sent[HOSTILE] = (grads[HOSTILE], 0.0)
         if self.attack in SENDER_ATTACKS:
             sent[HOSTILE] = hostile_contribution(self.attack, grads[HOSTILE], self.generator)
         bounds = [round(i * grads[0].numel() / PEERS) for i in range(PEERS + 1)]
@@ -107,7 +114,7 @@ class Stage1Averaging:
                 total = sum(weights)
                 part = sum(w * p for p, w in zip(parts, weights, strict=True)) / total
             else:
-                keep = [i for i in range(PEERS) if not (self.banned and i == HOSTILE)]
+                keep = [i for i in range(PEERS) if not ((self.banned or self.attack == "absent") and i == HOSTILE)]
                 aggregate = robust_average([parts[i] for i in keep], [weights[i] for i in keep], parts[0].shape)
                 part = own[bounds[j] : bounds[j + 1]] if aggregate is None else aggregate.average
                 if aggregate is not None and any(keep[n] == HOSTILE for n in aggregate.accused):
@@ -148,7 +155,8 @@ def run(point: dict) -> dict:
     validation = held_out.fixed_batches(manifest.batch.microbatch_size, 8)
     averaging = Stage1Averaging(point["rule"], point["attack"], seed)
     params = [list(stage.parameters()) for stage in stages]
-    started, skipped = time.perf_counter(), 0
+    started, skipped, tail = time.perf_counter(), 0, []
+    tail_steps = {steps - 1 - k * point["tail_every"] for k in range(TAIL_EVALS if point["tail_every"] else 1)}
     for step in range(steps):
         per_peer: list[list[torch.Tensor]] = [[], []]
         for _ in range(PEERS):
@@ -170,9 +178,12 @@ def run(point: dict) -> dict:
                 group["lr"] = lr_at(step, manifest.optimizer.lr, manifest.optimizer.warmup_steps)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+        if step in tail_steps:
+            tail.append(evaluate(stages, validation))
     return {
         **point,
-        "val_loss": evaluate(stages, validation),
+        "val_loss": tail[-1],
+        "val_loss_tail": statistics.mean(tail),
         "accused_at": averaging.accused_at,
         "skipped_steps": skipped,
         "finite": all(torch.isfinite(p).all().item() for stage_params in params for p in stage_params),
@@ -181,14 +192,20 @@ def run(point: dict) -> dict:
 
 
 def key(point: dict) -> tuple:
-    return (point["rule"], point["attack"], point["seed"], point["steps"])
+    return (point["rule"], point["attack"], point["seed"], point["steps"], point.get("tail_every", 0))
 
 
-def report(results: list[dict], steps: int) -> str:
+def report(results: list[dict], steps: int, tail_every: int) -> str:
+    """The table in RESULTS: the runs of `steps` steps evaluated `tail_every` apart (runs made before tail
+    evaluations existed read as `tail_every` 0: the last step's loss alone)."""
     def of(rule: str, attack: str) -> list[dict]:
-        return [r for r in results if (r["rule"], r["attack"], r["steps"]) == (rule, attack, steps)]
+        return [r for r in results
+                if (r["rule"], r["attack"], r["steps"], r.get("tail_every", 0)) == (rule, attack, steps, tail_every)]
 
-    honest = {r["seed"]: r["val_loss"] for r in of("robust", "none")}
+    def loss(result: dict) -> float:
+        return result.get("val_loss_tail", result["val_loss"])
+
+    honest = {r["seed"]: loss(r) for r in of("robust", "none")}
     lines = [
         "| attack on peer 3 of 4 | rule | seeds | held-out loss / all-honest robust, mean [min, max] "
         "| accused at step | weights finite |",
@@ -199,7 +216,7 @@ def report(results: list[dict], steps: int) -> str:
             rows = [r for r in of(rule, attack) if r["seed"] in honest]
             if not rows:
                 continue
-            ratios = [r["val_loss"] / honest[r["seed"]] for r in rows]
+            ratios = [loss(r) / honest[r["seed"]] for r in rows]
             accused = sorted({r["accused_at"] for r in rows}, key=lambda a: (a is None, a))
             spread = f"×{statistics.mean(ratios):.3f} [{min(ratios):.3f}, {max(ratios):.3f}]"
             when = ", ".join("never" if a is None else str(a) for a in accused)
@@ -214,13 +231,15 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--attacks", nargs="+", default=ATTACKS, choices=ATTACKS)
     parser.add_argument("--rules", nargs="+", default=["robust", "mean"], choices=["robust", "mean"])
+    parser.add_argument("--tail-every", type=int, default=4,
+                        help="steps between the last evaluations averaged (0: the last step's alone)")
     parser.add_argument("--jobs", type=int, default=1)
     parser.add_argument("--report-only", action="store_true")
     args = parser.parse_args()
     results = json.loads(args.json.read_text()) if args.json.exists() else []
     done = {key(r) for r in results}
     points = [
-        {"rule": rule, "attack": attack, "seed": seed, "steps": args.steps}
+        {"rule": rule, "attack": attack, "seed": seed, "steps": args.steps, "tail_every": args.tail_every}
         for seed in args.seeds
         for attack in args.attacks
         for rule in args.rules
@@ -239,7 +258,7 @@ def main() -> None:
                 f"accused {result['accused_at']} ({result['seconds']:.0f} s)",
                 flush=True,
             )
-    print(report(results, args.steps))
+    print(report(results, args.steps, args.tail_every))
 
 
 if __name__ == "__main__":

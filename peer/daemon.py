@@ -38,10 +38,11 @@ from peer.reachability import ReachabilityCheck
 from peer.rebalance import Placement
 from peer.refusals import RefusalLog
 from peer.relay import Relaying
-from peer.stage_service import PeerParts, StageService, trip_flavour
+from peer.stage_service import PeerParts, StageService
 from peer.stats import Stats
 from peer.status_log import write_heartbeats
 from peer.transport import TripServicer
+from peer.trip_flavour import trip_flavour
 from peer.trip_server import TripServer
 from swarm.manifest import Manifest
 from swarm.wire import expectation_for

@@ -7,12 +7,8 @@ What serving one slot takes is here, so that a reader finds it in one room: the 
 the leave. `StageService.create` builds a slot up to online, `run` serves it until the peer stops or a
 rebalance moves it, `shutdown` leaves it (checkpoint, release). A move builds a new `StageService`.
 
-The trip flavour is picked once per process, here in `trip_flavour` and nowhere else: a pipeline run's
-`PipelineTrips` (`peer/trip.py` `Hop`) or a context-parallel run's `LaneTrips` (`peer/lane_trip.py` `LaneHop`
-and the `peer/kv_exchange.py` `KVService` that carries K/V between the lanes of a trip). The flavour answers
-every question on which the two differ (the stages whose records a slot keeps, how many trips a peer carries
-per driver trip, what the heartbeat adds, the K/V handler's admission), so the daemon, the trip server and the
-trips ask it instead of testing how many lanes the run has.
+The trip flavour (`peer/trip_flavour.py`: pipeline or lanes) is picked once per process; a slot asks it whatever
+differs between the two.
 """
 
 from __future__ import annotations
@@ -26,15 +22,13 @@ from dataclasses import dataclass
 
 from hivemind.dht import DHT
 from hivemind.dht.crypto import RSASignatureValidator
-from hivemind.p2p import P2P, PeerID
 from hivemind.utils.crypto import RSAPrivateKey
 
-from p2pio.relay_service import KV, TRIPS
+from p2pio.relay_service import TRIPS
 from peer.announcer import Announcer, stage_record
 from peer.audit import Ledger
 from peer.driver import Driver
-from peer.kv_exchange import KVService
-from peer.lane_trip import LaneHop, lane_codec, largest_kv_message
+from peer.lane_trip import LaneHop
 from peer.lanes import Slot
 from peer.link import Link
 from peer.next_hop import NextHop
@@ -50,10 +44,10 @@ from peer.stats import Stats
 from peer.status_log import log_progress
 from peer.subspace_sync import SubspaceSync
 from peer.trip import Hop
+from peer.trip_flavour import Trips
 from peer.trip_server import TripServer
 from swarm.manifest import Manifest
 from swarm.records import StagePeerRecord, plausible_throughput
-from swarm.wire import ErrorCode
 
 logger = logging.getLogger("peer")
 
@@ -62,124 +56,6 @@ MIN_JOIN_RETRY_S = 5.0  # a joiner whose state download failed before it began t
 SIGNAL_DRAIN_TIMEOUT = 15.0  # stopped by a signal: trips in flight get at most this long (exit within 30 s)
 
 FetchStages = Callable[..., Awaitable[dict]]  # records of the stages named (none named: every stage)
-
-
-class PipelineTrips:
-    """A pipeline run's trips (no context parallelism): each served stage gets a `peer/trip.py` `Hop`, and the
-    trip handler is the only one the peer listens on."""
-
-    overload_factor = 1  # trips a peer carries per driver trip
-    pinned_lane = 0  # a pipeline stage has one lane: placement picks only the stage
-
-    def __init__(self, manifest: Manifest):
-        self.manifest = manifest
-
-    def message_bound(self) -> int:
-        """The largest message of a channel beside the trips' (none here): what relaying for others must carry."""
-        return 0
-
-    async def start(self, p2p: P2P, relaying: Relaying, peer_id: str) -> None:
-        """Listen beside the trip handler: a pipeline has nothing else to hear."""
-
-    def routed(self, index: int) -> list[int]:
-        """The stages whose records a peer of stage `index` keeps (`peer/routing.py` `routed_stages`)."""
-        return routed_stages(self.manifest, index)
-
-    def hop(self, next_hop: NextHop, stats: Stats, label: str, lane: int) -> Hop:
-        """The slot's hop: the stage's turn in every trip, its next stage reached through `next_hop`."""
-        return Hop(next_hop, stats, label)
-
-    def serve(self, hop: Hop, runtime: StageRuntime) -> None:
-        """The stage goes online: nothing beside the trip server (`TripServer.hop`) takes its trips."""
-
-    def release(self) -> None:
-        """The stage is left: nothing beside the trip server held it."""
-
-    def switch_lane(self, hop: Hop, lane: int) -> None:
-        """A pipeline stage has one lane (`peer/lanes.py` `allowed_slots`): placement never switches it."""
-
-    def heartbeat(self, lane: int, stats: Stats) -> dict:
-        """What the heartbeat adds: nothing (no K/V counters)."""
-        return {}
-
-
-class LaneTrips:
-    """A context-parallel run's trips (issue 17): each served slot gets a `peer/lane_trip.py` `LaneHop`, and the
-    peer listens for K/V too (`KVService`, on its own channel, also delivered by the peer's relay)."""
-
-    def __init__(self, manifest: Manifest, options: PeerOptions):
-        self.manifest, self.options = manifest, options
-        self.pinned_lane = options.lane  # --lane, or None: placement picks the lane too
-        # every driver's trips pass through every lane: with P lanes a peer carries P times the trips of a pipeline
-        # without lanes (measured: 4 lanes refused each other's chunks `overloaded` until their trips collapsed on
-        # an 8 Mbit/s link)
-        self.overload_factor = manifest.lanes
-        self.hop_served: LaneHop | None = None  # the lane the K/V handler serves now, None while none is served
-        # set by `start`, once p2pd is up and before any slot is served
-        self.kv: KVService
-        self.relaying: Relaying
-        self.peer_id: str
-
-    def message_bound(self) -> int:
-        """The largest K/V message of the run: relaying for others carries K/V too."""
-        return largest_kv_message(self.manifest)
-
-    async def start(self, p2p: P2P, relaying: Relaying, peer_id: str) -> None:
-        """The K/V handler, never removed (like the trip handler: p2pd stops with the DHT), and the K/V our relay
-        delivers."""
-        self.relaying, self.peer_id = relaying, peer_id
-        self.kv = KVService(
-            p2p,
-            self.manifest.run_id,
-            self.message_bound(),
-            admit=self.admit_kv_sender,
-            min_rate=self.options.min_stream_rate,
-            receive_timeout=self.options.trip_timeout,
-        )
-        await self.kv.start()
-        await relaying.deliver(KV, self.kv.servicer.serve_stream)
-
-    def admit_kv_sender(self, peer: PeerID) -> ErrorCode | None:
-        """Asked before a K/V stream is read: the served lane's peers of its stage only (`LaneHop.admit_kv_sender`)."""
-        return ErrorCode.LEAVING if self.hop_served is None else self.hop_served.admit_kv_sender(peer)
-
-    def routed(self, index: int) -> list[int] | None:
-        """Every stage (None): a driver picks a trip's group in each, stage 0 admits the other drivers."""
-        return None
-
-    def hop(self, next_hop: NextHop, stats: Stats, label: str, lane: int) -> LaneHop:
-        """The slot's lane hop: its K/V through this process's `KVService`, sent over a K/V `Link`."""
-        kv_link = Link(self.relaying.senders[KV], next_hop.router)  # K/V through a lane peer's relay, as trips go
-        return LaneHop(next_hop, stats, label, lane=lane, kv=self.kv, peer_id=self.peer_id, kv_link=kv_link)
-
-    def serve(self, hop: LaneHop, runtime: StageRuntime) -> None:
-        """The slot goes online: the K/V handler takes its lane's messages under the stage's codec."""
-        if self.options.fault_cp_version is not None:  # fault injection: another CP basis version, same bytes
-            runtime.stage.cp_basis.version = self.options.fault_cp_version
-        self.hop_served = hop
-        self.kv.serve(lane_codec(self.manifest, runtime.stage), hop.lane)
-
-    def release(self) -> None:
-        """The slot is left: every K/V message is refused `leaving` until the next one is served."""
-        self.hop_served = None
-        self.kv.serve(None)
-
-    def switch_lane(self, hop: LaneHop, lane: int) -> None:
-        """Lanes of a stage are replicas of its weights: only what the K/V handler and the next trips take changes."""
-        hop.lane = lane
-        self.kv.serve(self.kv.codec, lane)
-
-    def heartbeat(self, lane: int, stats: Stats) -> dict:
-        """Read by `kv_bytes_per_token` (`protocol-swarm local`, benchmarks/netsim)."""
-        return {"lane": lane, "kv_bytes": stats.kv_bytes, "kv_tokens": stats.kv_tokens}
-
-
-Trips = PipelineTrips | LaneTrips
-
-
-def trip_flavour(manifest: Manifest, options: PeerOptions) -> Trips:
-    """The run's trip flavour, picked once per process: the one place that asks whether the run has lanes."""
-    return LaneTrips(manifest, options) if manifest.lanes > 1 else PipelineTrips(manifest)
 
 
 @dataclass
@@ -251,7 +127,7 @@ class StageService:
         parts.server.set_throughput(self.throughput, hop.tokens_per_trip)
         await self.announcer.announce_now()
         stages = await parts.fetch([index, *routed_stages(manifest, index)])
-        peers_here = [e for e in stages.get(index, []) if router.compatible(e)]
+        peers_here = self._compatible_here(stages)
         if manifest.updates_u:
             self.sync = SubspaceSync(hop, parts.dht, parts.signer, parts.peer_id, self.announcer.announce_now)
             router.update(stages)
@@ -259,6 +135,11 @@ class StageService:
         if peers_here and await self._load_from_peers():
             logger.info("%s loaded state from %d peer(s) of the stage (epoch %d)", self.label, len(peers_here),
                         runtime.epoch)
+        elif parts.stop_signals.stopping.is_set():
+            # stopped while waiting for a state: neither the seed nor the checkpoint goes online for a moment, and
+            # `shutdown` keeps the checkpoint as it is (the runtime holds the seed)
+            logger.info("%s stopped while joining: nothing loaded, nothing served", self.label)
+            return
         elif not await runtime.run(runtime.load_checkpoint):
             logger.info("%s starting stage %d from the seed", self.label, index)
         router.update(stages)
@@ -277,8 +158,7 @@ class StageService:
         RETRY_S apart (the download's own pace); False once no other online peer is left to load from."""
         runtime, tries = self.runtime, 1
         while not await runtime.run(runtime.load_from_peers):
-            stages = await self.parts.fetch([self.index])
-            online = sum(self.router.compatible(e) for e in stages.get(self.index, []))
+            online = len(self._compatible_here(await self.parts.fetch([self.index])))
             if not online:
                 return False
             wait = max(runtime.next_download_in(), MIN_JOIN_RETRY_S)
@@ -287,11 +167,15 @@ class StageService:
             with suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self.parts.stop_signals.stopping.wait(), wait)
             if self.parts.stop_signals.stopping.is_set():
-                return False  # stopped while joining: the slot goes the way a join always went, to be left at once
+                return False
             if self.sync is not None:
                 await self.sync.catch_up()  # the stage may have switched U meanwhile: donors serve the new span
             tries += 1
         return True
+
+    def _compatible_here(self, stages: dict) -> list:
+        """The other online peers of this stage in `stages` (as fetched) whose state this slot could take."""
+        return [e for e in stages.get(self.index, []) if self.router.compatible(e)]
 
     async def fetch_routed(self) -> dict:
         """The records of the stages this slot keeps (the flavour's `routed`: None reads every stage)."""
@@ -334,6 +218,9 @@ class StageService:
         """Serve until `stopping` is set (returns None) or one of `jobs` (the daemon's placement) raises
         `StageMove` (returns its target); any other failure is raised. Always left through `shutdown`."""
         parts, runtime = self.parts, self.runtime
+        if self.state == "joining":  # stopped before it went online (`_start`): nothing to serve
+            await self.shutdown()
+            return None
         coros = [self.announcer.run(), self.refresh_loop(), self.log_loop(), *jobs]
         if self.sync is not None:
             coros.append(self.sync.run())
@@ -366,6 +253,7 @@ class StageService:
         """Announce LEAVING, stop driving, let trips in flight finish, checkpoint, release the stage. From here on
         what fails is the leave's doing, not the swarm's: it is counted apart from errors (`Stats.leaving`)."""
         parts, stats, driver = self.parts, self.parts.stats, self.driver
+        served = self.state == "online"  # a slot stopped while joining holds the seed: no checkpoint of it
         self.state = "leaving"
         stats.leaving = True
         if driver is not None:
@@ -388,7 +276,8 @@ class StageService:
         self.tasks, self.sync, self.driver = [], None, None
         runtime, self.runtime = self.runtime, None
         if runtime is not None:
-            await runtime.run(runtime.save_checkpoint)  # queued behind any backward still running
+            if served:
+                await runtime.run(runtime.save_checkpoint)  # queued behind any backward still running
             # hivemind's Optimizer.shutdown joins its tracker and averagers (5 s each): off the event loop,
             # so a second Ctrl-C is still handled meanwhile
             await asyncio.to_thread(runtime.shutdown)

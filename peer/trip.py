@@ -8,7 +8,7 @@ its `next_hop`. The driver (stage 0) starts a trip with `drive`; every other sta
 message its `TripServer` admitted. `Hop` is the pipeline flavour of a trip; its sibling with context
 parallelism is `peer/lane_trip.py` `LaneHop`. Both answer the same questions (`serve`, `drive`, `upstream`,
 `tokens_per_trip`) and share the serve envelope (`serve_trip`: decode, the flavour's `turn`, the reply);
-which one a served stage gets is picked once, in `peer/stage_service.py` `trip_flavour`.
+which one a served stage gets is picked once, in `peer/trip_flavour.py` `trip_flavour`.
 
 A trip's activations live exactly as long as the coroutine: if the caller goes away libp2p closes
 the stream, the coroutine is cancelled and the state is released. Which peer of the next stage gets the

@@ -113,7 +113,10 @@ def test_two_stages_of_two_lanes_train_like_the_simulator_and_refuse_a_stale_cp_
     # steps differ by up to ~0.3 there; a run measured 3.89 against 3.17-3.44), while a swarm that does not learn,
     # or learns from wrong K/V, stays above 5
     window = sim[-10:]
-    assert progress.loss_first is not None and progress.loss_last < progress.loss_first - 1.0, progress.loss_history
+    # the swarm learns: its loss falls a nat below the untrained model's, the simulator's first step (~ln 256 = 5.5).
+    # The swarm's first record is no such reference: it averages the trips of the first announce interval, which on
+    # an idle machine already hold several optimizer steps (a CI run's first record read 4.87)
+    assert progress.loss_last < sim[0] - 1.0, (progress.loss_history, sim[:3])
     assert min(window) - 0.5 <= progress.loss_last <= max(window) + 0.5, (progress.loss_last, window, tokens)
     assert records["stale-cp"].trips == 0  # every trip through it failed: none counted
     assert refused  # a trip that picked it was refused with the code, then run on another group

@@ -23,7 +23,7 @@ if str(REPO) not in sys.path:  # benchmarks/ is not an installed package
 
 from benchmarks.netsim.calibrate import bulk, ping_rtts  # noqa: E402
 from benchmarks.netsim.delay import LinkDelay  # noqa: E402
-from benchmarks.netsim.delay_sweep import points, report  # noqa: E402
+from benchmarks.netsim.delay_sweep import label, points, report  # noqa: E402
 from benchmarks.netsim.forwarder import Direction, Sleeper  # noqa: E402
 from benchmarks.netsim.net import Topology, namespaces  # noqa: E402
 from benchmarks.netsim.trip_time import in_flight, process_cpu_seconds  # noqa: E402
@@ -87,6 +87,18 @@ def test_the_delay_sweep_interleaves_modes_and_reports_ratios_from_its_file():
     table = report({"cells": cells}).splitlines()
     assert table[2] == "| 0 | 100 | 1.00 | 50 | 1.00 | 2.00× |"
     assert table[3] == "| 20 | 80 | 0.80 | — | — | — |"
+
+
+def test_the_delay_sweep_tables_each_in_flight_window_as_a_variant():
+    """`--max-inflight 4,8`: one mode at two windows is an A/B, ratioed per RTT like two modes; a cell from before
+    windows were compared is named by its mode."""
+    cells = [{"mode": "boundary", "variant": f"boundary, {n} in flight", "max_inflight": n, "rtt_ms": r, "repeat": 0,
+              "tokens_per_s": t} for n, r, t in [(4, 0.0, 100.0), (8, 0.0, 125.0), (4, 100.0, 80.0), (8, 100.0, 120.0)]]
+    table = report({"cells": cells}).splitlines()
+    assert table[0].startswith("| RTT (ms) | boundary, 4 in flight tok/s | boundary, 4 in flight / its RTT 0 | "
+                               "boundary, 8 in flight tok/s")
+    assert table[3] == "| 100 | 80 | 0.80 | 120 | 0.96 | 0.67× |"
+    assert label({"mode": "dense-bf16", "rtt_ms": 0.0}) == "dense-bf16"
 
 
 @pytest.mark.slow

@@ -1,4 +1,4 @@
-"""The trip flavour is picked once (`peer/stage_service.py` `trip_flavour`), and what differs between a pipeline
+"""The trip flavour is picked once (`peer/trip_flavour.py` `trip_flavour`), and what differs between a pipeline
 and a context-parallel run is the flavour's answer, not a test of the lane count elsewhere: these check the
 answers (the stages a slot keeps, the overload factor, the heartbeat, the stage a hop accepts trips from)."""
 
@@ -14,9 +14,9 @@ from builders import tiny_manifest
 from peer.lane_trip import LaneHop
 from peer.options import PeerOptions
 from peer.refusals import RefusalLog
-from peer.stage_service import LaneTrips, PipelineTrips, trip_flavour
 from peer.stats import Stats
 from peer.trip import Hop
+from peer.trip_flavour import LaneTrips, PipelineTrips, trip_flavour
 from peer.trip_server import TripServer
 from swarm.wire import ErrorCode
 
@@ -78,9 +78,9 @@ def test_no_module_but_the_factory_asks_whether_the_run_has_lanes():
     switch = re.compile(r"lanes\s*>\s*1|\.lanes\s*[=!]=\s*1\b|isinstance\([^)]*LaneHop|\bkv is (not )?None")
     found = [f"{path.name}:{n}" for path in sorted(PEER.glob("*.py"))
              for n, line in enumerate(path.read_text().splitlines(), 1) if switch.search(line)]
-    assert found == [f"stage_service.py:{_factory_line()}"], found
+    assert found == [f"trip_flavour.py:{_factory_line()}"], found
 
 
 def _factory_line() -> int:
-    lines = (PEER / "stage_service.py").read_text().splitlines()
+    lines = (PEER / "trip_flavour.py").read_text().splitlines()
     return next(n for n, line in enumerate(lines, 1) if "return LaneTrips(" in line)

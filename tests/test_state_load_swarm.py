@@ -67,7 +67,8 @@ def _averager_processes(pid: int) -> list[int]:
 def test_a_joiner_stays_joining_until_it_takes_a_state_and_never_serves_the_seed_beside_the_stage():
     """Stage 1's only peer stays online but its averagers stop answering (SIGSTOP): the joiner's download takes
     nothing, so it stays joining (not online with the seed beside a trained peer) and tries again; once the
-    averagers answer again it takes the stage's state and only then goes online."""
+    averagers answer again it takes the stage's state and only then goes online. A second joiner stopped while it
+    waits leaves without ever going online and writes no checkpoint of the seed."""
     manifest = preset("tiny", stages=2)
     with swarm_of(manifest, name="joiner-waits") as swarm:
         swarm.spawn_peer("d0", "0")
@@ -81,10 +82,18 @@ def test_a_joiner_stays_joining_until_it_takes_a_state_and_never_serves_the_seed
             for pid in stopped:
                 os.kill(pid, signal.SIGSTOP)
             swarm.spawn_peer("fresh", "1")
-            log = swarm.workdir / "fresh.log"
-            wait_for(lambda: log.exists() and "stays joining" in log.read_text(), 300, "the joiner's refused load")
+            quitter = swarm.spawn_peer("quitter", "1")
+            log, quitter_log = swarm.workdir / "fresh.log", swarm.workdir / "quitter.log"
+            for waiting in (log, quitter_log):
+                wait_for(lambda w=waiting: w.exists() and "stays joining" in w.read_text(), 300,
+                         f"{waiting.stem}'s refused load")
             entries = entries_by_name(swarm)
             assert "fresh" not in entries or entries["fresh"].record.state == "joining", entries["fresh"].record
+            quitter.process.send_signal(signal.SIGTERM)
+            assert quitter.process.wait(timeout=60) == 0, quitter_log.read_text()[-3000:]
+            text = quitter_log.read_text()
+            assert "stopped while joining" in text and " online: " not in text, text[-3000:]
+            assert not list((swarm.workdir / "checkpoints" / "quitter").glob("*.pt")), text[-3000:]
         finally:
             for pid in stopped:
                 with suppress(ProcessLookupError):

@@ -10,8 +10,9 @@ rate unless `--rate`, measured once, and stopped; the cell also keeps each proce
 trips each peer held and the load average (`trip_time.py`), since the cores are shared. Points run RTT by
 RTT with the modes' order alternating, so slow drift of the shared machine falls on both modes alike;
 every cell is appended to `--out` as soon as it is measured and points already there are skipped, so
-an interrupted sweep resumes. `--report` prints the table (ratios to each mode's RTT-0 cell and
-boundary/dense per RTT) from `--out`.
+an interrupted sweep resumes. `--max-inflight 4,8` interleaves the drivers' windows as it interleaves modes (an
+A/B in one run), each window a variant of its own in the tables. `--report` prints the table (ratios to each
+variant's RTT-0 cell, and of the two variants per RTT where there are two) from `--out`.
 """
 
 from __future__ import annotations
@@ -35,21 +36,35 @@ def _load(path: Path) -> dict:
     return json.loads(path.read_text()) if path.exists() else {"cells": []}
 
 
-def _done(data: dict, mode: str, rtt: float, repeat: int) -> bool:
-    return any(c["mode"] == mode and c["rtt_ms"] == rtt and c["repeat"] == repeat for c in data["cells"])
+Variant = tuple[str, int]  # (mode, trips each driver keeps in flight)
 
 
-def points(rtts: list[float], modes: list[str], repeats: int) -> list[tuple[int, float, str]]:
-    """(repeat, RTT, mode) in run order: RTT by RTT, the modes' order reversed every other RTT."""
+def _variant(cell: dict, default_inflight: int) -> Variant:
+    """A cell's variant; cells measured before `max_inflight` was recorded ran the default."""
+    return cell["mode"], cell.get("max_inflight", default_inflight)
+
+
+def label(cell: dict) -> str:
+    """The name a cell's variant has in the tables: its mode, and its window where the sweep compared windows."""
+    return cell.get("variant", cell["mode"])
+
+
+def _done(data: dict, variant: Variant, rtt: float, repeat: int, default_inflight: int) -> bool:
+    return any(_variant(c, default_inflight) == variant and c["rtt_ms"] == rtt and c["repeat"] == repeat
+               for c in data["cells"])
+
+
+def points(rtts: list[float], variants: list, repeats: int) -> list[tuple[int, float, object]]:
+    """(repeat, RTT, variant) in run order: RTT by RTT, the variants' order reversed every other RTT."""
     order = []
     for repeat in range(repeats):
         for i, rtt in enumerate(rtts):
-            for mode in modes if (i + repeat) % 2 == 0 else list(reversed(modes)):
-                order.append((repeat, rtt, mode))
+            for variant in variants if (i + repeat) % 2 == 0 else list(reversed(variants)):
+                order.append((repeat, rtt, variant))
     return order
 
 
-def measure_point(mode: str, rtt: float, rate: float | None, args, log) -> dict:
+def measure_point(mode: str, rtt: float, rate: float | None, max_inflight: int, args, log) -> dict:
     """One swarm at one (RTT, rate): started, warmed up, measured once with the probes around it, stopped."""
     if args.lanes > 1:
         manifest, peer_args = cp.manifest_for(mode, args.stages, args.lanes, args.seed), \
@@ -60,7 +75,7 @@ def measure_point(mode: str, rtt: float, rate: float | None, args, log) -> dict:
         manifest = manifest.model_copy(update={"batch": manifest.batch.model_copy(
             update={"target_batch_size": args.target_batch})})
     workdir = Path(tempfile.mkdtemp(prefix=f"netsim-delay-{mode}-"))
-    swarm = NetSwarm(manifest, workdir, max_inflight=args.max_inflight, log=log, peer_args=peer_args,
+    swarm = NetSwarm(manifest, workdir, max_inflight=max_inflight, log=log, peer_args=peer_args,
                      records_interval=args.records_interval, delay=LinkDelay.symmetric(rtt / 4))
     try:
         swarm.start()
@@ -81,11 +96,11 @@ def measure_point(mode: str, rtt: float, rate: float | None, args, log) -> dict:
 
 def report(data: dict) -> str:
     cells = data["cells"]
-    modes = list(dict.fromkeys(c["mode"] for c in cells))
+    modes = list(dict.fromkeys(label(c) for c in cells))
     rtts = sorted({c["rtt_ms"] for c in cells})
 
     def rate(mode: str, rtt: float) -> float | None:
-        got = [c["tokens_per_s"] for c in cells if c["mode"] == mode and c["rtt_ms"] == rtt]
+        got = [c["tokens_per_s"] for c in cells if label(c) == mode and c["rtt_ms"] == rtt]
         return sum(got) / len(got) if got else None
 
     head = "| RTT (ms) | " + " | ".join(f"{m} tok/s | {m} / its RTT 0" for m in modes)
@@ -139,7 +154,7 @@ def trips_report(data: dict) -> str:
                 text += f" / {running:.2f}, {runnable:.2f}, {1 - running - runnable:.2f}"
             parts.append(f"{stage}: {text}")
         cores = sum(p["session_cpu_share"] for n, p in c["peers"].items() if n != "bootstrap")
-        lines.append(f"| {c['rtt_ms']:g} | {c['mode']} | {c['tokens_per_s']:.0f} | {cores:.2f} | "
+        lines.append(f"| {c['rtt_ms']:g} | {label(c)} | {c['tokens_per_s']:.0f} | {cores:.2f} | "
                      f"{c['tokens_per_s'] / cores:.0f} | {c['load_start']:.1f}–"
                      f"{c['load_end']:.1f} | {c['trip_rate']:.2f} | {c['forwarders_cpu_share']:.2f} | "
                      + "; ".join(parts) + " |")
@@ -163,7 +178,7 @@ def split_report(data: dict) -> str:
             + [fmt(_mean([s[key] for s in splits]), ".0f") for key in ("queued_ms", "reply_ms", "kv_ms", "served_ms")])
             for stage, splits in sorted(stages.items())]
         if parts:
-            lines.append(f"| {c['rtt_ms']:g} | {c['mode']} | " + "; ".join(parts) + " |")
+            lines.append(f"| {c['rtt_ms']:g} | {label(c)} | " + "; ".join(parts) + " |")
     return "\n".join(lines)
 
 
@@ -176,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stages", type=int, help="default 3; with --lanes 2")
     parser.add_argument("--k", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--max-inflight", type=int, help="per driver; default 4, with --lanes 2 (cp.py's)")
+    parser.add_argument("--max-inflight", help="per driver, or a comma list to interleave; default 4, with --lanes 2 "
+                        "(cp.py's)")
     parser.add_argument("--min-stream-kbit", type=float, default=16.0, help="with --lanes: passed to every peer")
     parser.add_argument("--window", type=float, default=40.0)
     parser.add_argument("--max-window", type=float, default=150.0)
@@ -190,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     lanes = args.lanes > 1
     defaults = {"modes": "cp-subspace,cp-dense" if lanes else "boundary,dense-bf16", "stages": 2 if lanes else 3,
-                "max_inflight": 2 if lanes else 4, "min_trips": 4 if lanes else 6}
+                "max_inflight": "2" if lanes else "4", "min_trips": 4 if lanes else 6}
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
@@ -211,7 +227,8 @@ def main(argv: list[str] | None = None) -> int:
         print(line, file=sys.stderr, flush=True)
 
     rate = None if args.rate == "unshaped" else float(args.rate)
-    modes = args.modes.split(",")
+    modes, windows = args.modes.split(","), [int(n) for n in args.max_inflight.split(",")]
+    default_window = int(defaults["max_inflight"])
     data = _load(out)
     data.setdefault("commands", []).append(" ".join(["python -m benchmarks.netsim.delay_sweep",
                                                      *(argv if argv is not None else sys.argv[1:])]))
@@ -220,12 +237,15 @@ def main(argv: list[str] | None = None) -> int:
     if unknown := [m for m in modes if m not in known]:
         parser.error(f"unknown modes {unknown}; choose from {list(known)}")
     try:
-        for repeat, rtt, mode in points([float(r) for r in args.rtts.split(",")], modes, args.repeats):
-            if _done(data, mode, rtt, repeat):
+        variants = [(mode, window) for mode in modes for window in windows]
+        for repeat, rtt, (mode, window) in points([float(r) for r in args.rtts.split(",")], variants, args.repeats):
+            if _done(data, (mode, window), rtt, repeat, default_window):
                 continue
-            log(f"RTT {rtt:g} ms ({rtt / 4:g} ms per link each way), {mode}, repeat {repeat}")
-            cell = measure_point(mode, rtt, rate, args, log)
-            data["cells"].append({**cell, "rtt_ms": rtt, "repeat": repeat, "code": code_version()})
+            log(f"RTT {rtt:g} ms ({rtt / 4:g} ms per link each way), {mode}, {window} in flight, repeat {repeat}")
+            cell = measure_point(mode, rtt, rate, window, args, log)
+            named = {"variant": f"{mode}, {window} in flight"} if len(windows) > 1 else {}
+            data["cells"].append({**cell, **named, "max_inflight": window, "rtt_ms": rtt, "repeat": repeat,
+                                  "code": code_version()})
             out.write_text(json.dumps(data, indent=1))
     except (KeyboardInterrupt, NetSimError) as exc:
         log(f"stopped: {exc or 'interrupted'}; what was measured is in the file")

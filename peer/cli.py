@@ -18,6 +18,7 @@ from peer.daemon import PeerDaemon
 from peer.lanes import lane_refusal
 from peer.options import PeerOptions
 from peer.processes import exit_now
+from peer.status_log import LOG_FORMAT
 from swarm.flags import EnvDefaultsParser, add_log_level, refuse_start
 from swarm.manifest import Manifest, ManifestError, load_manifest, parse_manifest
 from swarm.presets import verify_hashes
@@ -233,7 +234,7 @@ def parse_lane(value: str, manifest: Manifest) -> int | None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=args.log_level, format=LOG_FORMAT)
     for noisy in ("hivemind", "asyncio"):
         logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLogger().level))
     try:

@@ -15,6 +15,8 @@ from peer.refusals import RefusalLog
 from peer.stats import Stats
 
 logger = logging.getLogger("peer")
+# every line a peer logs (`peer/cli.py`); benchmarks/netsim/trip_time.py reads the progress lines back
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 async def log_progress(

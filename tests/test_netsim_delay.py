@@ -6,6 +6,7 @@ No timing threshold on the swarm here: throughput lives in the benchmark, these 
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import socket
@@ -26,7 +27,8 @@ from benchmarks.netsim.delay import LinkDelay  # noqa: E402
 from benchmarks.netsim.delay_sweep import label, points, report  # noqa: E402
 from benchmarks.netsim.forwarder import Direction, Sleeper  # noqa: E402
 from benchmarks.netsim.net import Topology, namespaces  # noqa: E402
-from benchmarks.netsim.trip_time import in_flight, process_cpu_seconds  # noqa: E402
+from benchmarks.netsim.trip_time import in_flight, logged_time_split, process_cpu_seconds  # noqa: E402
+from peer.status_log import LOG_FORMAT, time_split  # noqa: E402
 
 
 def _can_make_delayed_links() -> bool:
@@ -157,3 +159,17 @@ def test_trip_accounting_reads_the_logged_trips_held_and_cpu_within_the_window(t
     assert in_flight(log, at, at + 10) == [3]
     assert in_flight(log, at - 10, at + 10) == [1, 3]
     assert process_cpu_seconds(os.getpid()) > 0 and process_cpu_seconds(2**22 + 1) is None
+
+
+def test_trip_accounting_reads_back_the_split_a_peer_logs(tmp_path):
+    """The split line is written by `peer/status_log.py` and parsed here: formatted the way the peer logs it, it
+    reads back as the figures it was made from (an unmeasured wait, "-", as None)."""
+    before = {"queued": (0.0, 0), "busy": (0.0, 0), "reply": (0.0, 0), "kv": (0.0, 0), "served": (0.0, 0)}
+    after = {"queued": (0.2, 4), "busy": (1.5, 4), "reply": (0.8, 2), "kv": (0.0, 0), "served": (1.0, 2)}
+    record = logging.LogRecord("peer", logging.INFO, __file__, 0, "%s where trips' time went: %s",
+                               ("stage1", time_split(before, after, 3.0)), None)
+    log = tmp_path / "stage1.log"
+    log.write_text(logging.Formatter(LOG_FORMAT).format(record) + "\n")
+    assert logged_time_split(log, record.created - 2, record.created + 2) == {
+        "busy_share": 0.5, "queued_ms": 50.0, "reply_ms": 400.0, "kv_ms": None, "served_ms": 500.0}
+    assert logged_time_split(log, record.created + 2, record.created + 4)["busy_share"] is None

@@ -163,7 +163,7 @@ def trips_report(data: dict) -> str:
 
 def split_report(data: dict) -> str:
     """Per cell and stage (mean over its lanes), the peers' own account of where a trip's time went there
-    (`trip_time.time_split`): stage thread busy share, ms a job waited for the thread, ms a hop waited for the
+    (`trip_time.logged_time_split`): stage thread busy share, ms a job waited for the thread, ms a hop waited for the
     next stage's reply, ms a lane waited for one layer's K/V, ms a served trip took from decoded to reply."""
     fmt = lambda v, spec: "—" if v is None else format(v, spec)  # noqa: E731
     lines = ["| RTT (ms) | mode | per stage: busy / queued ms / reply ms / K/V ms per layer / served ms |",

@@ -107,7 +107,7 @@ def in_flight(log: Path, since: float, until: float) -> list[int]:
     return values
 
 
-def time_split(log: Path, since: float, until: float) -> dict[str, float | None]:
+def logged_time_split(log: Path, since: float, until: float) -> dict[str, float | None]:
     """The peer's own account of where trips' time went (`peer/status_log.py` `time_split`), each figure's mean
     over the lines it logged between two wall-clock times: the stage thread's busy share, and the mean ms a job
     waited for the thread, a trip for the next stage's reply, a lane for one layer's K/V, a served trip in all
@@ -151,7 +151,7 @@ def account(swarm, before: dict, after: dict, cell) -> dict:
             "in_flight": held, "in_flight_mean": mean_held,
             # Little's law: trips held / trips finished per second = seconds a trip spends at this peer
             "threads": threads,
-            "split": time_split(child.log, before["at"], after["at"]) if child.name != "bootstrap" else {},
+            "split": logged_time_split(child.log, before["at"], after["at"]) if child.name != "bootstrap" else {},
             "cpu_seconds_per_trip": (end - start) / (trip_rate * wall)
             if start is not None and end is not None and trip_rate > 0 else None,
         }

@@ -190,7 +190,7 @@ def add_local_parser(sub) -> None:
     add_manifest_args(local, stages=3, context_parallel=True)  # a pipeline to watch (the preset may have fewer stages)
     local.add_argument("--peers-per-stage", type=int, default=1)
     local.add_argument("--steps", type=int, default=60, help="optimizer steps of the slowest stage")
-    local.add_argument("--max-inflight", type=int, default=4, help="trips each driver keeps in flight")
+    local.add_argument("--max-inflight", type=int, help="trips each driver keeps in flight (default: the peer's)")
     local.add_argument("--timeout", type=float, default=900.0, help="give up after this many seconds")
     local.add_argument(
         "--keep-logs", action="store_true", help="keep the working directory with peer logs (kept anyway on failure)"

@@ -70,7 +70,7 @@ class LocalSwarm:
         manifest: Manifest,
         peers_per_stage: int,
         workdir: Path,
-        max_inflight: int,
+        max_inflight: int | None,
         with_tracker: bool = True,
         extra_peer_args: list[str] | None = None,
     ):
@@ -174,8 +174,7 @@ class LocalSwarm:
                 "/ip4/127.0.0.1/tcp/0",
                 "--public-name",
                 name,
-                "--max-inflight",
-                str(self.max_inflight),
+                *(["--max-inflight", str(self.max_inflight)] if self.max_inflight is not None else []),
                 "--device",
                 "cpu",
                 "--checkpoint-dir",

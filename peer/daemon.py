@@ -25,6 +25,7 @@ import random
 import shutil
 import signal
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from hivemind.dht import DHT
@@ -54,9 +55,11 @@ HARD_EXIT_AFTER = 25.0  # stopped by a signal: whatever still hangs after this, 
 
 class PeerDaemon:
     def __init__(self, manifest: Manifest, options: PeerOptions):
-        self.manifest, self.options = manifest, options
         self.stats = Stats()
         self.trips = trip_flavour(manifest, options)
+        if options.max_inflight is None:
+            options = replace(options, max_inflight=self.trips.default_inflight)
+        self.manifest, self.options = manifest, options
         self.stage: int | None = None  # the stage placement put this peer on (None before the first)
         self.service: StageService | None = None  # the slot served now, or the one last left
         self.stopping = asyncio.Event()

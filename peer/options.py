@@ -23,7 +23,7 @@ class PeerOptions:
     device: str = "auto"
     public_name: str = ""
     checkpoint_dir: str | None = None
-    max_inflight: int = 4
+    max_inflight: int | None = None  # trips a driver keeps in flight; None: the trip flavour's `default_inflight`
     data: str | None = None
     trip_timeout: float = 60.0
     min_stream_rate: float = MIN_RATE  # bytes/s every incoming trip or K/V stream must keep (p2pio/framing.py)

@@ -27,7 +27,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 from p2pio.relay_service import TRIPS
 from peer.announcer import Announcer, stage_record
 from peer.audit import Ledger
-from peer.driver import Driver
+from peer.driver import Driver, available_memory, inflight_window
 from peer.lane_trip import LaneHop
 from peer.lanes import Slot
 from peer.link import Link
@@ -226,8 +226,12 @@ class StageService:
             coros.append(self.sync.run())
         if runtime.stage.is_head:
             options = parts.options
-            self.driver = Driver(self.hop, parts.peer_id, options.data, options.max_inflight, options.drain_timeout,
-                                 parts.fetch)
+            window = inflight_window(options.max_inflight, runtime.stage.trip_activation_bytes,
+                                     available_memory(runtime.device))
+            if window < options.max_inflight:
+                logger.info("%s keeps %d trips in flight, not %d: each holds %.0f MB of activations here",
+                            self.label, window, options.max_inflight, runtime.stage.trip_activation_bytes / 2**20)
+            self.driver = Driver(self.hop, parts.peer_id, options.data, window, options.drain_timeout, parts.fetch)
             coros.append(self.driver.run())
         self.tasks = [asyncio.create_task(coro) for coro in coros]
         stop = asyncio.create_task(stopping.wait())

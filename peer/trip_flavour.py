@@ -30,6 +30,9 @@ class PipelineTrips:
     trip handler is the only one the peer listens on."""
 
     overload_factor = 1  # trips a peer carries per driver trip
+    # trips a driver keeps in flight unless told (`--max-inflight`): 8 kept stage 0 busy at RTT 100 where 4 left it
+    # idle a fifth of the time (+8% tokens/s at RTT 0 and at 100, benchmarks/RESULTS.md, Latency)
+    default_inflight = 8
     pinned_lane = 0  # a pipeline stage has one lane: placement picks only the stage
 
     def __init__(self, manifest: Manifest):
@@ -75,6 +78,8 @@ class LaneTrips:
         # without lanes (measured: 4 lanes refused each other's chunks `overloaded` until their trips collapsed on
         # an 8 Mbit/s link)
         self.overload_factor = manifest.lanes
+        # measured with 2-4 per lane (benchmarks/netsim/cp.py); every lane of a group holds each trip's K/V too
+        self.default_inflight = 4
         self.hop_served: LaneHop | None = None  # the lane the K/V handler serves now, None while none is served
         # set by `start`, once p2pd is up and before any slot is served
         self.kv: KVService

@@ -160,6 +160,7 @@ class PipelineStage(nn.Module):
         self.manifest, self.index = manifest, index
         shape = manifest.model
         self.is_head, self.is_tail = index == 0, index == manifest.num_stages - 1
+        self.trip_activation_bytes = 0  # unknown until `measure_throughput`
         self.subspace = SubspaceState(manifest)
         layers = manifest.layers_of(index)
         self.first_layer = layers.start
@@ -259,17 +260,29 @@ class PipelineStage(nn.Module):
 
     def measure_throughput(self, microbatch_size: int, seq_len: int, repeats: int = 2) -> float:
         """Tokens/s of forward + backward on one random microbatch (no optimizer step): the speed a peer
-        announces. The probe's gradients are not training signal: they and its U terms are dropped."""
+        announces. The probe's gradients are not training signal: they and its U terms are dropped. Also sets
+        `trip_activation_bytes`, what one trip's graph keeps here until its gradient returns (the tensors
+        autograd saved, parameters not counted, each storage once): what bounds the trips a peer holds."""
         device = self.rope_cos.device
         tokens = torch.randint(0, self.manifest.model.vocab_size, (microbatch_size, seq_len), device=device)
         hidden = None if self.is_head else self.subspace.t_fixed[tokens].detach().clone().requires_grad_(True)
+        weights = {p.untyped_storage().data_ptr() for p in self.parameters()}
+        saved: dict[int, int] = {}
+
+        def pack(tensor: torch.Tensor) -> torch.Tensor:
+            storage = tensor.untyped_storage()
+            if storage.data_ptr() not in weights:
+                saved[storage.data_ptr()] = storage.nbytes()
+            return tensor
+
         best = float("inf")
         for _ in range(repeats):
             started = time.perf_counter()
-            with torch.enable_grad():
+            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
                 output, _ = self.forward_with_residual(hidden, tokens)
                 output.float().pow(2).mean().backward()
             best = min(best, time.perf_counter() - started)
+            self.trip_activation_bytes, saved = sum(saved.values()), {}
         self.zero_grad(set_to_none=True)
         if self.u_accumulator is not None:
             self.u_accumulator.reset()

@@ -40,6 +40,7 @@ def test_the_flavour_answers_what_differs_between_a_pipeline_and_lanes():
     pipeline, lanes = trip_flavour(PIPELINE, PeerOptions()), trip_flavour(LANES, PeerOptions())
     assert isinstance(pipeline, PipelineTrips) and isinstance(lanes, LaneTrips)
     assert (pipeline.overload_factor, lanes.overload_factor) == (1, 2)
+    assert (pipeline.default_inflight, lanes.default_inflight) == (8, 4)  # what --max-inflight unset means
     assert pipeline.routed(1) == (list(range(3)) if PIPELINE.updates_u else [0, 2])  # around it; all when U moves
     assert lanes.routed(1) is None  # every stage: a driver picks a group in each
     assert pipeline.message_bound() == 0 < lanes.message_bound()

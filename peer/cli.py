@@ -19,6 +19,7 @@ from peer.lanes import lane_refusal
 from peer.options import PeerOptions
 from peer.processes import exit_now
 from peer.status_log import LOG_FORMAT
+from peer.trip_flavour import LaneTrips, PipelineTrips
 from swarm.flags import EnvDefaultsParser, add_log_level, refuse_start
 from swarm.manifest import Manifest, ManifestError, load_manifest, parse_manifest
 from swarm.presets import verify_hashes
@@ -99,9 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--checkpoint-dir", help="save the stage here periodically and on exit; resume an empty stage from here"
     )
     parser.add_argument("--checkpoint-every", type=int, default=50, help="optimizer epochs between checkpoints")
-    parser.add_argument("--max-inflight", type=int, help="trips a driver (stage 0) keeps in flight, at most: "
-                        "fewer where a quarter of the free memory holds fewer trips' activations; default 8, "
-                        "with context parallelism 4")
+    parser.add_argument("--max-inflight", type=int, help="trips a driver (stage 0) keeps in flight, at most: fewer "
+                        "where a quarter of the free memory holds fewer trips' activations; default "
+                        f"{PipelineTrips.default_inflight}, with context parallelism {LaneTrips.default_inflight}")
     parser.add_argument(
         "--audit-rate",
         type=float,

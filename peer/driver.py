@@ -10,8 +10,6 @@ import hashlib
 import logging
 import time
 
-import torch
-
 from peer.next_hop import Fetch
 from peer.routing import REFRESH_INTERVAL
 from peer.trip import Hop
@@ -24,31 +22,6 @@ RETRIES = 6  # at 0.5 s apart: covers the seconds a U switch takes to reach ever
 # how long every stage must have had a live peer before the first trip: each peer re-reads the stage before its
 # own every REFRESH_INTERVAL (plus the read itself), and admits only senders it read (`peer/admission.py`)
 SETTLE = REFRESH_INTERVAL + 3.0
-# the share of the memory free when the stage came online that the driver's trips in flight may hold: the rest is
-# the other stages' trips passing through, the optimizer's and hivemind's averagers' copies, and the system's
-MEMORY_SHARE = 0.25
-
-
-def inflight_window(requested: int, trip_bytes: int, available: int | None, share: float = MEMORY_SHARE) -> int:
-    """Trips the driver keeps in flight: `--max-inflight`, but no more than `share` of the `available` memory
-    holds, each trip keeping `trip_bytes` of activations at stage 0 until its gradient returns; at least one.
-    More trips hide more delay (a trip waits a round trip per boundary crossed, twice) until stage 0 is busy."""
-    if available is None or trip_bytes <= 0:
-        return max(requested, 1)
-    return max(1, min(requested, int(share * available) // trip_bytes))
-
-
-def available_memory(device: torch.device) -> int | None:
-    """Bytes free for new tensors on `device` now: the accelerator's free memory, or the host's MemAvailable;
-    None where neither can be read (a host without /proc)."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    try:
-        with open("/proc/meminfo") as meminfo:
-            fields = dict(line.split(":", 1) for line in meminfo)
-        return int(fields["MemAvailable"].split()[0]) * 1024
-    except (OSError, KeyError, ValueError):
-        return None
 
 
 class Driver:

@@ -4,8 +4,9 @@
 What serving one slot takes is here, so that a reader finds it in one room: the stage's `StageRuntime`, its
 `Router` and `Ledger`, the `Link` over which its trips leave, its `NextHop`, the trip flavour's hop, its record
 (`peer/announcer.py`), the agreement on U (`peer/subspace_sync.py`), the driver on stage 0 (`peer/driver.py`) and
-the leave. `StageService.create` builds a slot up to online, `run` serves it until the peer stops or a
-rebalance moves it, `shutdown` leaves it (checkpoint, release). A move builds a new `StageService`.
+the leave. `StageService.create` builds a slot up to online (a peer stopped while the slot waits for a state
+leaves it joining), `run` serves it until the peer stops or a rebalance moves it, `shutdown` leaves it
+(checkpoint if it went online, release). A move builds a new `StageService`.
 
 The trip flavour (`peer/trip_flavour.py`: pipeline or lanes) is picked once per process; a slot asks it whatever
 differs between the two.
@@ -27,10 +28,11 @@ from hivemind.utils.crypto import RSAPrivateKey
 from p2pio.relay_service import TRIPS
 from peer.announcer import Announcer, stage_record
 from peer.audit import Ledger
-from peer.driver import Driver, available_memory, inflight_window
+from peer.driver import Driver
 from peer.lane_trip import LaneHop
 from peer.lanes import Slot
 from peer.link import Link
+from peer.memory import DRIVER_SHARE, SERVED_SHARE, available_memory, trips_that_fit
 from peer.next_hop import NextHop
 from peer.options import PeerOptions, pick_device
 from peer.processes import StopSignals, stop_signals_ignored_by_children
@@ -87,6 +89,7 @@ class StageService:
         self.state = "joining"
         self.online_since = time.monotonic()  # when this peer went online on this stage (or last switched lanes)
         self.throughput = 0.0
+        self.free_memory: int | None = None  # bytes free when the slot was built (`peer/memory.py`)
         self.runtime: StageRuntime | None = None
         self.hop: Hop | LaneHop | None = None
         self.sync: SubspaceSync | None = None
@@ -96,7 +99,8 @@ class StageService:
     @classmethod
     async def create(cls, parts: PeerParts, slot: Slot, label: str) -> StageService:
         """Build the slot and bring it online: runtime, router, next hop, the flavour's hop, measured throughput,
-        U caught up and state loaded (from the stage's peers, else the checkpoint, else the seed)."""
+        U caught up and state loaded (from the stage's peers, else the checkpoint, else the seed); stopped while
+        it waits for the stage's state, it stays joining."""
         service = cls(parts, slot, label)
         await service._start()
         return service
@@ -124,6 +128,9 @@ class StageService:
         self.announcer = Announcer(parts.dht, manifest, parts.signer, self.record, lambda: self.label)
         batch = manifest.batch
         self.throughput = await runtime.run(runtime.stage.measure_throughput, batch.microbatch_size, batch.seq_len)
+        self.free_memory = available_memory(runtime.device)
+        parts.server.bound_by_memory(trips_that_fit(parts.server.capacity, runtime.stage.trip_activation_bytes,
+                                                    self.free_memory, SERVED_SHARE))
         parts.server.set_throughput(self.throughput, hop.tokens_per_trip)
         await self.announcer.announce_now()
         stages = await parts.fetch([index, *routed_stages(manifest, index)])
@@ -155,9 +162,13 @@ class StageService:
         """Whether a state the stage vouches for was taken (`peer/state_load.py`). While the stage has other online
         peers, the slot stays out of service until one is: serving the seed (or an old checkpoint) beside them
         would send every trip routed here, and the gradients it returns upstream, through other weights. Tries are
-        RETRY_S apart (the download's own pace); False once no other online peer is left to load from."""
-        runtime, tries = self.runtime, 1
-        while not await runtime.run(runtime.load_from_peers):
+        RETRY_S apart (the download's own pace); False once no other online peer is left to load from, or once the
+        peer is stopping (no download is begun then)."""
+        runtime, stopping = self.runtime, self.parts.stop_signals.stopping
+        tries = 1
+        while not stopping.is_set():
+            if await runtime.run(runtime.load_from_peers):
+                return True
             online = len(self._compatible_here(await self.parts.fetch([self.index])))
             if not online:
                 return False
@@ -165,13 +176,11 @@ class StageService:
             logger.warning("%s stays joining: no state of %d online peer(s) of the stage taken after %d tr%s; "
                            "trying again in %.0f s", self.label, online, tries, "y" if tries == 1 else "ies", wait)
             with suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self.parts.stop_signals.stopping.wait(), wait)
-            if self.parts.stop_signals.stopping.is_set():
-                return False
-            if self.sync is not None:
+                await asyncio.wait_for(stopping.wait(), wait)
+            if self.sync is not None and not stopping.is_set():
                 await self.sync.catch_up()  # the stage may have switched U meanwhile: donors serve the new span
             tries += 1
-        return True
+        return False  # stopped while joining: `_start` leaves the slot joining
 
     def _compatible_here(self, stages: dict) -> list:
         """The other online peers of this stage in `stages` (as fetched) whose state this slot could take."""
@@ -219,18 +228,19 @@ class StageService:
         `StageMove` (returns its target); any other failure is raised. Always left through `shutdown`."""
         parts, runtime = self.parts, self.runtime
         if self.state == "joining":  # stopped before it went online (`_start`): nothing to serve
+            for job in jobs:
+                job.close()
             await self.shutdown()
             return None
         coros = [self.announcer.run(), self.refresh_loop(), self.log_loop(), *jobs]
         if self.sync is not None:
             coros.append(self.sync.run())
         if runtime.stage.is_head:
-            options = parts.options
-            window = inflight_window(options.max_inflight, runtime.stage.trip_activation_bytes,
-                                     available_memory(runtime.device))
+            options, trip_bytes = parts.options, runtime.stage.trip_activation_bytes
+            window = trips_that_fit(options.max_inflight, trip_bytes, self.free_memory, DRIVER_SHARE)
             if window < options.max_inflight:
                 logger.info("%s keeps %d trips in flight, not %d: each holds %.0f MB of activations here",
-                            self.label, window, options.max_inflight, runtime.stage.trip_activation_bytes / 2**20)
+                            self.label, window, options.max_inflight, trip_bytes / 2**20)
             self.driver = Driver(self.hop, parts.peer_id, options.data, window, options.drain_timeout, parts.fetch)
             coros.append(self.driver.run())
         self.tasks = [asyncio.create_task(coro) for coro in coros]
@@ -254,8 +264,9 @@ class StageService:
                            self.parts.options.log_interval)
 
     async def shutdown(self) -> None:
-        """Announce LEAVING, stop driving, let trips in flight finish, checkpoint, release the stage. From here on
-        what fails is the leave's doing, not the swarm's: it is counted apart from errors (`Stats.leaving`)."""
+        """Announce LEAVING, stop driving, let trips in flight finish, checkpoint (a slot that went online), release
+        the stage. From here on what fails is the leave's doing, not the swarm's: it is counted apart from errors
+        (`Stats.leaving`)."""
         parts, stats, driver = self.parts, self.parts.stats, self.driver
         served = self.state == "online"  # a slot stopped while joining holds the seed: no checkpoint of it
         self.state = "leaving"

@@ -71,6 +71,8 @@ class LaneTrips:
     """A context-parallel run's trips (issue 17): each served slot gets a `peer/lane_trip.py` `LaneHop`, and the
     peer listens for K/V too (`KVService`, on its own channel, also delivered by the peer's relay)."""
 
+    default_inflight = 4  # measured with 2-4 per lane (benchmarks/netsim/cp.py); a group's lanes hold its K/V too
+
     def __init__(self, manifest: Manifest, options: PeerOptions):
         self.manifest, self.options = manifest, options
         self.pinned_lane = options.lane  # --lane, or None: placement picks the lane too
@@ -78,8 +80,6 @@ class LaneTrips:
         # without lanes (measured: 4 lanes refused each other's chunks `overloaded` until their trips collapsed on
         # an 8 Mbit/s link)
         self.overload_factor = manifest.lanes
-        # measured with 2-4 per lane (benchmarks/netsim/cp.py); every lane of a group holds each trip's K/V too
-        self.default_inflight = 4
         self.hop_served: LaneHop | None = None  # the lane the K/V handler serves now, None while none is served
         # set by `start`, once p2pd is up and before any slot is served
         self.kv: KVService

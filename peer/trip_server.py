@@ -46,6 +46,7 @@ class TripServer:
         label: Callable[[], str],
     ):
         self.stats, self.state, self.label = stats, state, label
+        self.capacity = overload_cap  # trips held at most, before the served stage's memory bounds it
         self.overload_cap = overload_cap
         self.refusal_log = refusal_log
         self.sender_limits = self._sender_limits()
@@ -67,6 +68,11 @@ class TripServer:
         (`set_throughput`)."""
         cap = max(self.overload_cap, 1)
         return SenderLimits(rate=20.0, burst=float(cap), max_inflight=cap, total_cap=cap)
+
+    def bound_by_memory(self, trips: int) -> None:
+        """Hold no more than `trips` at once (`peer/memory.py`): set for each slot served, before its throughput."""
+        self.overload_cap = max(1, min(self.capacity, trips))
+        self.sender_limits = self._sender_limits()
 
     def set_throughput(self, tokens_per_second: float, tokens_per_trip: int) -> None:
         self.sender_limits.rate = max(20.0, 4.0 * tokens_per_second / tokens_per_trip)

@@ -262,11 +262,12 @@ class PipelineStage(nn.Module):
         """Tokens/s of forward + backward on one random microbatch (no optimizer step): the speed a peer
         announces. The probe's gradients are not training signal: they and its U terms are dropped. Also sets
         `trip_activation_bytes`, what one trip's graph keeps here until its gradient returns (the tensors
-        autograd saved, parameters not counted, each storage once): what bounds the trips a peer holds."""
+        autograd saved, parameters and buffers not counted, each storage once; the probe's loss saves the output,
+        as a trip holds it): what bounds the trips a peer holds (`peer/memory.py`)."""
         device = self.rope_cos.device
         tokens = torch.randint(0, self.manifest.model.vocab_size, (microbatch_size, seq_len), device=device)
         hidden = None if self.is_head else self.subspace.t_fixed[tokens].detach().clone().requires_grad_(True)
-        weights = {p.untyped_storage().data_ptr() for p in self.parameters()}
+        weights = {t.untyped_storage().data_ptr() for t in [*self.parameters(), *self.buffers()]}
         saved: dict[int, int] = {}
 
         def pack(tensor: torch.Tensor) -> torch.Tensor:

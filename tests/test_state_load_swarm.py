@@ -93,7 +93,9 @@ def test_a_joiner_stays_joining_until_it_takes_a_state_and_never_serves_the_seed
             assert quitter.process.wait(timeout=60) == 0, quitter_log.read_text()[-3000:]
             text = quitter_log.read_text()
             assert "stopped while joining" in text and " online: " not in text, text[-3000:]
-            assert not list((swarm.workdir / "checkpoints" / "quitter").glob("*.pt")), text[-3000:]
+            # checkpoints live under <checkpoint-dir>/<run id>/
+            saved = list((swarm.workdir / "checkpoints" / "quitter").rglob("*.pt"))
+            assert "checkpoint saved" not in text and not saved, (saved, text[-3000:])
         finally:
             for pid in stopped:
                 with suppress(ProcessLookupError):

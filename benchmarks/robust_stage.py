@@ -15,7 +15,8 @@ Peer 3 of stage 1 is hostile in one way per run:
   floor for an attacker the rule excludes.
 
 The rule is `robust` (swarm/robust.py, what the peers run: CenteredClip per part, reduced parts checked by
-each honest peer, an accused peer ignored from then on) or `mean` (hivemind's plain weighted mean, for
+each honest peer, an accused peer left out of every later group, so its share of the parts is reduced by the
+honest peers) or `mean` (hivemind's plain weighted mean, for
 contrast). An honest peer's view is applied (peer 0's: where it refuses a reduced part it keeps its own
 gradient for that slice). What it does not model: the network (the wiring is tested on real hivemind
 averagers in tests/test_robust_averaging.py), state averaging (all peers hold the same weights here), and
@@ -119,9 +120,9 @@ class Stage1Averaging:
                 part = own[bounds[j] : bounds[j + 1]] if aggregate is None else aggregate.average
                 if aggregate is not None and any(keep[n] == HOSTILE for n in aggregate.accused):
                     self._accuse(step)
-            if j == HOSTILE and self.rule == "robust" and self.banned:
-                part = own[bounds[j] : bounds[j + 1]]  # a banned peer's reductions are not applied
-            elif j == HOSTILE and self.attack in REDUCER_ATTACKS:
+            # a banned peer is in no later group (`peer/robust_averaging.py` `ExcludingMatchmaking`): the honest
+            # peers split its share of the parts among themselves, so every part is theirs to reduce
+            if j == HOSTILE and self.attack in REDUCER_ATTACKS and not (self.rule == "robust" and self.banned):
                 part = hostile_reduction(self.attack, part, self.generator)
             reduced.append(part)
         if self.rule == "robust":
@@ -191,16 +192,26 @@ def run(point: dict) -> dict:
     }
 
 
+GROUPS = "excluded"  # how a banned peer is treated: left out of later groups; runs before this kept it in ("kept")
+
+
 def key(point: dict) -> tuple:
-    return (point["rule"], point["attack"], point["seed"], point["steps"], point.get("tail_every", 0))
+    return (point["rule"], point["attack"], point["seed"], point["steps"], point.get("tail_every", 0),
+            point.get("groups", "kept"))
 
 
 def report(results: list[dict], steps: int, tail_every: int) -> str:
     """The table in RESULTS: the runs of `steps` steps evaluated `tail_every` apart (runs made before tail
     evaluations existed read as `tail_every` 0: the last step's loss alone)."""
     def of(rule: str, attack: str) -> list[dict]:
-        return [r for r in results
-                if (r["rule"], r["attack"], r["steps"], r.get("tail_every", 0)) == (rule, attack, steps, tail_every)]
+        """The runs of this point under the current `GROUPS`, and those of before in which nobody was banned (the
+        same computation under either)."""
+        found = {}
+        for r in results:
+            if (r["rule"], r["attack"], r["steps"], r.get("tail_every", 0)) == (rule, attack, steps, tail_every) and (
+                    r.get("groups", "kept") == GROUPS or r["accused_at"] is None):
+                found.setdefault(r["seed"], r)
+        return list(found.values())
 
     def loss(result: dict) -> float:
         return result.get("val_loss_tail", result["val_loss"])
@@ -237,9 +248,12 @@ def main() -> None:
     parser.add_argument("--report-only", action="store_true")
     args = parser.parse_args()
     results = json.loads(args.json.read_text()) if args.json.exists() else []
-    done = {key(r) for r in results}
+    # a run from before `GROUPS` in which nobody was banned is the same computation: not run again
+    done = {key({**r, "groups": GROUPS}) for r in results
+            if r.get("groups", "kept") == GROUPS or r["accused_at"] is None}
     points = [
-        {"rule": rule, "attack": attack, "seed": seed, "steps": args.steps, "tail_every": args.tail_every}
+        {"rule": rule, "attack": attack, "seed": seed, "steps": args.steps, "tail_every": args.tail_every,
+         "groups": GROUPS}
         for seed in args.seeds
         for attack in args.attacks
         for rule in args.rules

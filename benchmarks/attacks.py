@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 from hivemind.dht import DHT
 from hivemind.p2p import P2P, PeerID
+from hivemind.utils.timed_storage import get_dht_time
 
 from benchmarks import attack_clients as raw
 from dhtio.identity import load_identity_key
@@ -42,6 +43,7 @@ from dhtio.validators import make_validators
 from launcher.supervisor import LocalSwarm
 from peer.transport import TripServicer, send_trip
 from swarm.codec import BoundaryCodec
+from swarm.manifest import Manifest
 from swarm.model import PipelineStage
 from swarm.presets import preset
 from swarm.records import SOFTWARE_VERSION, StagePeerRecord
@@ -56,6 +58,25 @@ def _code(reply: bytes) -> str:
     except WireError as exc:
         return exc.code.value
     return "accepted"
+
+
+def progress_epoch(dht: DHT, manifest: Manifest, stage: int) -> int:
+    """The epoch a liar claims for its replies, so that the drivers' audits compare them (peer/audit.py
+    AUDIT_MAX_LAG): the stage's epoch now, estimated from the optimizer progress records its peers publish in
+    the DHT (hivemind's progress tracker: epoch, samples, rate, time) as hivemind's tracker estimates it. A lone
+    peer publishes seldom, so the newest record's epoch alone lags tens of epochs in a stage of short epochs."""
+    found = dht.get(f"{manifest.optimizer_prefix}_stage{stage}_progress", latest=True)
+    entries = found.value.values() if found is not None and isinstance(found.value, dict) else []
+    reports = [entry.value for entry in entries if isinstance(entry.value, dict)]
+    target, now = manifest.batch.target_batch_size * manifest.lanes, get_dht_time()
+    estimates = [
+        report["epoch"] + int((report["samples_accumulated"] + report["samples_per_second"] * max(now - report["time"],
+                                                                                                   0.0)) // target)
+        for report in reports
+        if all(isinstance(report.get(key), (int, float)) for key in
+               ("epoch", "samples_accumulated", "samples_per_second", "time"))
+    ]
+    return max(estimates, default=0)
 
 
 class Attacker:
@@ -121,15 +142,24 @@ class Attacker:
         return _code(reply)
 
     async def serve_fake_gradients(self) -> Counter:
-        """Answer every trip with a zero gradient and FAKE_LOSS, as a hijacker would."""
+        """Answer every trip with a zero gradient and FAKE_LOSS, as a hijacker would, claiming stage 1's epoch
+        (`progress_epoch`, read every 0.5 s)."""
         served: Counter = Counter()
         codec = self.codecs[1]
+        claimed = {"epoch": 0, "read": -float("inf")}
+
+        async def stage_epoch() -> int:
+            if time.monotonic() - claimed["read"] > 0.5:
+                claimed["read"] = time.monotonic()
+                claimed["epoch"] = await asyncio.to_thread(progress_epoch, self.dht, self.manifest, 1)
+            return claimed["epoch"]
 
         async def on_trip(blob: bytes, remote: PeerID) -> bytes:
             served["trips"] += 1
             header, hidden, _ = codec.decode_forward(blob, stage=1)
+            extra = {"versions": [header.u_version], "epochs": [await stage_epoch()]}
             return codec.encode_backward(torch.zeros_like(hidden), header.trip_id, to_stage=0, loss=FAKE_LOSS,
-                                         extra={"versions": [header.u_version]})
+                                         extra=extra)
 
         await TripServicer(on_trip, max_bytes=1 << 24).add_p2p_handlers(self.p2p, namespace=self.manifest.run_id)
         return served

@@ -29,18 +29,19 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from peer.audit import COSINE_MIN, LOSS_RTOL  # noqa: E402
+from peer.audit import AUDIT_MAX_LAG, COSINE_MIN, LOSS_RTOL  # noqa: E402
 from swarm.manifest import save_manifest  # noqa: E402
 from swarm.presets import preset  # noqa: E402
 
 LINE = re.compile(
     r"audit of \S+ against \S+: loss rdiff (?P<loss>\S+), cosine (?P<cosine>\S+), norms (?P<na>\S+) (?P<nb>\S+), "
-    r"(?P<verdict>.*)$"
+    r"(?:epochs apart (?P<lag>\S+), )?(?P<verdict>.*)$"
 )
 
 
 def parse(log_text: str) -> list[dict]:
-    """Every audit comparison a driver logged: its loss difference, cosine, norm ratio and verdict."""
+    """Every audit comparison a driver logged: its loss difference, cosine, norm ratio, how many epochs apart the
+    two replies' weights were (None in logs from before replies carried epochs) and the tolerances' verdict."""
     pairs = []
     for line in log_text.splitlines():
         match = LINE.search(line)
@@ -52,10 +53,15 @@ def parse(log_text: str) -> list[dict]:
                 loss_rdiff=None if match["loss"] == "None" else float(match["loss"]),
                 cosine=None if match["cosine"] == "None" else float(match["cosine"]),
                 norm_ratio=max(na, nb) / min(na, nb) if min(na, nb) > 0 else math.inf,
+                lag=None if match["lag"] in (None, "None") else int(match["lag"]),
                 verdict=match["verdict"],
             )
         )
     return pairs
+
+
+def too_far(pair: dict) -> bool:
+    return pair.get("lag") is not None and pair["lag"] > AUDIT_MAX_LAG
 
 
 def quantile(values: list[float], q: float) -> float | None:
@@ -79,7 +85,10 @@ def summary(pairs: list[dict]) -> dict:
         loss_rdiff_median=quantile(losses, 0.5),
         norm_ratio_max=max(ratios, default=None),
         norm_ratio_p99=quantile(ratios, 0.99),
-        refused=[p["verdict"] for p in pairs if p["verdict"] != "agree"],
+        # a pair too many epochs apart is not compared (peer/audit.py): the tolerances' verdict on it is not used
+        refused=[p["verdict"] for p in pairs if p["verdict"] != "agree" and not too_far(p)],
+        not_compared=sum(too_far(p) for p in pairs),
+        lag_max=max((p["lag"] for p in pairs if p.get("lag") is not None), default=None),
         tolerances=dict(cosine_min=COSINE_MIN, loss_rtol=LOSS_RTOL),
     )
 
@@ -124,9 +133,10 @@ def main() -> None:
         run, logs = run_swarm(args.steps, args.timeout, args.context_parallel, args.target_batch_size)
         pairs = parse(logs)
         bans = sum("audit: replies of" in line for line in logs.splitlines())  # every peer is honest: false positives
+        excused = sum("not compared, and not used" in line for line in logs.splitlines())
         runs.append(dict(target_batch_size=args.target_batch_size,
                          steps=run["steps"], loss_first=run.get("loss_first"), loss_last=run.get("loss_last"),
-                         honest_peers_banned=bans, summary=summary(pairs), pairs=pairs))
+                         honest_peers_banned=bans, lags_excused=excused, summary=summary(pairs), pairs=pairs))
         everything = [pair for r in runs for pair in r["pairs"]]
         result = dict(summary=summary(everything), honest_peers_banned=sum(r["honest_peers_banned"] for r in runs),
                       runs=runs)

@@ -195,6 +195,12 @@ def run(point: dict) -> dict:
 GROUPS = "excluded"  # how a banned peer is treated: left out of later groups; runs before this kept it in ("kept")
 
 
+def counts_now(run: dict) -> bool:
+    """Whether a run holds under the current `GROUPS`: it ran under them, or nobody was banned in it (the same
+    computation under either)."""
+    return run.get("groups", "kept") == GROUPS or run["accused_at"] is None
+
+
 def key(point: dict) -> tuple:
     return (point["rule"], point["attack"], point["seed"], point["steps"], point.get("tail_every", 0),
             point.get("groups", "kept"))
@@ -204,12 +210,11 @@ def report(results: list[dict], steps: int, tail_every: int) -> str:
     """The table in RESULTS: the runs of `steps` steps evaluated `tail_every` apart (runs made before tail
     evaluations existed read as `tail_every` 0: the last step's loss alone)."""
     def of(rule: str, attack: str) -> list[dict]:
-        """The runs of this point under the current `GROUPS`, and those of before in which nobody was banned (the
-        same computation under either)."""
+        """The runs of this point that hold now (`counts_now`), one per seed."""
         found = {}
         for r in results:
             if (r["rule"], r["attack"], r["steps"], r.get("tail_every", 0)) == (rule, attack, steps, tail_every) and (
-                    r.get("groups", "kept") == GROUPS or r["accused_at"] is None):
+                    counts_now(r)):
                 found.setdefault(r["seed"], r)
         return list(found.values())
 
@@ -248,9 +253,7 @@ def main() -> None:
     parser.add_argument("--report-only", action="store_true")
     args = parser.parse_args()
     results = json.loads(args.json.read_text()) if args.json.exists() else []
-    # a run from before `GROUPS` in which nobody was banned is the same computation: not run again
-    done = {key({**r, "groups": GROUPS}) for r in results
-            if r.get("groups", "kept") == GROUPS or r["accused_at"] is None}
+    done = {key({**r, "groups": GROUPS}) for r in results if counts_now(r)}
     points = [
         {"rule": rule, "attack": attack, "seed": seed, "steps": args.steps, "tail_every": args.tail_every,
          "groups": GROUPS}

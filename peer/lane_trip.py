@@ -204,13 +204,14 @@ class LaneHop:
         sends = _Sends()
         try:
             lane = await runtime.run(self._start, claim.lane, tokens, hidden, version)
+            epoch = runtime.optimizer.weights_epoch  # the weights the lane's forward uses
             await _own(self._forward(lane, exchange, sends))
             sent = received = 0
             residual = out_grad = None
             if runtime.stage.is_tail:
                 nxt = None if claim.next_tokens is None else torch.tensor(claim.next_tokens)
                 loss = await runtime.run(lane.loss, nxt, claim.seq_len)
-                versions = [version]
+                versions, epochs = [version], [epoch]
             else:
                 output, residual = await runtime.run(lane.output)
                 onward = claim.onward(self.index)  # the audited stage cannot tell a forked trip
@@ -225,13 +226,14 @@ class LaneHop:
                 self.stats.reply_wait.add(time.perf_counter() - asked)
                 await runtime.run(lane.backward_output, reply.grad)
                 loss, versions, out_grad = reply.loss, reply.versions + [version], reply.grad
+                epochs = reply.epochs + [epoch]
                 sent, received = len(message), reply.size
             await _own(self._backward(lane, exchange, sends))
             await _own(sends.settle())
             input_grad = await runtime.run(runtime.learn_lane, lane, tokens, residual, out_grad, version)
             self.stats.kv_bytes += exchange.bytes_out
             self.stats.kv_tokens += tokens.numel()
-            return HopResult(input_grad, loss, versions, sent, received)
+            return HopResult(input_grad, loss, versions, epochs, sent, received)
         finally:
             try:
                 await sends.cancel()
@@ -336,7 +338,7 @@ class LaneHop:
         """A lane's chunk to the group's stage-0 peer of that lane, its loss and versions back."""
         message = await self.runtime.run(self._encode_start, chunk, trip_id, claim)
         reply = await self.next_hop.hand(claim.group[0][claim.lane], message)
-        return HopResult(None, reply.loss, reply.versions, len(message), reply.size)
+        return HopResult(None, reply.loss, reply.versions, reply.epochs, len(message), reply.size)
 
     def _encode_start(self, chunk: torch.Tensor, trip_id: str, claim: LaneClaim) -> bytes:
         """A stage-0 lane needs only its tokens: the message's residual is T_fixed (zero once compressed)."""

@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from peer.audit import agreement, replies_disagree
+from peer.audit import AUDIT_MAX_LAG, agreement, epoch_lag, replies_disagree
 from peer.link import Link
 from peer.routing import Failover, Router
 from peer.runtime import StageRuntime
@@ -67,6 +67,19 @@ def hop_versions(extra: dict, num_stages: int) -> list[int]:
     return versions
 
 
+def hop_epochs(extra: dict, hops: int) -> list[int]:
+    """The epoch of each downstream hop's weights, as they reported them (one per hop version): what an audit
+    compares replies at (`peer/audit.py`)."""
+    epochs = extra.get("epochs")
+    if (
+        not isinstance(epochs, list)
+        or len(epochs) != hops
+        or not all(isinstance(e, int) and not isinstance(e, bool) and e >= 0 for e in epochs)
+    ):
+        raise WireError(ErrorCode.MALFORMED, "backward message lacks a valid list of hop epochs")
+    return epochs
+
+
 @dataclass
 class Reply:
     """What came back from the stages after this one, checked."""
@@ -74,6 +87,7 @@ class Reply:
     grad: torch.Tensor  # the gradient of the loss with respect to this stage's output
     loss: float | None
     versions: list[int]  # the U version of every downstream hop, the last stage first
+    epochs: list[int]  # the epoch of every downstream hop's weights, in the same order
     size: int  # bytes of the reply
 
 
@@ -110,7 +124,8 @@ class NextHop:
         """Decode a backward reply and its hop-version audit (raises WireError on anything off)."""
         header, grad = self.runtime.codec.decode_backward(reply, stage=self.index)
         loss = check_loss(header.loss, self.manifest)
-        return Reply(grad, loss, hop_versions(header.extra, self.manifest.num_stages), len(reply))
+        versions = hop_versions(header.extra, self.manifest.num_stages)
+        return Reply(grad, loss, versions, hop_epochs(header.extra, len(versions)), len(reply))
 
     async def send(self, message: bytes) -> Reply:
         """A pipeline trip: to the best verified peer of the next stage, an audit duplicate beside it, failover
@@ -263,11 +278,22 @@ class NextHop:
             reply, seconds = t.result()
             seen = agreement(used.grad, used.loss, reply.grad, reply.loss)
             why = replies_disagree(used.grad, used.loss, reply.grad, reply.loss, seen=seen)
-            logger.debug("%s audit of %s against %s: loss rdiff %s, cosine %s, norms %.4g %.4g, %s", self.label,
-                         shadow[-6:], primary[-6:], seen.loss_rdiff, seen.cosine, *seen.norms, why or "agree")
+            lag = epoch_lag(used.epochs, reply.epochs)
+            logger.debug("%s audit of %s against %s: loss rdiff %s, cosine %s, norms %.4g %.4g, epochs apart %s, %s",
+                         self.label, shadow[-6:], primary[-6:], seen.loss_rdiff, seen.cosine, *seen.norms, lag,
+                         why or "agree")
             verified = {peer for peer in (primary, shadow) if ledger.verified(peer)}
             if not verified:
                 return
+            if lag is None:
+                why = why or "the replies cover different hops"
+            elif lag > AUDIT_MAX_LAG:
+                if self._lag_excused(ledger.loser(primary, shadow), lag):
+                    return
+                why = f"weights {lag} epochs apart for over {ledger.lag_grace:.0f} s"
+            elif why is None:
+                ledger.compared(primary)
+                ledger.compared(shadow)
             if why is None:
                 router.answered(shadow, seconds, self.tokens_per_trip)
                 for checked in {primary, shadow} - verified:
@@ -281,6 +307,21 @@ class NextHop:
                            primary[-6:], shadow[-6:], why, loser[-6:], banned)
 
         task.add_done_callback(done)
+
+    def _lag_excused(self, suspect: str, lag: int) -> bool:
+        """Two replies too many epochs apart to compare (`peer/audit.py`): no verdict on `suspect` (the peer an
+        audit would blame) while its lag is excused; meanwhile it is not verified, so not used."""
+        ledger = self.router.ledger
+        first = suspect not in ledger.lagging_since
+        if not ledger.excuse_lag(suspect, time.monotonic()):
+            return False
+        if ledger.verified(suspect):
+            ledger.distrust(suspect)  # verified again once its replies compare
+        if first:
+            logger.info("%s audit: %s answered with weights %d epochs from the reply it is checked against; not "
+                        "compared, and not used, for up to %.0f s while it catches up", self.label, suspect[-6:], lag,
+                        ledger.lag_grace)
+        return True
 
     def _log_failure(self, peer_id: str, exc: WireError, action: Failover, banned: float, attempt: int) -> None:
         short = peer_id[-6:]

@@ -156,6 +156,10 @@ class StageOptimizer(Optimizer):
     switches, re-projections and checkpoints to miss). The cost: the first trips of an epoch are computed
     with the weights before the last epoch's update (at most one update behind, as hivemind's
     `delay_optimizer_step`); an epoch that ends before the last round did goes on accumulating until it has.
+
+    A peer that moves its epoch on without the stage's weights (`_move_epoch`) says so: `weights_epoch`, which
+    every reply carries for the drivers' audits (`peer/next_hop.py`), lags its epoch by the epochs it skipped,
+    until its weights come from the stage again (a download taken, or a state round with another peer).
     """
 
     def __init__(self, *args, state_donor: type[SnapshotStateAverager] = SnapshotStateAverager, label: str = "",
@@ -165,6 +169,8 @@ class StageOptimizer(Optimizer):
         # the running gradient round whose update has not landed yet, and when its epoch ended
         self._round: StepControl | None = None
         self._round_began = 0.0
+        self._state_round: StepControl | None = None  # the last state round started, until it ends
+        self.unsynced_epochs = 0  # epochs moved on since the weights last came from the stage (`weights_epoch`)
         # every download, a join's or a catch-up inside `step`, goes through the owner's checks (peer/runtime.py)
         self.checked_download: Callable[[Callable[[], None]], bool] = _unchecked
         super().__init__(*args, **kwargs)
@@ -174,11 +180,28 @@ class StageOptimizer(Optimizer):
         """An epoch ended and its update has not reached the weights yet (its round is running)."""
         return self._round is not None
 
+    @property
+    def weights_epoch(self) -> int:
+        """The epoch whose weights this peer holds, as far as it knows (class docstring)."""
+        return max(self.local_epoch - self.unsynced_epochs, 0)
+
     def step(self, *args, **kwargs):
         loss = super().step(*args, **kwargs)  # this microbatch's gradients are accumulated by now
         if self._round is not None and self._round.done():
             self._land()
+        if self._state_round is not None and self._state_round.done():
+            self._state_round_ended()
         return loss
+
+    def _state_round_ended(self) -> None:
+        """A state round with another peer gives both the same weights: ours are the stage's again."""
+        round_, self._state_round = self._state_round, None
+        try:
+            gathered = round_.result()  # None, or an exception, where it failed: then it changed nothing
+        except BaseException:  # noqa: BLE001
+            gathered = None
+        if gathered is not None and len(gathered) > 1:
+            self.unsynced_epochs = 0
 
     def _update_global_epoch(self, grad_scaler) -> None:
         """The epoch's end: start its gradient round in the background and move to the next epoch."""
@@ -227,10 +250,15 @@ class StageOptimizer(Optimizer):
             and self.local_epoch % self.average_state_every == 0
             and not self.state_averager.averaging_in_progress
         )
+        if average_state:  # started here, as hivemind would in its step, to learn whether it found a peer
+            self._state_round = super(TrainingStateAverager, self.state_averager).step(
+                gather=self.local_epoch, require_trigger=True, timeout=STATE_ROUND_TIMEOUT, wait=False
+            )
         self.state_averager.step(
             optimizer_step=True,
             averaging_round=average_state,
             delay_averaging=True,
+            averaging_control=self._state_round if average_state else None,
             averaging_opts=dict(timeout=STATE_ROUND_TIMEOUT) if average_state else None,
         )
         # one line an epoch: INFO when the stage's peers averaged (or failed to), DEBUG for a peer alone
@@ -252,7 +280,10 @@ class StageOptimizer(Optimizer):
         self._drop_round()
         began = time.perf_counter()
         try:
-            return self.checked_download(lambda: super(StageOptimizer, self).load_state_from_peers(**kwargs))
+            taken = self.checked_download(lambda: super(StageOptimizer, self).load_state_from_peers(**kwargs))
+            if taken:
+                self.unsynced_epochs = 0
+            return taken
         finally:
             logger.info("%s loading the stage's state took %.2f s (epoch now %d)", self.label,
                         time.perf_counter() - began, self.local_epoch)
@@ -267,6 +298,10 @@ class StageOptimizer(Optimizer):
 
     def _should_load_state_from_peers(self) -> bool:
         behind = self.tracker.global_epoch - self.local_epoch
+        may_download = time.monotonic() >= self.state_averager.retry_at
+        if self.local_epoch > 0 and self.unsynced_epochs + max(behind, 0) > MAX_STALE and may_download:
+            # weights more than MAX_STALE epochs old, whatever the epoch says: the first chance to refresh them
+            return True
         if behind == 1:
             # another peer of the stage just ended the epoch and is looking for a group: this step ends ours too
             # (hivemind's `ready_to_update_epoch`), with what we accumulated (nothing, for an idle peer: then it
@@ -277,7 +312,7 @@ class StageOptimizer(Optimizer):
         if 0 < behind <= MAX_STALE:  # a few epochs behind: move on with the stage instead of downloading its state
             self._move_epoch("caught up without a download")
             return False
-        if behind > MAX_STALE and self.local_epoch > 0 and time.monotonic() < self.state_averager.retry_at:
+        if behind > MAX_STALE and self.local_epoch > 0 and not may_download:
             # a download was made less than RETRY_S ago, taken or not (`VerifiedStateLoad`): a peer holding a state
             # (trained or downloaded) keeps it and moves on, rather than drop every microbatch until the next
             # download (hivemind: "out of sync"). Measured in the failover test: a joiner's state was 9 epochs old
@@ -290,6 +325,7 @@ class StageOptimizer(Optimizer):
     def _move_epoch(self, why: str) -> None:
         logger.info("%s epoch %d -> %d: the stage moved on (%s)", self.label, self.local_epoch,
                     self.tracker.global_epoch, why)
+        self.unsynced_epochs += self.tracker.global_epoch - self.local_epoch
         with self.tracker.pause_updates():
             self.state_averager.local_epoch = self.tracker.global_epoch
             self.tracker.update_epoch(self.tracker.global_epoch)

@@ -44,6 +44,7 @@ class HopResult:
     input_grad: torch.Tensor | None  # None on stage 0: nothing upstream
     loss: float | None
     versions: list[int]  # this hop's U version last
+    epochs: list[int]  # the epoch of each hop's weights (`StageOptimizer.weights_epoch`), this hop's last
     sent: int = 0  # bytes of the forward message to the next stage and of its reply
     received: int = 0
 
@@ -86,7 +87,7 @@ async def serve_trip(hop: Turns, blob: bytes, refuse: Refuse, sender: str) -> by
             header.trip_id,
             to_stage=max(index - 1, 0),  # stage 0 serves only a lane trip's driver (peer/lane_trip.py)
             loss=result.loss,
-            extra={"versions": result.versions},
+            extra={"versions": result.versions, "epochs": result.epochs},
         )
     except WireError as exc:
         return refuse(exc.code, exc.message, exc.hops)
@@ -153,11 +154,13 @@ class Hop:
                 return runtime.learn(leaf, output, None, tokens, residual, version)
 
             input_grad, loss = await runtime.run(whole)
-            return HopResult(input_grad, loss, [version])
+            return HopResult(input_grad, loss, [version], [runtime.optimizer.weights_epoch])
         leaf, output, residual = await runtime.run(runtime.forward, hidden, tokens, version)
+        epoch = runtime.optimizer.weights_epoch  # the weights the forward used
         message = await runtime.run(runtime.encode_forward, version, output, tokens, trip_id, self.index + 1)
         asked = time.perf_counter()
         reply = await self.next_hop.send(message)
         self.stats.reply_wait.add(time.perf_counter() - asked)
         input_grad, _ = await runtime.run(runtime.learn, leaf, output, reply.grad, tokens, residual, version)
-        return HopResult(input_grad, reply.loss, reply.versions + [version], len(message), reply.size)
+        return HopResult(input_grad, reply.loss, reply.versions + [version], reply.epochs + [epoch], len(message),
+                         reply.size)

@@ -146,7 +146,8 @@ def serve(runtime: StageRuntime, blob: bytes) -> bytes:
     leaf, output, _ = runtime.forward(hidden, tokens, header.u_version)
     grad, loss = runtime.backward(leaf, output, None, tokens, None, header.u_version)
     runtime.step(BATCH)
-    return runtime.codec.encode_backward(grad, header.trip_id, to_stage=0, loss=loss, extra={"versions": [0]})
+    extra = {"versions": [0], "epochs": [0]}
+    return runtime.codec.encode_backward(grad, header.trip_id, to_stage=0, loss=loss, extra=extra)
 
 
 def poisoned_forward(norm: float) -> bytes:

@@ -128,11 +128,14 @@ def test_a_fast_liar_in_stage_1_gets_audited_out_and_its_loss_is_never_published
     """Issue 12's bar for audit trips (peer/audit.py): a hostile peer announcing stage 1 with a claim of 1e12
     tokens/s that answers every trip at once with zero gradients and FAKE_LOSS joins a warmed-up 2-stage swarm.
     Its replies are only ever duplicates compared with the honest tail's: after the first mismatch it is banned
-    for minutes, the honest tail carries >= 90% of the trips and the driver never publishes the fake loss."""
+    for minutes, the honest tail carries >= 90% of the trips and the driver never publishes the fake loss. It
+    claims the stage's epoch, read from its progress records, so that its replies are compared (peer/audit.py
+    AUDIT_MAX_LAG; a liar far in epochs is banned only after LAG_GRACE: tests/test_audit.py)."""
     import threading
 
     from builders import stage_record
 
+    from benchmarks.attacks import progress_epoch
     from dhtio.identity import load_identity_key
     from dhtio.records import announce
     from dhtio.validators import make_validators
@@ -141,13 +144,14 @@ def test_a_fast_liar_in_stage_1_gets_audited_out_and_its_loss_is_never_published
     manifest = preset("tiny", stages=2)
     codec = BoundaryCodec(manifest, SubspaceState(manifest))
     served = {"trips": 0}
+    claimed = {"epoch": 0}
     stop = threading.Event()
 
     async def on_trip(blob: bytes, remote: PeerID) -> bytes:
         served["trips"] += 1
         header, hidden, _ = codec.decode_forward(blob, stage=1)
         return codec.encode_backward(torch.zeros_like(hidden), header.trip_id, to_stage=0, loss=FAKE_LOSS,
-                                     extra={"versions": [header.u_version]})
+                                     extra={"versions": [header.u_version], "epochs": [claimed["epoch"]]})
 
     with swarm_of(manifest, name="fast-liar") as swarm:
         swarm.spawn_peer("driver", "0")
@@ -165,13 +169,22 @@ def test_a_fast_liar_in_stage_1_gets_audited_out_and_its_loss_is_never_published
             async def main() -> None:
                 p2p = await liar.replicate_p2p()
                 await TripServicer(on_trip, max_bytes=1 << 24).add_p2p_handlers(p2p, namespace=manifest.run_id)
+                announced = -float("inf")
                 while not stop.is_set():
-                    record = stage_record(1, "liar", manifest=manifest, peer_id=str(liar.peer_id), throughput=1e12)
-                    await asyncio.to_thread(announce, liar, manifest, signer, record, ttl=60.0)
-                    await asyncio.sleep(2.0)
+                    claimed["epoch"] = await asyncio.to_thread(progress_epoch, liar, manifest, 1)
+                    if time.monotonic() - announced > 2.0:
+                        announced = time.monotonic()
+                        record = stage_record(1, "liar", manifest=manifest, peer_id=str(liar.peer_id),
+                                              throughput=1e12)
+                        await asyncio.to_thread(announce, liar, manifest, signer, record, ttl=60.0)
+                    await asyncio.sleep(0.5)
 
             asyncio.run(main())
 
+        # the liar attacks once the stage's progress records tell its epoch (a lone peer publishes every 10 s:
+        # its first record, at epoch 0, extrapolates to nothing)
+        wait_for(lambda: progress_epoch(swarm.dht, manifest, 1) >= entries_by_name(swarm)["tail"].record.optimizer_epoch
+                 > 0, 60, "the stage's progress records to tell its epoch")
         server = threading.Thread(target=serve, daemon=True)
         liar_before = served["trips"]  # counted from its first announce: the driver may read it before we do
         server.start()

@@ -3,15 +3,18 @@ no fault of the next hop (peer/routing.py). Pure logic, no swarm."""
 
 from __future__ import annotations
 
+import asyncio
 import math
 import random
+import time
 
 import pytest
 import torch
 
-from peer.audit import COSINE_MIN, LOSS_RTOL, Ledger, agreement, replies_disagree
-from peer.next_hop import check_loss
+from peer.audit import AUDIT_MAX_LAG, COSINE_MIN, LOSS_RTOL, Ledger, agreement, epoch_lag, replies_disagree
+from peer.next_hop import NextHop, Reply, check_loss, hop_epochs
 from peer.routing import Failover, Router, failover
+from peer.stats import Stats
 from swarm.presets import preset
 from swarm.records import plausible_loss_bound
 from swarm.wire import ErrorCode, WireError
@@ -101,3 +104,60 @@ def test_an_implausible_finite_loss_is_dropped_not_refused():
         with pytest.raises(WireError) as info:
             check_loss(bad, manifest)
         assert info.value.code == ErrorCode.NOT_FINITE
+
+
+def test_replies_are_compared_only_at_close_epochs_and_a_lag_is_excused_for_a_while():
+    assert epoch_lag([3, 40], [3, 29]) == 11 and epoch_lag([], []) == 0 and epoch_lag([1], [1, 1]) is None
+    assert hop_epochs({"epochs": [4, 0]}, hops=2) == [4, 0]
+    for bad in ({}, {"epochs": [4]}, {"epochs": [-1, 0]}, {"epochs": [True, 0]}, {"epochs": "40"}):
+        with pytest.raises(WireError):
+            hop_epochs(bad, hops=2)
+    ledger = Ledger(lag_grace=60.0)
+    assert ledger.excuse_lag("slow", now=10.0) and ledger.excuse_lag("slow", now=70.0)
+    assert not ledger.excuse_lag("slow", now=70.5)
+    ledger.compared("slow")  # caught up: a later lag is excused afresh
+    assert ledger.excuse_lag("slow", now=100.0)
+
+
+def test_an_audit_excuses_a_joiner_with_stale_weights_then_verifies_it_and_bans_a_lasting_gap():
+    """The audit as a driver runs it (`NextHop._compare_later`, real router and ledger): the failover test's joiner
+    answered with weights 21 epochs behind the verified peer's and losses 5.3 against 3.1. It is neither banned nor
+    used until its replies compare; a gap that outlasts the grace is a disagreement."""
+    manifest = preset("tiny", stages=2)
+    router = Router(manifest.t_fixed_sha256, "me")
+
+    async def nobody():
+        raise AssertionError("the comparison fetches nothing")
+
+    next_hop = NextHop(manifest, 0, None, router, None, nobody, Stats(), "[driver]", 30.0)
+    ledger = router.ledger
+    for t in (1.0, 2.0, 3.0):
+        ledger.clean_trip("honest", now=t, tofu=True)
+    torch.manual_seed(0)
+    grad = torch.randn(4, 16, 32)
+
+    def reply(loss: float, epoch: int, gradient: torch.Tensor = grad) -> Reply:
+        return Reply(gradient, loss, [0], [epoch], 100)
+
+    async def audit(primary: str, used: Reply, shadow: str, answer: Reply) -> None:
+        async def duplicate():
+            return answer, 0.1
+
+        next_hop._compare_later(primary, used, shadow, asyncio.ensure_future(duplicate()))
+        await asyncio.sleep(0.01)
+
+    async def run() -> None:
+        await audit("honest", reply(3.1, 30), "joiner", reply(5.3, 9, torch.randn_like(grad)))
+        assert "joiner" not in router.liars() and not ledger.verified("joiner") and "joiner" in ledger.lagging_since
+        for epoch in (31, 32, 33):  # caught up (a state round): its replies now compare, and match
+            await audit("honest", reply(3.0, epoch), "joiner", reply(3.0, epoch - 1, grad * 1.01))
+        assert ledger.verified("joiner") and "joiner" not in ledger.lagging_since and not router.liars()
+        # a stranger whose weights stay too far from the verified peer's past the grace is banned
+        ledger.lagging_since["stranger"] = time.monotonic() - ledger.lag_grace - 1
+        await audit("honest", reply(3.0, 40), "stranger", reply(3.0, 40 + AUDIT_MAX_LAG + 1))
+        assert "stranger" in router.liars()
+        # two verified peers too far apart: the shorter history loses its standing, unbanned
+        await audit("honest", reply(3.0, 50), "joiner", reply(3.0, 50 - AUDIT_MAX_LAG - 1))
+        assert not ledger.verified("joiner") and ledger.verified("honest") and "joiner" not in router.liars()
+
+    asyncio.run(run())

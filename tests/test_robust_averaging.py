@@ -59,10 +59,10 @@ def honest_tensors(seed: int) -> list[torch.Tensor]:
 def average_once(hostile_cls, hostile_tensors, hostile_weight: float = 1.0, rounds: int = 1, min_group_size: int = 4,
                  fresh: bool = False):
     """Three robust peers and one hostile peer average `rounds` times; the honest peers' tensors after each
-    round, the honest mean before the first, the hostile peer's id and what each honest peer banned. After the
-    first round the hostile peer's step may find no group (the honest peers may have left it out): its failure
-    is not theirs. `fresh`: every round after the first starts from new honest tensors, as a gradient averager
-    does (each round a new step's gradients), and the returned means are per round."""
+    round, the honest inputs' means (the first round's; with `fresh`, each round's), the hostile peer's id and
+    what each honest peer banned. After the first round the hostile peer's step may find no group (the honest
+    peers may have left it out): its failure is not theirs. `fresh`: every round after the first starts from new
+    honest tensors, as a gradient averager does (each round a new step's gradients)."""
     dht = DHT(start=True)
     averagers = []
     try:
@@ -99,7 +99,7 @@ def average_once(hostile_cls, hostile_tensors, hostile_weight: float = 1.0, roun
                         snapshot.append(tensors[0].clone())
                 results.append(snapshot)
         bans = [a.get_banned_peers() for a in averagers[:3]]
-        return results, means if fresh else honest_mean, hostile.peer_id.to_base58(), bans
+        return results, means, hostile.peer_id.to_base58(), bans
     finally:
         for averager in averagers:
             averager.shutdown()
@@ -124,7 +124,7 @@ def spread() -> float:
     ],
 )
 def test_one_hostile_contribution_of_four_neither_stops_nor_bends_the_average(name, tensors, weight):
-    results, honest_mean, hostile, bans = average_once(PlainAverager, tensors, weight)
+    results, (honest_mean,), hostile, bans = average_once(PlainAverager, tensors, weight)
     for averaged in results[0]:
         assert torch.isfinite(averaged).all(), name
         # a plain mean would be off by ~1/4 of the hostile part: 2.5e5 per element for "huge"; here the hostile
@@ -157,7 +157,7 @@ def test_a_lying_reducer_is_refused_banned_and_left_out_of_the_next_group():
 def test_four_honest_peers_ban_nobody_and_get_about_their_mean():
     fourth = honest_tensors(4)
     fourth_before = fourth[0].clone()  # the averager averages its tensors in place
-    results, honest_mean, _, bans = average_once(RobustAverager, fourth)
+    results, (honest_mean,), _, bans = average_once(RobustAverager, fourth)
     mean_of_four = (3 * honest_mean + fourth_before) / 4
     for averaged in results[0]:
         # CenteredClip clips the honest parts furthest from the centre too: close to the mean, not equal to it

@@ -108,6 +108,7 @@ def test_a_peer_that_fell_behind_downloads_inside_its_step_and_is_no_witness_of_
         behind.optimizer.state_averager.choose = lambda candidates: 0
         _step_until_caught_up(behind, ahead)
         assert behind.loaded_state == state_entry(MAX_STALE + 3, taken)
+        assert behind.optimizer.weights_epoch == behind.epoch  # the stage's weights: what its replies tell audits
         record = stage_record(1, "behind", state_hashes=list(behind.state_hashes), loaded_state=behind.loaded_state)
         assert not confirmations([PeerEntry(record, 0.0, b"")], 1, behind.loaded_state, donor="ahead")
 
@@ -129,4 +130,7 @@ def test_a_peer_that_trained_keeps_its_own_state_when_its_catch_up_takes_nothing
         params = [param.detach() for param in behind.stage.parameters()]
         moved = max(float((param - was).abs().max()) for param, was in zip(params, own, strict=True))
         assert moved < 0.005 and behind.loaded_state == "", moved
+        # and its replies tell the drivers' audits that its weights are those of its epoch 1 (2 if that step ended
+        # an epoch), not of the epoch it moved to (peer/audit.py AUDIT_MAX_LAG)
+        assert behind.optimizer.weights_epoch in (1, 2) and behind.epoch - behind.optimizer.weights_epoch >= MAX_STALE
         assert behind.optimizer.state_averager.retry_at > time.monotonic()  # it did try a download first

@@ -44,7 +44,7 @@ from swarm.manifest import Manifest
 from swarm.records import ANNOUNCE_INTERVAL, StagePeerRecord, subspace_key
 
 # hivemind names an RPC after the class that serves it, and peers serve their state from
-# `peer/stage_optimizer.py SnapshotStateAverager` (tests/test_live_export.py checks the name): a stub of a
+# `peer/stage_averagers.py SnapshotStateAverager` (tests/test_live_export.py checks the name): a stub of a
 # class of that name calls it
 STATE_SERVICER = type("SnapshotStateAverager", (DecentralizedAverager,), {})
 CONFIRM_WAIT = 2 * ANNOUNCE_INTERVAL  # how long a downloaded state may wait for the records that announce it

@@ -42,16 +42,19 @@ no honest peer sends: an all-zero gradient against a non-zero one, a non-finite 
 against the verified reply (`COSINE_MIN` -0.5). A liar that sends a plausible loss with a random gradient
 passes (a limit, stated in docs/DESIGN.md); a liar that computes the real reply passes, which is the point.
 
-Replies are compared only where the weights behind them are close enough for these tolerances: every reply
-carries the epoch of each hop's weights (`StageOptimizer.weights_epoch`, which lags a peer's epoch by the epochs
-it moved on without the stage's weights), and two replies more than `AUDIT_MAX_LAG` epochs apart at some hop
-are not compared (the lags above: 10 steps keep honest losses within `LOSS_RTOL`). The peer audited stays
-unverified (a verified one loses its standing, unbanned) for up to `LAG_GRACE`, the time an honest peer
-needs to catch up (a state round with the stage's peers, or its next download); past it the gap counts as a
-disagreement. Measured in the failover test: a joiner's download landed 7 epochs behind a stage whose lone
-peer then stepped 26 epochs in 15 s; compared anyway, its honest losses (5.3 against 3.1) got it banned for
-300 s by both drivers, and with no trips it never stepped to catch up. A liar can claim any epoch: far from
-the verified peer's it is never used and is banned after `LAG_GRACE`; near it, it is compared.
+The loss is compared only where the weights behind two replies are close enough for its tolerance: every
+reply carries the epoch of each hop's weights (`StageOptimizer.weights_epoch`, which lags a peer's epoch by the
+epochs it moved on without the stage's weights), and where the next hop's two peers answered more than
+`AUDIT_MAX_LAG` epochs apart (the lags above: 10 steps keep honest losses within `LOSS_RTOL`) only what no
+honest reply sends at any lag is refused (a zero, non-finite or reversed gradient). The peer blamed stays
+unverified (a verified one loses its standing, unbanned) for up to `LAG_GRACE`, the time an honest peer needs
+to catch up (a state round with the stage's peers, or its next download); past it the gap counts as a
+disagreement, and so does any later gap within `LAG_MEMORY`: one grace per peer per half hour. Measured in the
+failover test: a joiner's download landed 7 epochs behind a stage whose lone peer then stepped 26 epochs in
+15 s; compared anyway, its honest losses (5.3 against 3.1) got it banned for 300 s by both drivers, and with
+no trips it never stepped to catch up. A liar can claim any epoch: far from the verified peer's, it is not
+used from that audit on and is banned once its grace is spent; near it, it is compared. Only the next hop's own
+epoch counts: the hops after it are its choice and its word.
 
 Honest false positives, measured with every trip audited (benchmarks/audit_pairs.py, 2 local runs, 137
 comparisons): 5 refusals, all in a run's first 11 comparisons (losses 3.56 against 5.50, 3.28 against 7.80;
@@ -70,6 +73,7 @@ COSINE_MIN = -0.5  # see the measurements above: direction is only checked for a
 LOSS_RTOL = 0.25
 AUDIT_MAX_LAG = 10  # epochs apart two replies' weights may be and still be compared (see above)
 LAG_GRACE = 120.0  # seconds an audited peer's replies may stay too far apart to compare (see above)
+LAG_MEMORY = 1800.0  # seconds a peer's grace is remembered: a later gap within it is a disagreement
 VERIFY_AFTER = 3  # consecutive matching duplicates (or clean trust-on-first-use trips) to be verified
 AUDIT_RATE = 0.02  # share of a verified peer's trips duplicated to another verified peer
 # share of lane trips a driver forks for an audit (`peer/lane_claim.py`): every slot's peers are checked only
@@ -133,11 +137,11 @@ def replies_disagree(
 
 
 def epoch_lag(epochs_a: list[int], epochs_b: list[int]) -> int | None:
-    """How far apart the weights behind two replies to one message are: the largest gap between the epochs
-    of one hop's weights. None where the replies do not cover the same hops, which no honest pair does."""
-    if len(epochs_a) != len(epochs_b):
+    """How far apart the next hop's weights behind two replies to one message are (its own epoch is the last of
+    each list). None where the replies do not cover the same hops, which no honest pair does."""
+    if len(epochs_a) != len(epochs_b) or not epochs_a:
         return None
-    return max((abs(a - b) for a, b in zip(epochs_a, epochs_b, strict=True)), default=0)
+    return abs(epochs_a[-1] - epochs_b[-1])
 
 
 @dataclass
@@ -162,8 +166,10 @@ class Ledger:
     verify_after: int = VERIFY_AFTER
     audit_rate: float = AUDIT_RATE
     lag_grace: float = LAG_GRACE
+    lag_memory: float = LAG_MEMORY
     standings: dict[str, Standing] = field(default_factory=dict)
-    # peer -> when its audits first came back too many epochs from the verified reply (since its last compared)
+    # peer -> when its audits first came back too many epochs from the verified reply (kept `lag_memory`, whether
+    # its record lives or not: an expired record must not buy a new grace)
     lagging_since: dict[str, float] = field(default_factory=dict)
     rng: random.Random = field(default_factory=random.Random)
 
@@ -218,12 +224,9 @@ class Ledger:
 
     def excuse_lag(self, peer_id: str, now: float) -> bool:
         """An audit of `peer_id` came back too many epochs from the reply it is checked against: whether that is
-        still excused (within `lag_grace` of the first such audit since its last compared one)."""
+        still excused (within `lag_grace` of its first such audit in the last `lag_memory`)."""
+        self.lagging_since = {p: t for p, t in self.lagging_since.items() if now - t <= self.lag_memory}
         return now - self.lagging_since.setdefault(peer_id, now) <= self.lag_grace
-
-    def compared(self, peer_id: str) -> None:
-        """An audit of `peer_id` close enough in epochs was compared: its lag, if any, is over."""
-        self.lagging_since.pop(peer_id, None)
 
     def distrust(self, peer_id: str) -> None:
         self.standings.pop(peer_id, None)

@@ -288,12 +288,11 @@ class NextHop:
             if lag is None:
                 why = why or "the replies cover different hops"
             elif lag > AUDIT_MAX_LAG:
-                if self._lag_excused(ledger.loser(primary, shadow), lag):
+                # weights this far apart may give honest losses far apart: only what no honest reply sends is refused
+                why = replies_disagree(used.grad, used.loss, reply.grad, reply.loss, loss_rtol=math.inf, seen=seen)
+                if why is None and self._lag_excused(ledger.loser(primary, shadow), lag):
                     return
-                why = f"weights {lag} epochs apart for over {ledger.lag_grace:.0f} s"
-            elif why is None:
-                ledger.compared(primary)
-                ledger.compared(shadow)
+                why = why or f"weights {lag} epochs apart, past the grace"
             if why is None:
                 router.answered(shadow, seconds, self.tokens_per_trip)
                 for checked in {primary, shadow} - verified:
@@ -317,10 +316,11 @@ class NextHop:
             return False
         if ledger.verified(suspect):
             ledger.distrust(suspect)  # verified again once its replies compare
+        ledger.failed(suspect)  # matches on either side of an uncompared reply are not consecutive
         if first:
-            logger.info("%s audit: %s answered with weights %d epochs from the reply it is checked against; not "
-                        "compared, and not used, for up to %.0f s while it catches up", self.label, suspect[-6:], lag,
-                        ledger.lag_grace)
+            logger.info("%s audit: %s answered with weights %d epochs from the reply it is checked against; its loss "
+                        "is not compared, and its replies not used, for up to %.0f s while it catches up", self.label,
+                        suspect[-6:], lag, ledger.lag_grace)
         return True
 
     def _log_failure(self, peer_id: str, exc: WireError, action: Failover, banned: float, attempt: int) -> None:

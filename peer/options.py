@@ -34,7 +34,7 @@ class PeerOptions:
     log_interval: float = 5.0
     fault_t_fixed_seed: int | None = None
     fault_cp_version: int | None = None  # a peer that claims another CP basis version (its K/V are refused)
-    fault_poison_served_state: bool = False  # a hostile state donor (peer/stage_optimizer.py PoisonedStateDonor)
+    fault_poison_served_state: bool = False  # a hostile state donor (peer/stage_averagers.py PoisonedStateDonor)
     audit_rate: float = AUDIT_RATE  # share of a verified next-hop peer's trips duplicated to another (peer/audit.py)
     checkpoint_every: int = 50
     heartbeat_file: str | None = None

@@ -1,9 +1,8 @@
-"""hivemind's Optimizer as a stage uses it: robust averaging, consistent state for joiners, quiet when alone, paced
-progress."""
+"""hivemind's Optimizer as a stage uses it: robust averaging (its averagers: `peer/stage_averagers.py`), consistent
+state for joiners, quiet when alone, paced progress, and the epoch of the weights it holds."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Callable
@@ -11,19 +10,16 @@ from collections.abc import Callable
 import torch
 from hivemind.averaging.control import StepControl
 from hivemind.dht import DHT
-from hivemind.optim.grad_averager import GradientAverager
 from hivemind.optim.optimizer import Optimizer
 from hivemind.optim.state_averager import TrainingStateAverager
 from hivemind.utils.crypto import RSAPrivateKey
 
 from peer.progress import PROGRESS_INTERVAL, PacedProgressTracker
-from peer.robust_averaging import RobustAveraging
-from peer.state_load import VerifiedStateLoad
+from peer.stage_averagers import PoisonedStateDonor, RobustGradientAverager, SnapshotStateAverager
 from swarm.manifest import Manifest
 from swarm.model import PipelineStage
 from swarm.optim import lr_at, make_optimizer, parameter_groups
 
-DECLARE_INTERVAL = 10.0  # seconds between two state-donor declarations of one peer, at most one in between
 MATCHMAKING_TIME = 1.0  # seconds a group's leader waits for the stage's other peers at an epoch's end
 # A state round starts where each replica's update lands (up to a microbatch or two apart) and runs in the
 # background. With groups of one allowed, the first replica to start formed a group alone at once (hivemind's
@@ -43,88 +39,6 @@ MAX_STALE = 5  # epochs a peer may fall behind its stage and move on without dow
 logger = logging.getLogger(__name__)
 
 
-class RobustGradientAverager(RobustAveraging, GradientAverager):
-    """The stage's gradient averaging, robust to a hostile peer of the group (peer/robust_averaging.py)."""
-
-
-class SnapshotStateAverager(RobustAveraging, TrainingStateAverager, VerifiedStateLoad):
-    """Averages the stage's state robustly (peer/robust_averaging.py), serves a joining peer a consistent copy, and
-    takes another peer's state only when the stage's records vouch for it (peer/state_load.py).
-
-    hivemind hands out views of the live tensors and serialises them later, while this peer goes
-    on stepping: a joiner could receive parameters half-way through an update, out of step with
-    the optimizer moments. Copying under the optimizer lock gives it one state that existed.
-
-    hivemind also re-declares the peer as a state donor in the DHT whenever its priority (the epoch) changes,
-    which with short epochs is a signed DHT store a second or more. Here at most one starts per
-    `DECLARE_INTERVAL`; one asked for sooner is made at the interval's end, with the epoch then. The cost: a
-    joiner ranks the donors by epochs up to that much older (each still sends its current state).
-    """
-
-    def __init__(self, *args, **kwargs):
-        # before hivemind starts the averager's process, which runs the declarations
-        self._declared_at, self._declare_pending = -float("inf"), False
-        self.after_averaging: Callable[[], None] | None = None
-        self.after_serving: Callable[[int, list[torch.Tensor]], None] | None = None
-        super().__init__(*args, **kwargs)
-
-    def _apply_averaging_results_(self):
-        # under the optimizer lock, with the owner's fix-up: a joiner downloads the state before both or after both
-        with self.lock_optimizer:
-            super()._apply_averaging_results_()
-            if self.after_averaging is not None:
-                self.after_averaging()
-
-    async def _trigger_declare_load_state(self):
-        if self._declare_pending:
-            return
-        wait = self._declared_at + DECLARE_INTERVAL - time.monotonic()
-        if wait > 0:
-            self._declare_pending = True
-            await asyncio.sleep(wait)
-            self._declare_pending = False
-        self._declared_at = time.monotonic()
-        await super()._trigger_declare_load_state()
-
-    def get_current_state(self):
-        # hivemind's own locking first (it may wait out an averaging round), and only then the
-        # optimizer lock, held just for the copy: the stage thread never waits on a download
-        metadata, tensors, infos = super().get_current_state()
-        with self.lock_optimizer:
-            tensors = self.copies_to_serve(tensors)
-        if self.after_serving is not None:  # the parameters lead the list, in main_parameters' order
-            self.after_serving(metadata["epoch"], tensors[: len(self.main_parameters)])
-        return metadata, tensors, infos
-
-
-    def copies_to_serve(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        return [tensor.clone() for tensor in tensors]
-
-
-class PoisonedStateDonor(SnapshotStateAverager):
-    """Fault injection (`--fault-poison-served-state`): a hostile donor. It declares an epoch far ahead of the
-    stage's, so joiners ask it first, and serves its parameters shifted by POISON (finite: a finiteness check
-    passes them), noting that hash as served, as a liar's record would. It trains honestly otherwise."""
-
-    POISON, CLAIMED_LEAD = 0.5, 1_000_000
-
-    @property
-    def state_sharing_priority(self) -> float:
-        return TrainingStateAverager.state_sharing_priority.fget(self)
-
-    @state_sharing_priority.setter
-    def state_sharing_priority(self, value: float) -> None:
-        TrainingStateAverager.state_sharing_priority.fset(self, value + self.CLAIMED_LEAD)
-
-    def copies_to_serve(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        copies = super().copies_to_serve(tensors)
-        for copy in copies[: len(self.main_parameters)]:
-            copy.add_(self.POISON)
-        return copies
-
-
-# hivemind names a servicer's RPC handlers after its class: the hostile donor answers under the honest name
-PoisonedStateDonor.__name__ = SnapshotStateAverager.__name__
 
 
 class StageOptimizer(Optimizer):
@@ -169,7 +83,8 @@ class StageOptimizer(Optimizer):
         # the running gradient round whose update has not landed yet, and when its epoch ended
         self._round: StepControl | None = None
         self._round_began = 0.0
-        self._state_round: StepControl | None = None  # the last state round started, until it ends
+        self._state_round: StepControl | None = None  # the last state round started, until its tensors landed
+        self._applied_before = 0  # the state averager's `applied_rounds` when it started
         self.unsynced_epochs = 0  # epochs moved on since the weights last came from the stage (`weights_epoch`)
         # every download, a join's or a catch-up inside `step`, goes through the owner's checks (peer/runtime.py)
         self.checked_download: Callable[[Callable[[], None]], bool] = _unchecked
@@ -194,14 +109,16 @@ class StageOptimizer(Optimizer):
         return loss
 
     def _state_round_ended(self) -> None:
-        """A state round with another peer gives both the same weights: ours are the stage's again."""
-        round_, self._state_round = self._state_round, None
+        """A state round with another peer gives both the same weights: ours are the stage's again once its
+        tensors reached them (hivemind applies them at a later step)."""
         try:
-            gathered = round_.result()  # None, or an exception, where it failed: then it changed nothing
-        except BaseException:  # noqa: BLE001
-            gathered = None
-        if gathered is not None and len(gathered) > 1:
-            self.unsynced_epochs = 0
+            gathered = self._state_round.result()  # the group's gathered epochs, or an exception where it failed
+        except BaseException:  # noqa: BLE001 - a failed round changed nothing
+            gathered = {}
+        if len(gathered) < 2:
+            self._state_round = None
+        elif self.state_averager.applied_rounds > self._applied_before:
+            self._state_round, self.unsynced_epochs = None, 0
 
     def _update_global_epoch(self, grad_scaler) -> None:
         """The epoch's end: start its gradient round in the background and move to the next epoch."""
@@ -250,22 +167,37 @@ class StageOptimizer(Optimizer):
             and self.local_epoch % self.average_state_every == 0
             and not self.state_averager.averaging_in_progress
         )
-        if average_state:  # started here, as hivemind would in its step, to learn whether it found a peer
-            self._state_round = super(TrainingStateAverager, self.state_averager).step(
-                gather=self.local_epoch, require_trigger=True, timeout=STATE_ROUND_TIMEOUT, wait=False
+        round_ = self._start_state_round() if average_state else None
+        try:
+            self.state_averager.step(
+                optimizer_step=True,
+                averaging_round=round_ is not None,
+                delay_averaging=True,
+                averaging_control=round_,
+                averaging_opts=dict(timeout=STATE_ROUND_TIMEOUT) if round_ is not None else None,
             )
-        self.state_averager.step(
-            optimizer_step=True,
-            averaging_round=average_state,
-            delay_averaging=True,
-            averaging_control=self._state_round if average_state else None,
-            averaging_opts=dict(timeout=STATE_ROUND_TIMEOUT) if average_state else None,
-        )
+        except BaseException:
+            if round_ is not None:  # never triggered: it would wait for ever in the averager's process
+                round_.cancel()
+                self._state_round = None
+            raise
         # one line an epoch: INFO when the stage's peers averaged (or failed to), DEBUG for a peer alone
         logger.log(logging.DEBUG if round_ is None else logging.INFO,
                    "%s epoch %d update landed: gradients %s, %.2f s after the epoch ended; step %.3f s%s", self.label,
                    self.local_epoch, group, waited, time.perf_counter() - began,
-                   "; state round started" if average_state else "")
+                   "; state round started" if round_ is not None else "")
+
+    def _start_state_round(self) -> StepControl | None:
+        """A state round started here, as hivemind would in its step, to learn whether it found a peer."""
+        try:
+            self._state_round = super(TrainingStateAverager, self.state_averager).step(
+                gather=self.local_epoch, require_trigger=True, timeout=STATE_ROUND_TIMEOUT, wait=False
+            )
+        except Exception as exc:  # noqa: BLE001 - the update lands without it
+            logger.warning("%s could not start a state round: %r", self.label, exc)
+            return None
+        self._applied_before = self.state_averager.applied_rounds
+        return self._state_round
 
     def _drop_round(self) -> None:
         """Before a download or a shutdown: the running round is hivemind's to finish (it tags along with it)."""
@@ -299,8 +231,10 @@ class StageOptimizer(Optimizer):
     def _should_load_state_from_peers(self) -> bool:
         behind = self.tracker.global_epoch - self.local_epoch
         may_download = time.monotonic() >= self.state_averager.retry_at
-        if self.local_epoch > 0 and self.unsynced_epochs + max(behind, 0) > MAX_STALE and may_download:
-            # weights more than MAX_STALE epochs old, whatever the epoch says: the first chance to refresh them
+        stale = self.unsynced_epochs + max(behind, 0) > MAX_STALE and self.tracker.global_progress.num_peers > 1
+        if self.local_epoch > 0 and stale and may_download:
+            # weights more than MAX_STALE epochs older than the stage's, whatever the epoch says: refreshed at the
+            # first chance (a peer left alone holds the stage's weights: nobody to download from)
             return True
         if behind == 1:
             # another peer of the stage just ended the epoch and is looking for a group: this step ends ours too

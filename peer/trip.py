@@ -149,12 +149,13 @@ class Hop:
         if runtime.stage.is_tail:
             # the tail waits on nobody: forward, backward and the step in one stage-thread job, so a trip's
             # graph never outlives its job and a burst of trips holds one graph's memory, not one per trip
-            def whole() -> tuple[torch.Tensor | None, float | None]:
+            def whole() -> tuple[torch.Tensor | None, float | None, int]:
                 leaf, output, residual = runtime.forward(hidden, tokens, version)
-                return runtime.learn(leaf, output, None, tokens, residual, version)
+                epoch = runtime.optimizer.weights_epoch  # the forward's weights: the step may download others
+                return *runtime.learn(leaf, output, None, tokens, residual, version), epoch
 
-            input_grad, loss = await runtime.run(whole)
-            return HopResult(input_grad, loss, [version], [runtime.optimizer.weights_epoch])
+            input_grad, loss, epoch = await runtime.run(whole)
+            return HopResult(input_grad, loss, [version], [epoch])
         leaf, output, residual = await runtime.run(runtime.forward, hidden, tokens, version)
         epoch = runtime.optimizer.weights_epoch  # the weights the forward used
         message = await runtime.run(runtime.encode_forward, version, output, tokens, trip_id, self.index + 1)

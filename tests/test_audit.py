@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import math
 import random
-import time
 
 import pytest
 import torch
@@ -106,23 +105,26 @@ def test_an_implausible_finite_loss_is_dropped_not_refused():
         assert info.value.code == ErrorCode.NOT_FINITE
 
 
-def test_replies_are_compared_only_at_close_epochs_and_a_lag_is_excused_for_a_while():
-    assert epoch_lag([3, 40], [3, 29]) == 11 and epoch_lag([], []) == 0 and epoch_lag([1], [1, 1]) is None
+def test_replies_are_compared_only_at_close_epochs_and_a_lag_is_excused_once_for_a_while():
+    # the next hop's own epoch is the last; the hops after it are its word
+    assert epoch_lag([3, 40], [3, 29]) == 11 and epoch_lag([40, 3], [29, 3]) == 0
+    assert epoch_lag([], []) is None and epoch_lag([1], [1, 1]) is None
     assert hop_epochs({"epochs": [4, 0]}, hops=2) == [4, 0]
     for bad in ({}, {"epochs": [4]}, {"epochs": [-1, 0]}, {"epochs": [True, 0]}, {"epochs": "40"}):
         with pytest.raises(WireError):
             hop_epochs(bad, hops=2)
-    ledger = Ledger(lag_grace=60.0)
+    ledger = Ledger(lag_grace=60.0, lag_memory=600.0)
     assert ledger.excuse_lag("slow", now=10.0) and ledger.excuse_lag("slow", now=70.0)
     assert not ledger.excuse_lag("slow", now=70.5)
-    ledger.compared("slow")  # caught up: a later lag is excused afresh
-    assert ledger.excuse_lag("slow", now=100.0)
+    assert not ledger.excuse_lag("slow", now=500.0)  # one grace per `lag_memory`, caught up in between or not
+    assert ledger.excuse_lag("slow", now=611.0)  # forgotten: a new grace
 
 
 def test_an_audit_excuses_a_joiner_with_stale_weights_then_verifies_it_and_bans_a_lasting_gap():
     """The audit as a driver runs it (`NextHop._compare_later`, real router and ledger): the failover test's joiner
     answered with weights 21 epochs behind the verified peer's and losses 5.3 against 3.1. It is neither banned nor
-    used until its replies compare; a gap that outlasts the grace is a disagreement."""
+    used until its replies compare; a gap that outlasts the grace is a disagreement, and a reply no honest peer
+    sends is one at any gap."""
     manifest = preset("tiny", stages=2)
     router = Router(manifest.t_fixed_sha256, "me")
 
@@ -151,13 +153,16 @@ def test_an_audit_excuses_a_joiner_with_stale_weights_then_verifies_it_and_bans_
         assert "joiner" not in router.liars() and not ledger.verified("joiner") and "joiner" in ledger.lagging_since
         for epoch in (31, 32, 33):  # caught up (a state round): its replies now compare, and match
             await audit("honest", reply(3.0, epoch), "joiner", reply(3.0, epoch - 1, grad * 1.01))
-        assert ledger.verified("joiner") and "joiner" not in ledger.lagging_since and not router.liars()
-        # a stranger whose weights stay too far from the verified peer's past the grace is banned
-        ledger.lagging_since["stranger"] = time.monotonic() - ledger.lag_grace - 1
-        await audit("honest", reply(3.0, 40), "stranger", reply(3.0, 40 + AUDIT_MAX_LAG + 1))
-        assert "stranger" in router.liars()
-        # two verified peers too far apart: the shorter history loses its standing, unbanned
+        assert ledger.verified("joiner") and not router.liars()
+        # two verified peers too far apart, within the grace: the shorter history loses its standing, unbanned
         await audit("honest", reply(3.0, 50), "joiner", reply(3.0, 50 - AUDIT_MAX_LAG - 1))
         assert not ledger.verified("joiner") and ledger.verified("honest") and "joiner" not in router.liars()
+        # once its grace is spent, a gap is a disagreement: a liar cannot claim far epochs turn after turn
+        ledger.lagging_since["joiner"] -= ledger.lag_grace + 1
+        await audit("honest", reply(3.0, 60), "joiner", reply(0.0123, 60 + AUDIT_MAX_LAG + 1))
+        assert "joiner" in router.liars()
+        # a zero gradient is no honest reply at any gap: banned at once, grace or not
+        await audit("honest", reply(3.0, 70), "zero", reply(3.0, 0, torch.zeros_like(grad)))
+        assert "zero" in router.liars()
 
     asyncio.run(run())

@@ -269,7 +269,7 @@ async def _ask(donor: SnapshotStateAverager, shapes, timeout: float = 20.0) -> t
 
 
 def test_the_downloader_calls_the_rpc_peers_serve_their_state_with():
-    from peer.stage_optimizer import SnapshotStateAverager as served
+    from peer.stage_averagers import SnapshotStateAverager as served
 
     assert STATE_SERVICER.__name__ == served.__name__ == SnapshotStateAverager.__name__
     assert issubclass(served, DecentralizedAverager) and issubclass(STATE_SERVICER, DecentralizedAverager)

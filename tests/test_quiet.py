@@ -138,10 +138,10 @@ def test_state_donor_declarations_are_paced(monkeypatch):
     per interval, the last after the last epoch (so its epoch is declared)."""
     import asyncio
 
-    from peer import stage_optimizer
-    from peer.stage_optimizer import SnapshotStateAverager
+    from peer import stage_averagers
+    from peer.stage_averagers import SnapshotStateAverager
 
-    monkeypatch.setattr(stage_optimizer, "DECLARE_INTERVAL", 0.2)
+    monkeypatch.setattr(stage_averagers, "DECLARE_INTERVAL", 0.2)
     averager = SnapshotStateAverager.__new__(SnapshotStateAverager)  # only the pacing, no averager process
     averager._declared_at, averager._declare_pending = -float("inf"), False
     averager._parent_pid = None  # hivemind's __del__ asks whether this process started it

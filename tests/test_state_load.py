@@ -20,7 +20,7 @@ from hivemind.utils.serializer import MSGPackSerializer
 
 import p2pio.state_stream
 from p2pio.state_stream import StateStream, read_state
-from peer.stage_optimizer import PoisonedStateDonor, SnapshotStateAverager
+from peer.stage_averagers import PoisonedStateDonor, SnapshotStateAverager
 from peer.state_load import _metadata_of, records_pick
 from swarm.live_state import LiveStateError, agreeing_state, witnesses_needed
 from swarm.model import PipelineStage

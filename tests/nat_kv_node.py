@@ -76,14 +76,22 @@ async def wait_file(path: Path, timeout: float = 120.0) -> dict:
     return json.loads(path.read_text())
 
 
+def write_json(path: Path, value: dict) -> None:
+    """Whole or not at all: the test polls these files, and the relay rewrites its counts every 0.5 s (a reader
+    that opened one between `write_text`'s truncation and its write read nothing: a CI run failed so)."""
+    partial = path.with_suffix(".partial")
+    partial.write_text(json.dumps(value))
+    partial.replace(path)
+
+
 async def relay(workdir: Path, options: dict) -> None:
     p2p = await P2P.create(host_maddrs=[f"/ip4/{options['address']}/tcp/{RELAY_PORT}"])
     service = RelayService(p2p, NAMESPACE, Budget(16, 64 << 20, 60.0), 1 << 20)
     await service.add_handlers()
-    (workdir / "relay.json").write_text(json.dumps({"id": p2p.peer_id.to_base58()}))
+    write_json(workdir / "relay.json", {"id": p2p.peer_id.to_base58()})
     while True:  # the test reads what the relay carried
         await asyncio.sleep(0.5)
-        (workdir / "carried.json").write_text(json.dumps({"circuits": service.circuits, "refused": service.refused}))
+        write_json(workdir / "carried.json", {"circuits": service.circuits, "refused": service.refused})
 
 
 async def lane(role: str, workdir: Path, options: dict) -> None:
@@ -107,7 +115,7 @@ async def lane(role: str, workdir: Path, options: dict) -> None:
     await client.deliver(KV, service.servicer.serve_stream)
     client.hold(lambda _: None)
     await asyncio.wait_for(client.changed.wait(), 60)
-    (workdir / f"{role}.json").write_text(json.dumps({"id": p2p.peer_id.to_base58()}))
+    write_json(workdir / f"{role}.json", {"id": p2p.peer_id.to_base58()})
     other = (await wait_file(workdir / f"lane{1 - lane_index}.json"))["id"]
     ids = {lane_index: p2p.peer_id.to_base58(), 1 - lane_index: other}
     link = Link(TripSender(p2p, NAMESPACE + KV), RelayNamed(relay_id))
@@ -120,7 +128,7 @@ async def lane(role: str, workdir: Path, options: dict) -> None:
         await exchange.send_backward(0, {0: payload(1, "backward")})
     result = {"received": on_wire(received), "direct": link.sender.direct, "relayed": link.sender.relayed,
               "delivered": client.delivered}
-    (workdir / f"{role}.result.json").write_text(json.dumps(result))
+    write_json(workdir / f"{role}.result.json", result)
     await asyncio.sleep(3600)  # the other lane's messages may still need this peer; the test kills it
 
 

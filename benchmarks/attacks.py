@@ -65,7 +65,7 @@ def progress_epoch(dht: DHT, manifest: Manifest, stage: int) -> int:
     AUDIT_MAX_LAG): the stage's epoch now, estimated from the optimizer progress records its peers publish in
     the DHT (hivemind's progress tracker: epoch, samples, rate, time) as hivemind's tracker estimates it. A lone
     peer publishes seldom, so the newest record's epoch alone lags tens of epochs in a stage of short epochs."""
-    found = dht.get(f"{manifest.optimizer_prefix}_stage{stage}_progress", latest=True)
+    found = dht.get(f"{manifest.optimizer_run_id(stage)}_progress", latest=True)
     entries = found.value.values() if found is not None and isinstance(found.value, dict) else []
     reports = [entry.value for entry in entries if isinstance(entry.value, dict)]
     target, now = manifest.batch.target_batch_size * manifest.lanes, get_dht_time()

@@ -29,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from peer.audit import AUDIT_MAX_LAG, COSINE_MIN, LOSS_RTOL  # noqa: E402
+from peer.audit import AUDIT_MAX_LAG, COSINE_MIN, LOSS_RTOL, LOSS_RTOL_PER_EPOCH  # noqa: E402
 from swarm.manifest import save_manifest  # noqa: E402
 from swarm.presets import preset  # noqa: E402
 
@@ -89,7 +89,7 @@ def summary(pairs: list[dict]) -> dict:
         refused=[p["verdict"] for p in pairs if p["verdict"] != "agree" and not too_far(p)],
         not_compared=sum(too_far(p) for p in pairs),
         lag_max=max((p["lag"] for p in pairs if p.get("lag") is not None), default=None),
-        tolerances=dict(cosine_min=COSINE_MIN, loss_rtol=LOSS_RTOL),
+        tolerances=dict(cosine_min=COSINE_MIN, loss_rtol=LOSS_RTOL, loss_rtol_per_epoch=LOSS_RTOL_PER_EPOCH),
     )
 
 

@@ -2,7 +2,7 @@
 
 The exporter joins the run's DHT as a client (it serves nothing and is not announced), reads the stages' signed
 records, and asks each stage's online peers, the most advanced first, for their state over the same RPC a joining
-peer uses (hivemind's state averager, `rpc_download_state`, namespace `{optimizer_prefix}_stage{i}_state_averager`).
+peer uses (hivemind's state averager, `rpc_download_state`, namespace `{Manifest.optimizer_run_id(i)}_state_averager`).
 Unlike hivemind's own download it picks the donor and reads the stream itself (`p2pio/state_stream.py`): only
 the parameters (the optimizer statistics after them are never read), each a plain float32 tensor of exactly the
 shape the manifest gives it; each donor gets a time budget of its own (`donor_budget`), so one that stalls or
@@ -117,7 +117,7 @@ class _Export:
 
     async def stage(self, index: int, online: list) -> DownloadedStage | None:
         """One round for one stage: each online donor in turn, until one's state is confirmed."""
-        namespace = f"{self.manifest.optimizer_prefix}_stage{index}_state_averager"
+        namespace = f"{self.manifest.optimizer_run_id(index)}_state_averager"
         shapes = self.shapes[index]
         for donor in online:
             record, left = donor.record, self.deadline - time.monotonic()

@@ -56,6 +56,14 @@ no trips it never stepped to catch up. A liar can claim any epoch: far from the 
 used from that audit on and is banned once its grace is spent; near it, it is compared. Only the next hop's own
 epoch counts: the hops after it are its choice and its word.
 
+Within `AUDIT_MAX_LAG`, two honest replies at different epochs also differ by what training did to the older
+copy. Measured with the replicas averaging (benchmarks/audit_pairs.py, 2 runs, 312 comparisons): honest losses
+differed by up to 0.145 at equal epochs, 0.215 at 1 epoch apart, 0.253 at 3 and 0.368 at 7, the last two in a
+run's first minute (a loss still falling from ln V), and both banned an honest peer at a flat 25 %. So where
+the older weights gave the higher loss, each epoch between them adds `LOSS_RTOL_PER_EPOCH` (0.05: 0.40 at 3
+epochs, 0.60 at 7, about three times the growth measured) to the tolerance; a lower loss from older weights,
+the fake loss's direction, gets none.
+
 Honest false positives, measured with every trip audited (benchmarks/audit_pairs.py, 2 local runs, 137
 comparisons): 5 refusals, all in a run's first 11 comparisons (losses 3.56 against 5.50, 3.28 against 7.80;
 cosine -0.543), none in the 115 after: early in a run these tolerances ban honest peers.
@@ -71,6 +79,7 @@ import torch
 
 COSINE_MIN = -0.5  # see the measurements above: direction is only checked for a sign flip
 LOSS_RTOL = 0.25
+LOSS_RTOL_PER_EPOCH = 0.05  # more loss difference allowed per epoch of lag, where the older weights lost more
 AUDIT_MAX_LAG = 10  # epochs apart two replies' weights may be and still be compared (see above)
 LAG_GRACE = 120.0  # seconds an audited peer's replies may stay too far apart to compare (see above)
 LAG_MEMORY = 1800.0  # seconds a peer's grace is remembered: a later gap within it is a disagreement
@@ -142,6 +151,20 @@ def epoch_lag(epochs_a: list[int], epochs_b: list[int]) -> int | None:
     if len(epochs_a) != len(epochs_b) or not epochs_a:
         return None
     return abs(epochs_a[-1] - epochs_b[-1])
+
+
+def loss_rtol(loss_a: float | None, epochs_a: list[int], loss_b: float | None, epochs_b: list[int]) -> float:
+    """The relative loss difference two honest replies to one message may show (see above): `LOSS_RTOL`, plus
+    `LOSS_RTOL_PER_EPOCH` per epoch between the next hop's weights where the older weights gave the higher loss
+    (what training does to a stale copy; a lower loss from older weights gets no slack); not compared (infinite)
+    past `AUDIT_MAX_LAG`."""
+    lag = epoch_lag(epochs_a, epochs_b)
+    if lag is None or loss_a is None or loss_b is None:
+        return LOSS_RTOL
+    if lag > AUDIT_MAX_LAG:
+        return math.inf
+    older_lost_more = (epochs_a[-1] < epochs_b[-1]) == (loss_a > loss_b)
+    return LOSS_RTOL + LOSS_RTOL_PER_EPOCH * lag if older_lost_more else LOSS_RTOL
 
 
 @dataclass

@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from peer.audit import AUDIT_MAX_LAG, agreement, epoch_lag, replies_disagree
+from peer.audit import AUDIT_MAX_LAG, agreement, epoch_lag, loss_rtol, replies_disagree
 from peer.link import Link
 from peer.routing import Failover, Router
 from peer.runtime import StageRuntime
@@ -55,29 +55,27 @@ def check_loss(loss: float | None, manifest: Manifest) -> float | None:
     return float(loss)
 
 
+def _hop_counts(extra: dict, key: str, lengths: range) -> list[int]:
+    """A header list of one non-negative int per downstream hop, its length in `lengths`; else MALFORMED."""
+    values = extra.get(key)
+    if (
+        not isinstance(values, list)
+        or len(values) not in lengths
+        or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values)
+    ):
+        raise WireError(ErrorCode.MALFORMED, f"backward message lacks a valid list of hop {key}")
+    return values
+
+
 def hop_versions(extra: dict, num_stages: int) -> list[int]:
     """The U version each downstream hop used, as it reported them: audited by the driver."""
-    versions = extra.get("versions")
-    if (
-        not isinstance(versions, list)
-        or not 1 <= len(versions) <= num_stages
-        or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in versions)
-    ):
-        raise WireError(ErrorCode.MALFORMED, "backward message lacks a valid list of hop versions")
-    return versions
+    return _hop_counts(extra, "versions", range(1, num_stages + 1))
 
 
 def hop_epochs(extra: dict, hops: int) -> list[int]:
     """The epoch of each downstream hop's weights, as they reported them (one per hop version): what an audit
     compares replies at (`peer/audit.py`)."""
-    epochs = extra.get("epochs")
-    if (
-        not isinstance(epochs, list)
-        or len(epochs) != hops
-        or not all(isinstance(e, int) and not isinstance(e, bool) and e >= 0 for e in epochs)
-    ):
-        raise WireError(ErrorCode.MALFORMED, "backward message lacks a valid list of hop epochs")
-    return epochs
+    return _hop_counts(extra, "epochs", range(hops, hops + 1))
 
 
 @dataclass
@@ -277,8 +275,9 @@ class NextHop:
                 return
             reply, seconds = t.result()
             seen = agreement(used.grad, used.loss, reply.grad, reply.loss)
-            why = replies_disagree(used.grad, used.loss, reply.grad, reply.loss, seen=seen)
             lag = epoch_lag(used.epochs, reply.epochs)
+            rtol = loss_rtol(used.loss, used.epochs, reply.loss, reply.epochs)
+            why = replies_disagree(used.grad, used.loss, reply.grad, reply.loss, loss_rtol=rtol, seen=seen)
             logger.debug("%s audit of %s against %s: loss rdiff %s, cosine %s, norms %.4g %.4g, epochs apart %s, %s",
                          self.label, shadow[-6:], primary[-6:], seen.loss_rdiff, seen.cosine, *seen.norms, lag,
                          why or "agree")
@@ -287,9 +286,7 @@ class NextHop:
                 return
             if lag is None:
                 why = why or "the replies cover different hops"
-            elif lag > AUDIT_MAX_LAG:
-                # weights this far apart may give honest losses far apart: only what no honest reply sends is refused
-                why = replies_disagree(used.grad, used.loss, reply.grad, reply.loss, loss_rtol=math.inf, seen=seen)
+            elif lag > AUDIT_MAX_LAG:  # losses not compared (`loss_rtol`): only what no honest reply sends is refused
                 if why is None and self._lag_excused(ledger.loser(primary, shadow), lag):
                     return
                 why = why or f"weights {lag} epochs apart, past the grace"

@@ -324,7 +324,7 @@ def stage_optimizer(stage: PipelineStage, manifest: Manifest, index: int, dht: D
     spec = manifest.optimizer
     return StageOptimizer(
         dht=dht,
-        run_id=f"{manifest.optimizer_prefix}_stage{index}",
+        run_id=manifest.optimizer_run_id(index),
         # with context parallelism each of a stage's P lanes counts a trip's B sequences (of its chunk): an
         # epoch of `target_batch_size` sequences is P times as many lane samples
         target_batch_size=manifest.batch.target_batch_size * manifest.lanes,

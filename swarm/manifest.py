@@ -234,10 +234,10 @@ class Manifest(_Strict):
         """Whether U moves during this run: an update interval is set and the mode has a U to move."""
         return self.subspace_update_interval > 0 and self.mode.moves_u
 
-    @property
-    def optimizer_prefix(self) -> str:
-        """hivemind matchmaking refuses '.' in a run id, so stage optimizers use this prefix."""
-        return self.run_id.replace(".", "_")
+    def optimizer_run_id(self, stage: int) -> str:
+        """The run id of a stage's hivemind optimizer (its averagers' and progress records' keys start with it);
+        hivemind matchmaking refuses '.' in a run id."""
+        return f"{self.run_id.replace('.', '_')}_stage{stage}"
 
     def layers_of(self, stage: int) -> range:
         spec = self.stages[stage]

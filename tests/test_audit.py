@@ -10,7 +10,17 @@ import random
 import pytest
 import torch
 
-from peer.audit import AUDIT_MAX_LAG, COSINE_MIN, LOSS_RTOL, Ledger, agreement, epoch_lag, replies_disagree
+from peer.audit import (
+    AUDIT_MAX_LAG,
+    COSINE_MIN,
+    LOSS_RTOL,
+    LOSS_RTOL_PER_EPOCH,
+    Ledger,
+    agreement,
+    epoch_lag,
+    loss_rtol,
+    replies_disagree,
+)
 from peer.next_hop import NextHop, Reply, check_loss, hop_epochs
 from peer.routing import Failover, Router, failover
 from peer.stats import Stats
@@ -120,6 +130,23 @@ def test_replies_are_compared_only_at_close_epochs_and_a_lag_is_excused_once_for
     assert ledger.excuse_lag("slow", now=611.0)  # forgotten: a new grace
 
 
+def test_older_weights_may_lose_more_the_further_behind_they_are():
+    """The honest pairs that a flat 25 % refused (benchmarks/audit_pairs.py, a run's first minute): losses 4.98
+    against 3.15 at weights 7 epochs apart, 4.99 against 3.73 at 3. Slack only where the older weights lost more."""
+    grad = torch.randn(64)
+    for stale, fresh, lag in ((4.98, 3.146, 7), (4.992, 3.728, 3)):
+        rtol = loss_rtol(stale, [2, 20], fresh, [2, 20 + lag])
+        assert rtol == pytest.approx(LOSS_RTOL + lag * LOSS_RTOL_PER_EPOCH) and rtol < 1
+        assert loss_rtol(fresh, [20 + lag], stale, [20]) == rtol  # either order
+        assert replies_disagree(grad, stale, grad, fresh, loss_rtol=rtol) is None
+        assert replies_disagree(grad, stale, grad, fresh) is not None  # the flat tolerance that banned them
+        assert loss_rtol(stale, [20 + lag], fresh, [20]) == LOSS_RTOL  # the newer weights lost more: no slack
+    assert loss_rtol(0.0123, [20], 3.0, [27]) == LOSS_RTOL  # a fake low loss claiming older weights: no slack
+    assert loss_rtol(4.0, [20], 3.0, [20]) == LOSS_RTOL  # one epoch
+    assert loss_rtol(4.0, [20], 3.0, [21 + AUDIT_MAX_LAG]) == math.inf  # too far apart: losses not compared
+    assert loss_rtol(None, [20], 3.0, [27]) == LOSS_RTOL and loss_rtol(4.0, [20], 3.0, [1, 27]) == LOSS_RTOL
+
+
 def test_an_audit_excuses_a_joiner_with_stale_weights_then_verifies_it_and_bans_a_lasting_gap():
     """The audit as a driver runs it (`NextHop._compare_later`, real router and ledger): the failover test's joiner
     answered with weights 21 epochs behind the verified peer's and losses 5.3 against 3.1. It is neither banned nor
@@ -154,6 +181,11 @@ def test_an_audit_excuses_a_joiner_with_stale_weights_then_verifies_it_and_bans_
         for epoch in (31, 32, 33):  # caught up (a state round): its replies now compare, and match
             await audit("honest", reply(3.0, epoch), "joiner", reply(3.0, epoch - 1, grad * 1.01))
         assert ledger.verified("joiner") and not router.liars()
+        # 7 epochs behind and a higher loss, as honest stale weights give: agrees; a lower one from older weights not
+        await audit("honest", reply(3.15, 40), "joiner", reply(4.98, 33))
+        assert ledger.verified("joiner") and not router.liars()
+        await audit("honest", reply(3.0, 45), "cheat", reply(2.0, 40))
+        assert "cheat" in router.liars()
         # two verified peers too far apart, within the grace: the shorter history loses its standing, unbanned
         await audit("honest", reply(3.0, 50), "joiner", reply(3.0, 50 - AUDIT_MAX_LAG - 1))
         assert not ledger.verified("joiner") and ledger.verified("honest") and "joiner" not in router.liars()

@@ -18,6 +18,7 @@ from peer.daemon import PeerDaemon
 from peer.lanes import lane_refusal
 from peer.options import PeerOptions
 from peer.processes import exit_now
+from peer.stage_averagers import GradientWire
 from peer.status_log import LOG_FORMAT
 from peer.trip_flavour import LaneTrips, PipelineTrips
 from swarm.flags import EnvDefaultsParser, add_log_level, refuse_start
@@ -109,6 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=AUDIT_RATE,
         help="share of a verified next-hop peer's trips also sent to another peer of its stage to compare replies",
     )
+    parser.add_argument("--grad-averaging", choices=[w.value for w in GradientWire], default=GradientWire.FP16.value,
+                        help="what this peer sends its stage's other peers for its gradients at each optimizer epoch; "
+                        "fp16 halves those bytes, fp32 is exact (either averages with peers sending the other)")
     parser.add_argument("--data", help="text file or directory for drivers (default: the manifest's dataset)")
     parser.add_argument("--trip-timeout", type=float, default=60.0, help="seconds to wait for the next hop")
     parser.add_argument(
@@ -215,6 +219,7 @@ def resolve(args: argparse.Namespace) -> tuple[Manifest, PeerOptions]:
         fault_cp_version=args.fault_cp_version,
         fault_poison_served_state=args.fault_poison_served_state,
         audit_rate=float(args.audit_rate),
+        gradient_wire=GradientWire(args.grad_averaging),
         relay=args.relay,
         relay_service=args.relay_service == "on",
         relay_budget=budget,

@@ -10,6 +10,7 @@ from p2pio.budget import Budget
 from p2pio.framing import MIN_RATE
 from peer.audit import AUDIT_RATE
 from peer.placement import Hysteresis
+from peer.stage_averagers import GradientWire
 
 
 @dataclass
@@ -35,6 +36,7 @@ class PeerOptions:
     fault_t_fixed_seed: int | None = None
     fault_cp_version: int | None = None  # a peer that claims another CP basis version (its K/V are refused)
     fault_poison_served_state: bool = False  # a hostile state donor (peer/stage_averagers.py PoisonedStateDonor)
+    gradient_wire: GradientWire = GradientWire.FP16  # what the stage's gradient averaging sends (--grad-averaging)
     audit_rate: float = AUDIT_RATE  # share of a verified next-hop peer's trips duplicated to another (peer/audit.py)
     checkpoint_every: int = 50
     heartbeat_file: str | None = None

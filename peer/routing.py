@@ -18,7 +18,8 @@ at another `U`) is banned once it has refused over several seconds with no trip 
 so the trips it turns away go to the stage's other peers; the burst of refusals every switch
 causes (all trips in flight at once) counts once. `unknown_sender` (the next hop has not seen our record
 yet) and `overloaded` are no fault: the hop backs off and tries another peer, with no ban. Strikes outlive
-the ban they caused, so bans escalate; they are forgotten `strike_memory` × `max_ban` after the last one.
+the ban they caused, so bans escalate; they are forgotten `strike_memory` × the longest ban of their kind after
+the last one (`max_ban`; `max_audit_ban` for a lie, whose first ban alone outlasts 4 × `max_ban`).
 
 A peer reached through a relay (its record names one, `peer/relay.py`) is ranked by the same measured rate,
 which includes the relay's detour: it wins trips only where it is faster, a direct peer wins a tie (and two
@@ -118,7 +119,7 @@ class Router:
     max_ban: float = 60.0
     refusals_before_ban: int = 3
     refusal_spacing: float = 2.0  # refusals closer together than this are one burst
-    strike_memory: float = 4.0  # strikes are forgotten this many max_ban after the last one
+    strike_memory: float = 4.0  # strikes are forgotten this many longest bans of their kind after the last one
     audit_ban: float = 300.0  # first ban for a reply that disagreed with a verified peer's; doubles per strike
     max_audit_ban: float = 3600.0
     stages: dict[int, list[PeerEntry]] = field(default_factory=dict)
@@ -131,12 +132,13 @@ class Router:
 
     def update(self, stages: dict[int, list[PeerEntry]], now: float | None = None) -> None:
         """New records from the DHT. A ban that ran out keeps its strikes (so the next one is longer) until
-        `strike_memory` × `max_ban` passed without a new strike; then it is forgotten so the table stays small.
+        `strike_memory` × the longest ban of its kind passed without a new strike; then it is forgotten so the
+        table stays small.
         What this peer measured or verified of a peer whose record expired is forgotten."""
         now = time.monotonic() if now is None else now
         self.stages = stages
-        memory = self.strike_memory * self.max_ban
-        self.bans = {peer: ban for peer, ban in self.bans.items() if ban.until > now or now - ban.struck < memory}
+        self.bans = {peer: ban for peer, ban in self.bans.items()
+                     if ban.until > now or now - ban.struck < self.strike_memory * self._longest_ban(ban)}
         listed = {e.record.peer_id for entries in stages.values() for e in entries}
         self.refusals = {peer: n for peer, n in self.refusals.items() if peer in listed}
         self.measures = {peer: m for peer, m in self.measures.items() if peer in listed}
@@ -233,6 +235,9 @@ class Router:
         """Peers banned now for a reply an audit refuted."""
         now = time.monotonic() if now is None else now
         return {peer for peer, ban in self.bans.items() if ban.lied and ban.until > now}
+
+    def _longest_ban(self, ban: Ban) -> float:
+        return self.max_audit_ban if ban.lied else self.max_ban
 
     def ban(self, peer_id: str, now: float | None = None, lied: bool = False) -> float:
         """Ban `peer_id`, doubling with its strikes; a peer caught lying by an audit (`lied`) for far longer.

@@ -30,6 +30,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 
 from peer.finite_state import FiniteStateGuard
 from peer.processes import close_abandoned_loops, release_freed_memory
+from peer.stage_averagers import GradientWire
 from peer.stage_optimizer import stage_optimizer
 from peer.state_load import stage_choice
 from peer.stats import Stats
@@ -59,6 +60,7 @@ class StageRuntime:
         signing_key: RSAPrivateKey | None = None,
         checkpoint_every: int = 50,
         stats: Stats | None = None,
+        gradient_wire: GradientWire = GradientWire.FP16,
     ):
         """`stats`: the peer's counters, where this runtime's stage-thread times are added (its own by default)."""
         self.manifest, self.index, self.device, self.label = manifest, index, device, label
@@ -72,9 +74,8 @@ class StageRuntime:
             self.stage.subspace.t_fixed_sha256 = tensor_sha256(table)
         self.codec = BoundaryCodec(manifest, self.stage.subspace)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"stage{index}")
-        self.optimizer = stage_optimizer(
-            self.stage, manifest, index, dht, signing_key, fault_poison_served_state, label
-        )
+        self.optimizer = stage_optimizer(self.stage, manifest, index, dht, signing_key, fault_poison_served_state,
+                                         label, gradient_wire)
         self.checkpoint_dir = Path(checkpoint_dir) / manifest.run_id if checkpoint_dir else None
         self.checkpoint_every = max(checkpoint_every, 1)
         self.state_sha256 = parameters_sha256(self.stage)

@@ -5,10 +5,12 @@ another peer's state only when the stage vouches for it (`peer/state_load.py`)."
 from __future__ import annotations
 
 import asyncio
+import enum
 import time
 from collections.abc import Callable
 
 import torch
+from hivemind.compression import CompressionBase, NoCompression, ScaledFloat16Compression
 from hivemind.optim.grad_averager import GradientAverager
 from hivemind.optim.state_averager import TrainingStateAverager
 
@@ -16,6 +18,23 @@ from peer.robust_averaging import RobustAveraging
 from peer.state_load import VerifiedStateLoad
 
 DECLARE_INTERVAL = 10.0  # seconds between two state-donor declarations of one peer, at most one in between
+
+
+class GradientWire(enum.Enum):
+    """What a stage's replicas send each other for their gradients at every epoch (`--grad-averaging`).
+
+    fp16 (hivemind's ScaledFloat16Compression: each part is scaled by its own mean and spread, so gradients of any
+    magnitude keep their ~3 significant digits) halves the averaging rounds' bytes, the largest part of a lane
+    replica's traffic after its K/V (benchmarks/RESULTS.md). Each part names its own compression, so replicas
+    sending either dtype average together. What the robust rule checks is the decoded part: a NaN sent stays NaN.
+    The state rounds stay fp32: they average the weights and Adam's moments, whose small second moments fp16
+    would round away."""
+
+    FP16 = "fp16"
+    FP32 = "fp32"
+
+    def compression(self) -> CompressionBase:
+        return ScaledFloat16Compression() if self is GradientWire.FP16 else NoCompression()
 
 
 class RobustGradientAverager(RobustAveraging, GradientAverager):

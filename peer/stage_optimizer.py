@@ -15,7 +15,7 @@ from hivemind.optim.state_averager import TrainingStateAverager
 from hivemind.utils.crypto import RSAPrivateKey
 
 from peer.progress import PROGRESS_INTERVAL, PacedProgressTracker
-from peer.stage_averagers import PoisonedStateDonor, RobustGradientAverager, SnapshotStateAverager
+from peer.stage_averagers import GradientWire, PoisonedStateDonor, RobustGradientAverager, SnapshotStateAverager
 from swarm.manifest import Manifest
 from swarm.model import PipelineStage
 from swarm.optim import lr_at, make_optimizer, parameter_groups
@@ -313,14 +313,15 @@ def _unchecked(download: Callable[[], None]) -> bool:
 
 
 def stage_optimizer(stage: PipelineStage, manifest: Manifest, index: int, dht: DHT, signing_key: RSAPrivateKey | None,
-                    poison_served_state: bool = False, label: str = "") -> StageOptimizer:
+                    poison_served_state: bool = False, label: str = "",
+                    gradient_wire: GradientWire = GradientWire.FP16) -> StageOptimizer:
     """The optimizer of stage `index` of the run, on `stage`'s own tensors.
 
     Its progress records are signed with `signing_key`, the key the DHT's signature validator signs with
     (`peer/join.py`): under hivemind's default key every node refused them, each peer saw no other and
     stepped alone, and replicas of a stage never averaged. A group may be one peer (`min_group_size` 1):
     a peer whose partner died waits out one matchmaking, not the whole averaging timeout, at each epoch
-    until the dead peer's progress record expires."""
+    until the dead peer's progress record expires. `gradient_wire`: what its gradient averaging sends."""
     spec = manifest.optimizer
     return StageOptimizer(
         dht=dht,
@@ -338,6 +339,7 @@ def stage_optimizer(stage: PipelineStage, manifest: Manifest, index: int, dht: D
         averaging_timeout=AVERAGING_TIMEOUT,
         average_state_every=5,
         averager_opts=dict(request_timeout=REQUEST_TIMEOUT, min_group_size=1),
+        grad_compression=gradient_wire.compression(),
         # read no more often than peers report (PROGRESS_INTERVAL)
         tracker_opts=dict(min_refresh_period=PROGRESS_INTERVAL, private_key=signing_key,
                           metadata_expiration=PROGRESS_EXPIRATION),

@@ -113,7 +113,7 @@ class StageService:
             runtime = StageRuntime(manifest, index, parts.dht, device, self.label, options.checkpoint_dir,
                                    options.fault_t_fixed_seed, options.fault_poison_served_state,
                                    signing_key=parts.signing_key, checkpoint_every=options.checkpoint_every,
-                                   stats=parts.stats)
+                                   stats=parts.stats, gradient_wire=options.gradient_wire)
         self.runtime = runtime
         subspace = runtime.stage.subspace
         bounds = {s: plausible_throughput(manifest, s) for s in range(manifest.num_stages)}

@@ -15,6 +15,7 @@ from hivemind.averaging.partition import TensorPartReducer
 from hivemind.dht import DHT
 
 from peer.robust_averaging import RobustAveraging, pace_lookups
+from peer.stage_averagers import GradientWire
 
 pytestmark = pytest.mark.slow
 
@@ -57,18 +58,18 @@ def honest_tensors(seed: int) -> list[torch.Tensor]:
 
 
 def average_once(hostile_cls, hostile_tensors, hostile_weight: float = 1.0, rounds: int = 1, min_group_size: int = 4,
-                 fresh: bool = False):
+                 fresh: bool = False, wire: GradientWire = GradientWire.FP32):
     """Three robust peers and one hostile peer average `rounds` times; the honest peers' tensors after each
     round, the honest inputs' means (the first round's; with `fresh`, each round's), the hostile peer's id and
     what each honest peer banned. After the first round the hostile peer's step may find no group (the honest
     peers may have left it out): its failure is not theirs. `fresh`: every round after the first starts from new
-    honest tensors, as a gradient averager does (each round a new step's gradients)."""
+    honest tensors, as a gradient averager does (each round a new step's gradients). `wire`: what every peer sends."""
     dht = DHT(start=True)
     averagers = []
     try:
         peers = [dht] + [DHT(start=True, initial_peers=dht.get_visible_maddrs()) for _ in range(3)]
         common = dict(prefix="stage1", target_group_size=4, min_group_size=min_group_size, min_matchmaking_time=5.0,
-                      request_timeout=3.0, start=True)
+                      request_timeout=3.0, compression=wire.compression(), start=True)
         inputs = [honest_tensors(seed) for seed in (1, 2, 3)]
         honest_mean = torch.stack([t[0] for t in inputs]).mean(0)
         for peer, tensors in zip(peers[:3], inputs, strict=True):
@@ -163,6 +164,20 @@ def test_four_honest_peers_ban_nobody_and_get_about_their_mean():
         # CenteredClip clips the honest parts furthest from the centre too: close to the mean, not equal to it
         assert float((averaged - mean_of_four).norm()) < 0.1 * spread()
     assert bans == [{}, {}, {}]
+
+
+def test_fp16_on_the_wire_keeps_the_mean_and_still_refuses_a_nan_sender():
+    """What the stage's gradient averaging sends by default (`GradientWire.FP16`): the honest result stays as close
+    to the mean as fp32's does (the rounding is ~2e-4 of a part's spread), and a NaN part decodes as NaN."""
+    fourth = honest_tensors(4)
+    mean_of_four = (3 * torch.stack([honest_tensors(seed)[0] for seed in (1, 2, 3)]).mean(0) + fourth[0]) / 4
+    results, _, _, bans = average_once(RobustAverager, fourth, wire=GradientWire.FP16)
+    for averaged in results[0]:
+        assert float((averaged - mean_of_four).norm()) < 0.1 * spread()
+    assert bans == [{}, {}, {}]
+    results, _, hostile, bans = average_once(PlainAverager, [torch.full((SIZE,), float("nan"))], wire=GradientWire.FP16)
+    assert all(torch.isfinite(averaged).all() for averaged in results[0])
+    assert all(hostile in banned for banned in bans), bans
 
 
 def test_matchmaking_reads_the_dht_at_most_once_an_interval():

@@ -95,6 +95,18 @@ def test_strikes_outlive_their_ban_so_bans_escalate_and_are_forgotten_by_age():
     assert r.ban("x", now=400.0) == 5.0
 
 
+def test_a_liar_banned_again_after_its_ban_ran_out_is_banned_twice_as_long():
+    """An audit ban (300 s) outlasts 4 × `max_ban`: had lies been forgotten by that measure, a liar's every ban
+    would be its first."""
+    r = router(entry("liar", 10.0))
+    assert r.ban("liar", now=0.0, lied=True) == r.audit_ban
+    r.update(r.stages, now=r.audit_ban + 4 * r.max_ban + 1)  # its ban ran out long ago: the strike is kept
+    assert r.ban("liar", now=r.audit_ban + 4 * r.max_ban + 1, lied=True) == 2 * r.audit_ban
+    later = r.bans["liar"].struck + 4 * r.max_audit_ban + 1
+    r.update(r.stages, now=later)  # no new strike for 4 × max_audit_ban: forgotten
+    assert r.bans == {} and r.ban("liar", now=later, lied=True) == r.audit_ban
+
+
 def test_identity_key_is_private_from_creation(tmp_path):
     import stat
 

@@ -14,6 +14,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 from builders import stage_record
+from hivemind.compression import NoCompression, ScaledFloat16Compression
 from hivemind.dht import DHT
 from hivemind.utils.crypto import RSAPrivateKey
 
@@ -68,6 +69,10 @@ def test_the_peers_of_a_stage_see_each_other_only_when_signing_with_the_dht_key(
         stored = first.get(f"{runtimes[0].optimizer.run_id}_progress", latest=True)
         if signed:
             assert seen == [2, 2] and stored is not None and len(stored.value) == 2
+            # gradients go out as fp16 (`GradientWire`), the state rounds as they are
+            optimizer = runtimes[0].optimizer
+            assert isinstance(optimizer.grad_averager.allreduce_kwargs["compression"], ScaledFloat16Compression)
+            assert isinstance(optimizer.state_averager.allreduce_kwargs["compression"], NoCompression)
         else:  # what every peer ran with before: the records refused, nobody seen
             assert stored is None and seen == [0, 0]
 

@@ -11,8 +11,9 @@ trips each peer held and the load average (`trip_time.py`), since the cores are 
 RTT with the modes' order alternating, so slow drift of the shared machine falls on both modes alike;
 every cell is appended to `--out` as soon as it is measured and points already there are skipped, so
 an interrupted sweep resumes. `--max-inflight 4,8` interleaves the drivers' windows as it interleaves modes (an
-A/B in one run), each window a variant of its own in the tables. `--report` prints the table (ratios to each
-variant's RTT-0 cell, and of the two variants per RTT where there are two) from `--out`.
+A/B in one run), each window a variant of its own in the tables; `--grad-averaging fp32,fp16` does the same for
+what the peers' gradient averaging sends (`peer/stage_averagers.py` GradientWire). `--report` prints the table
+(ratios to each variant's RTT-0 cell, and of the two variants per RTT where there are two) from `--out`.
 """
 
 from __future__ import annotations
@@ -36,12 +37,13 @@ def _load(path: Path) -> dict:
     return json.loads(path.read_text()) if path.exists() else {"cells": []}
 
 
-Variant = tuple[str, int]  # (mode, trips each driver keeps in flight)
+Variant = tuple[str, int, str]  # (mode, trips each driver keeps in flight, what gradient averaging sends)
 
 
 def _variant(cell: dict, default_inflight: int) -> Variant:
-    """A cell's variant; cells measured before `max_inflight` was recorded ran the default."""
-    return cell["mode"], cell.get("max_inflight", default_inflight)
+    """A cell's variant; cells measured before `max_inflight` was recorded ran the default, and before
+    `grad_averaging` was, fp32 (the only one then)."""
+    return cell["mode"], cell.get("max_inflight", default_inflight), cell.get("grad_averaging", "fp32")
 
 
 def label(cell: dict) -> str:
@@ -64,13 +66,15 @@ def points(rtts: list[float], variants: list, repeats: int) -> list[tuple[int, f
     return order
 
 
-def measure_point(mode: str, rtt: float, rate: float | None, max_inflight: int, args, log) -> dict:
+def measure_point(variant: Variant, rtt: float, rate: float | None, args, log) -> dict:
     """One swarm at one (RTT, rate): started, warmed up, measured once with the probes around it, stopped."""
+    mode, max_inflight, grad_averaging = variant
+    peer_args = ("--grad-averaging", grad_averaging)
     if args.lanes > 1:
-        manifest, peer_args = cp.manifest_for(mode, args.stages, args.lanes, args.seed), \
-            ("--min-stream-kbit", str(args.min_stream_kbit))
+        manifest = cp.manifest_for(mode, args.stages, args.lanes, args.seed)
+        peer_args += ("--min-stream-kbit", str(args.min_stream_kbit))
     else:
-        manifest, peer_args = manifest_for(mode, args.stages, args.k, args.seed), ()
+        manifest = manifest_for(mode, args.stages, args.k, args.seed)
     if args.target_batch:  # a longer optimizer epoch: the stage's averaging carries that much less per token
         manifest = manifest.model_copy(update={"batch": manifest.batch.model_copy(
             update={"target_batch_size": args.target_batch})})
@@ -193,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-inflight", help="per driver, or a comma list to interleave; default 4, with --lanes 2 "
                         "(cp.py's)")
+    parser.add_argument("--grad-averaging", default="fp16", help="what the peers' gradient averaging sends (fp16, "
+                        "fp32), or a comma list to interleave")
     parser.add_argument("--min-stream-kbit", type=float, default=16.0, help="with --lanes: passed to every peer")
     parser.add_argument("--window", type=float, default=40.0)
     parser.add_argument("--max-window", type=float, default=150.0)
@@ -228,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
 
     rate = None if args.rate == "unshaped" else float(args.rate)
     modes, windows = args.modes.split(","), [int(n) for n in args.max_inflight.split(",")]
+    wires = args.grad_averaging.split(",")
     default_window = int(defaults["max_inflight"])
     data = _load(out)
     data.setdefault("commands", []).append(" ".join(["python -m benchmarks.netsim.delay_sweep",
@@ -237,15 +244,18 @@ def main(argv: list[str] | None = None) -> int:
     if unknown := [m for m in modes if m not in known]:
         parser.error(f"unknown modes {unknown}; choose from {list(known)}")
     try:
-        variants = [(mode, window) for mode in modes for window in windows]
-        for repeat, rtt, (mode, window) in points([float(r) for r in args.rtts.split(",")], variants, args.repeats):
-            if _done(data, (mode, window), rtt, repeat, default_window):
+        variants = [(mode, window, wire) for mode in modes for window in windows for wire in wires]
+        for repeat, rtt, variant in points([float(r) for r in args.rtts.split(",")], variants, args.repeats):
+            if _done(data, variant, rtt, repeat, default_window):
                 continue
-            log(f"RTT {rtt:g} ms ({rtt / 4:g} ms per link each way), {mode}, {window} in flight, repeat {repeat}")
-            cell = measure_point(mode, rtt, rate, window, args, log)
-            named = {"variant": f"{mode}, {window} in flight"} if len(windows) > 1 else {}
-            data["cells"].append({**cell, **named, "max_inflight": window, "rtt_ms": rtt, "repeat": repeat,
-                                  "code": code_version()})
+            mode, window, wire = variant
+            log(f"RTT {rtt:g} ms ({rtt / 4:g} ms per link each way), {mode}, {window} in flight, {wire} gradient "
+                f"averaging, repeat {repeat}")
+            cell = measure_point(variant, rtt, rate, args, log)
+            named = ", ".join([mode] + [f"{window} in flight"] * (len(windows) > 1)
+                              + [f"{wire} averaging"] * (len(wires) > 1))
+            data["cells"].append({**cell, **({"variant": named} if named != mode else {}), "max_inflight": window,
+                                  "grad_averaging": wire, "rtt_ms": rtt, "repeat": repeat, "code": code_version()})
             out.write_text(json.dumps(data, indent=1))
     except (KeyboardInterrupt, NetSimError) as exc:
         log(f"stopped: {exc or 'interrupted'}; what was measured is in the file")

@@ -114,8 +114,7 @@ def run_swarm(steps: int, timeout: float, lanes: int, target_batch_size: int | N
     run = json.loads(result.stdout.strip().splitlines()[-1])
     workdir = Path(run["workdir"])
     logs = "\n".join(path.read_text(errors="replace") for path in sorted(workdir.rglob("*.log")))
-    shutil.rmtree(workdir, ignore_errors=True)
-    return run, logs
+    return run, logs, workdir
 
 
 def main() -> None:
@@ -126,13 +125,20 @@ def main() -> None:
     parser.add_argument("--json", type=Path, required=True)
     parser.add_argument("--context-parallel", type=int, default=1, metavar="P", help="lanes per stage")
     parser.add_argument("--target-batch-size", type=int, help="sequences per optimizer epoch (tiny's own: 16)")
+    parser.add_argument("--keep-logs", type=Path, metavar="DIR", help="keep the peer logs of a run that banned an "
+                        "honest peer here (one folder per run), to see what led to it")
     args = parser.parse_args()
     runs = json.loads(args.json.read_text())["runs"] if args.json.exists() else []  # resumable: runs accumulate
     for number in range(args.runs):
         print(f"run {number + 1} of {args.runs} ({len(runs)} recorded before)", file=sys.stderr, flush=True)
-        run, logs = run_swarm(args.steps, args.timeout, args.context_parallel, args.target_batch_size)
+        run, logs, workdir = run_swarm(args.steps, args.timeout, args.context_parallel, args.target_batch_size)
         pairs = parse(logs)
         bans = sum("audit: replies of" in line for line in logs.splitlines())  # every peer is honest: false positives
+        if bans and args.keep_logs is not None:
+            kept = args.keep_logs / f"run{len(runs) + 1}"
+            shutil.copytree(workdir, kept, ignore=shutil.ignore_patterns("checkpoints", "*.sqlite*"))
+            print(f"the logs of a run with {bans} bans are in {kept}", file=sys.stderr, flush=True)
+        shutil.rmtree(workdir, ignore_errors=True)
         excused = sum("answered with weights" in line for line in logs.splitlines())
         runs.append(dict(target_batch_size=args.target_batch_size,
                          steps=run["steps"], loss_first=run.get("loss_first"), loss_last=run.get("loss_last"),

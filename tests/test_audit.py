@@ -51,6 +51,24 @@ def test_fake_replies_disagree():
     assert -1.0 < COSINE_MIN < 0.0
 
 
+def _at_cosine(grad: torch.Tensor, cosine: float) -> torch.Tensor:
+    """A tensor of `grad`'s norm at exactly `cosine` to it."""
+    other = torch.randn_like(grad)
+    other -= (other * grad).sum() / (grad * grad).sum() * grad
+    other *= grad.norm() / other.norm()
+    return cosine * grad + (1 - cosine**2) ** 0.5 * other
+
+
+def test_the_cosine_floor_passes_the_most_opposed_honest_pair_and_refuses_a_flip_of_an_agreeing_one():
+    """Measured (benchmarks/audit_pairs.py, 928 honest pairs with averaging): the most opposed honest pair was at
+    -0.52 (losses equal, weights 2 epochs apart); 90 % were above 0.8, and a sign flip turns those below -0.8."""
+    torch.manual_seed(1)
+    grad = torch.randn(4, 16, 32)
+    assert replies_disagree(grad, 4.0, _at_cosine(grad, -0.52), 4.0) is None
+    assert replies_disagree(grad, 4.0, _at_cosine(grad, -0.63), 4.0) is None  # before averaging worked
+    assert "cosine" in replies_disagree(grad, 4.0, -_at_cosine(grad, 0.85), 4.0)
+
+
 def test_agreement_measures_what_the_tolerances_check():
     grad = torch.randn(4, 16, 32)
     seen = agreement(grad, 4.0, -2 * grad, 2.0)

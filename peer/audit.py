@@ -210,16 +210,20 @@ class Ledger:
         A hop still uses an untrusted peer's gradient when no trusted one is left, to keep trips going."""
         return self.verified(peer_id) or not any(s.verified_since is not None for s in self.standings.values())
 
-    def plan(self, candidates: list[str], busy: set[str] | None = None) -> Plan:
+    def plan(self, candidates: list[str], busy: set[str] | None = None, now: float | None = None) -> Plan:
         """The primary is the best verified candidate; with none, the best candidate (trust on first use).
         A duplicate goes to the best unverified candidate not already checking a duplicate (`busy`), else,
-        at `audit_rate`, to another verified candidate."""
+        at `audit_rate`, to another verified candidate. At `now`, a candidate within its lag grace goes after
+        the other unverified ones: its replies cannot verify it, and a liar claiming far epochs would otherwise
+        hold the duplicates that newcomers need for the whole grace."""
         busy = busy or set()
         verified = [p for p in candidates if self.verified(p)]
         if not verified:
             return Plan(candidates[0], None)
         primary = verified[0]
         unverified = [p for p in candidates if not self.verified(p) and p not in busy]
+        if now is not None:
+            unverified.sort(key=lambda p: now - self.lagging_since.get(p, -math.inf) <= self.lag_grace)
         if unverified:
             return Plan(primary, unverified[0])
         if len(verified) > 1 and verified[1] not in busy and self.rng.random() < self.audit_rate:

@@ -139,7 +139,8 @@ class NextHop:
             if not candidates:
                 raise WireError(ErrorCode.NO_PEER, f"stage {target} has no live compatible peer")
             ids = [e.record.peer_id for e in candidates]
-            plan = router.ledger.plan([p for p in ids if p not in skip] or ids, busy=set(self.shadows))
+            plan = router.ledger.plan([p for p in ids if p not in skip] or ids, busy=set(self.shadows),
+                                      now=time.monotonic())
             peer_id = plan.primary
             shadow = self._duplicate(plan.shadow, message, max_reply) if plan.shadow else None
             router.sending(peer_id)

@@ -16,6 +16,7 @@ from peer.audit import (
     LOSS_RTOL,
     LOSS_RTOL_PER_EPOCH,
     Ledger,
+    Plan,
     agreement,
     epoch_lag,
     loss_rtol,
@@ -146,6 +147,16 @@ def test_replies_are_compared_only_at_close_epochs_and_a_lag_is_excused_once_for
     assert not ledger.excuse_lag("slow", now=70.5)
     assert not ledger.excuse_lag("slow", now=500.0)  # one grace per `lag_memory`, caught up in between or not
     assert ledger.excuse_lag("slow", now=611.0)  # forgotten: a new grace
+
+
+def test_a_peer_within_its_lag_grace_gets_a_duplicate_only_when_no_other_newcomer_is_free():
+    ledger = Ledger(audit_rate=0.0, lag_grace=60.0)
+    for t in (1.0, 2.0, 3.0):
+        ledger.clean_trip("a", now=t, tofu=True)
+    assert ledger.excuse_lag("far", now=100.0)
+    assert ledger.plan(["far", "new", "a"], now=130.0) == Plan("a", "new")
+    assert ledger.plan(["far", "new", "a"], busy={"new"}, now=130.0) == Plan("a", "far")
+    assert ledger.plan(["far", "new", "a"], now=161.0) == Plan("a", "far")  # grace spent: ranked as it ranks
 
 
 def test_older_weights_may_lose_more_the_further_behind_they_are():

@@ -46,7 +46,10 @@ ANNOUNCE_INTERVAL = 10.0
 # the libp2p id of the key that signed it, `BoundPeerIdValidator`). Records signed the old way (a separate
 # record key, or naming another id) are refused by peers of this version: a swarm mixing 0.1.0 and 0.2.0 peers
 # does not see the old peers' records.
-SOFTWARE_VERSION = "0.2.0"
+# 0.3.0: a backward reply's header carries the epoch of each hop's weights (`epochs`, beside `versions`); a reply
+# without it is refused as malformed, so 0.2.0 and 0.3.0 peers cannot carry each other's trips (the tracker
+# flags a peer whose version differs from its own).
+SOFTWARE_VERSION = "0.3.0"
 
 _Count = pydantic.conint(strict=True, ge=0)
 _NonNegative = pydantic.confloat(strict=True, ge=0.0, allow_inf_nan=False)

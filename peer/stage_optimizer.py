@@ -29,7 +29,16 @@ MATCHMAKING_TIME = 1.0  # seconds a group's leader waits for the stage's other p
 # applied waits for the round and is then overwritten by it (hivemind's delayed state averaging), which epochs
 # longer than the timeout (4 s or more in the probe) leave no time for
 STATE_MATCHMAKING_TIME, STATE_ROUND_TIMEOUT = 3.0, 5.0
-AVERAGING_TIMEOUT = 30.0  # seconds an averaging round may take, matchmaking and all-reduce, before it is given up
+# seconds an averaging round may take, matchmaking and all-reduce, before it is given up: a gradient round moves
+# each peer's whole gradient once up and once down its link (a tiny-preset stage in fp16: 3.2 MB up per peer of
+# two, 26 s at 1 Mbit/s with the link to itself). It runs beside the trips; the update waits for it
+AVERAGING_TIMEOUT = 90.0
+# seconds the next part of an all-reduce may take to arrive before its sender (twice that: its reducer) is
+# dropped from the round. hivemind's default is the matchmaking time, 1 s, less than a 256-512 KiB part takes
+# at home-link rates: measured on the emulated internet at 1 Mbit/s, every gradient round of two lane replicas
+# ended "received 50.0% of input tensors" within 1-2 s, each peer keeping its own gradient (never averaged).
+# 10 s passes a 512 KiB part at 0.5 Mbit/s
+AVERAGING_PART_TIMEOUT = 10.0
 REQUEST_TIMEOUT = 0.5  # seconds to wait for a would-be leader's answer (a dead peer's declaration costs this)
 # seconds a peer's progress record lives: it is renewed every half of it even when idle; a dead peer counts in
 # the stage's progress (its samples extrapolated at its last rate) until its record expires
@@ -337,6 +346,7 @@ def stage_optimizer(stage: PipelineStage, manifest: Manifest, index: int, dht: D
         ),
         matchmaking_time=MATCHMAKING_TIME,
         averaging_timeout=AVERAGING_TIMEOUT,
+        next_chunk_timeout=AVERAGING_PART_TIMEOUT,
         average_state_every=5,
         averager_opts=dict(request_timeout=REQUEST_TIMEOUT, min_group_size=1),
         grad_compression=gradient_wire.compression(),

@@ -61,8 +61,11 @@ copy. Measured with the replicas averaging (benchmarks/audit_pairs.py, 2 runs, 3
 differed by up to 0.145 at equal epochs, 0.215 at 1 epoch apart, 0.253 at 3 and 0.368 at 7, the last two in a
 run's first minute (a loss still falling from ln V), and both banned an honest peer at a flat 25 %. So where
 the older weights gave the higher loss, each epoch between them adds `LOSS_RTOL_PER_EPOCH` (0.05: 0.40 at 3
-epochs, 0.60 at 7, about three times the growth measured) to the tolerance; a lower loss from older weights,
-the fake loss's direction, gets none.
+epochs, 0.60 at 7, about three times the growth measured) to the tolerance; a lower loss from older weights
+gets none. A limit: the epochs are each reply's own word, so a liar can claim to be newer than the peer it is
+checked against and report a lower loss within the slack (at 10 epochs, a loss from 0.25 to 4 times the honest
+one passes, against 0.75 to 1.33 without): the loss check stops a liar that guesses a loss badly, and one that
+copies a plausible loss passed before too.
 
 Honest false positives, measured with every trip audited (benchmarks/audit_pairs.py, RESULTS). Before the
 replicas averaged (2 runs, 137 comparisons): 5 refusals, all in a run's first 11 comparisons (losses 3.56

@@ -92,6 +92,7 @@ class Ban:
     strikes: int
     struck: float = 0.0  # when the last strike was given
     lied: bool = False  # banned for a reply an audit refuted; a later ban keeps it while this one lasts
+    last_lie: float | None = None  # when an audit last refuted it: its strikes are kept longer from then
 
 
 @dataclass
@@ -137,8 +138,7 @@ class Router:
         What this peer measured or verified of a peer whose record expired is forgotten."""
         now = time.monotonic() if now is None else now
         self.stages = stages
-        self.bans = {peer: ban for peer, ban in self.bans.items()
-                     if ban.until > now or now - ban.struck < self.strike_memory * self._longest_ban(ban)}
+        self.bans = {peer: ban for peer, ban in self.bans.items() if ban.until > now or self._remembered(ban, now)}
         listed = {e.record.peer_id for entries in stages.values() for e in entries}
         self.refusals = {peer: n for peer, n in self.refusals.items() if peer in listed}
         self.measures = {peer: m for peer, m in self.measures.items() if peer in listed}
@@ -236,8 +236,11 @@ class Router:
         now = time.monotonic() if now is None else now
         return {peer for peer, ban in self.bans.items() if ban.lied and ban.until > now}
 
-    def _longest_ban(self, ban: Ban) -> float:
-        return self.max_audit_ban if ban.lied else self.max_ban
+    def _remembered(self, ban: Ban, now: float) -> bool:
+        """Strikes are kept `strike_memory` × `max_ban` after the last one, and × `max_audit_ban` after the last
+        lie (whatever banned the peer since: a failure after a lie must not wipe the lie's record)."""
+        lie_memory = now - ban.last_lie < self.strike_memory * self.max_audit_ban if ban.last_lie is not None else False
+        return now - ban.struck < self.strike_memory * self.max_ban or lie_memory
 
     def ban(self, peer_id: str, now: float | None = None, lied: bool = False) -> float:
         """Ban `peer_id`, doubling with its strikes; a peer caught lying by an audit (`lied`) for far longer.
@@ -248,7 +251,8 @@ class Router:
         base, cap = (self.audit_ban, self.max_audit_ban) if lied else (self.base_ban, self.max_ban)
         seconds = min(base * 2 ** (strikes - 1), cap)
         self.bans[peer_id] = Ban(until=max(now + seconds, previous.until if previous else 0.0), strikes=strikes,
-                                 struck=now, lied=lied or bool(previous and previous.lied and previous.until > now))
+                                 struck=now, lied=lied or bool(previous and previous.lied and previous.until > now),
+                                 last_lie=now if lied else previous.last_lie if previous else None)
         return seconds
 
     def refused(self, peer_id: str, now: float | None = None) -> float:

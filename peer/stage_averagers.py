@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 
 import torch
+from hivemind.averaging.partition import DEFAULT_PART_SIZE_BYTES
 from hivemind.compression import CompressionBase, NoCompression, ScaledFloat16Compression
 from hivemind.optim.grad_averager import GradientAverager
 from hivemind.optim.state_averager import TrainingStateAverager
@@ -24,9 +25,12 @@ class GradientWire(enum.Enum):
     """What a stage's replicas send each other for their gradients at every epoch (`--grad-averaging`).
 
     fp16 (hivemind's ScaledFloat16Compression: each part is scaled by its own mean and spread, so gradients of any
-    magnitude keep their ~3 significant digits) halves the averaging rounds' bytes, the largest part of a lane
-    replica's traffic after its K/V (benchmarks/RESULTS.md). Each part names its own compression, so replicas
-    sending either dtype average together. What the robust rule checks is the decoded part: a NaN sent stays NaN.
+    magnitude keep ~3 significant digits relative to the part's spread) halves the averaging rounds' bytes, at
+    home-link rates the largest traffic of a stage's replicas (benchmarks/RESULTS.md). Each part names its own
+    compression, and hivemind cuts the gradient into parts by bytes after compression: fp16 parts of half the
+    default size hold as many values as fp32 parts of the default, so peers of either setting cut it alike and
+    average together (a reducer refuses a part of another shape). What the robust rule checks is the decoded
+    part: a NaN sent stays NaN.
     The state rounds stay fp32: they average the weights and Adam's moments, whose small second moments fp16
     would round away."""
 
@@ -35,6 +39,13 @@ class GradientWire(enum.Enum):
 
     def compression(self) -> CompressionBase:
         return ScaledFloat16Compression() if self is GradientWire.FP16 else NoCompression()
+
+    def part_size_bytes(self) -> int:
+        return DEFAULT_PART_SIZE_BYTES // 2 if self is GradientWire.FP16 else DEFAULT_PART_SIZE_BYTES
+
+    def averager_options(self) -> dict:
+        """What a gradient averager sending this takes (hivemind's `compression` and `part_size_bytes`)."""
+        return dict(compression=self.compression(), part_size_bytes=self.part_size_bytes())
 
 
 class RobustGradientAverager(RobustAveraging, GradientAverager):

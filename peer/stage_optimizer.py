@@ -29,6 +29,7 @@ MATCHMAKING_TIME = 1.0  # seconds a group's leader waits for the stage's other p
 # applied waits for the round and is then overwritten by it (hivemind's delayed state averaging), which epochs
 # longer than the timeout (4 s or more in the probe) leave no time for
 STATE_MATCHMAKING_TIME, STATE_ROUND_TIMEOUT = 3.0, 5.0
+STATE_ALLREDUCE_TIMEOUT = 30.0  # seconds a state round's all-reduce may run in the background
 # seconds an averaging round may take, matchmaking and all-reduce, before it is given up: a gradient round moves
 # each peer's whole gradient once up and once down its link (a tiny-preset stage in fp16: 3.2 MB up per peer of
 # two, 26 s at 1 Mbit/s with the link to itself). It runs beside the trips; the update waits for it
@@ -86,8 +87,9 @@ class StageOptimizer(Optimizer):
     """
 
     def __init__(self, *args, state_donor: type[SnapshotStateAverager] = SnapshotStateAverager, label: str = "",
-                 **kwargs):
+                 gradient_wire: GradientWire = GradientWire.FP16, **kwargs):
         self.state_donor = state_donor  # the state averager's class: PoisonedStateDonor only to inject a fault
+        self.gradient_wire = gradient_wire
         self.label = label
         # the running gradient round whose update has not landed yet, and when its epoch ended
         self._round: StepControl | None = None
@@ -283,6 +285,7 @@ class StageOptimizer(Optimizer):
         # always the robust averager (hivemind passes its default). Joiners download state from the state
         # averager only; hivemind would also declare the gradient averager as a state donor in the DHT, once more
         # at every epoch, for nobody to read
+        kwargs.update(self.gradient_wire.averager_options())  # in place of hivemind's `grad_compression`
         return super()._make_gradient_averager(RobustGradientAverager, allow_state_sharing=False, **kwargs)
 
     def _make_progress_tracker(self, target_batch_size: int, **kwargs) -> PacedProgressTracker:
@@ -303,12 +306,14 @@ class StageOptimizer(Optimizer):
             dht=self.dht,
             prefix=f"{self.run_id}_state_averager",
             min_matchmaking_time=STATE_MATCHMAKING_TIME,
-            allreduce_timeout=self.allreduce_timeout,
+            # the timeouts state rounds had before the gradient rounds' grew (made for a dense gradient on a home
+            # link): a state round that cannot finish must not hold the link that long
+            allreduce_timeout=STATE_ALLREDUCE_TIMEOUT,
             shutdown_timeout=self.shutdown_timeout,
             offload_optimizer=self.offload_optimizer,
             custom_gradients=self.offload_optimizer,
             status_loglevel=self.status_loglevel,
-            next_chunk_timeout=self.next_chunk_timeout,
+            next_chunk_timeout=MATCHMAKING_TIME,
             client_mode=self.client_mode,
             auxiliary=self.auxiliary,
             start=True,
@@ -349,7 +354,6 @@ def stage_optimizer(stage: PipelineStage, manifest: Manifest, index: int, dht: D
         next_chunk_timeout=AVERAGING_PART_TIMEOUT,
         average_state_every=5,
         averager_opts=dict(request_timeout=REQUEST_TIMEOUT, min_group_size=1),
-        grad_compression=gradient_wire.compression(),
         # read no more often than peers report (PROGRESS_INTERVAL)
         tracker_opts=dict(min_refresh_period=PROGRESS_INTERVAL, private_key=signing_key,
                           metadata_expiration=PROGRESS_EXPIRATION),
@@ -359,4 +363,5 @@ def stage_optimizer(stage: PipelineStage, manifest: Manifest, index: int, dht: D
         verbose=False,
         state_donor=PoisonedStateDonor if poison_served_state else SnapshotStateAverager,
         label=label,
+        gradient_wire=gradient_wire,
     )

@@ -58,23 +58,25 @@ def honest_tensors(seed: int) -> list[torch.Tensor]:
 
 
 def average_once(hostile_cls, hostile_tensors, hostile_weight: float = 1.0, rounds: int = 1, min_group_size: int = 4,
-                 fresh: bool = False, wire: GradientWire = GradientWire.FP32):
+                 fresh: bool = False, wire: GradientWire = GradientWire.FP32, fourth_wire: GradientWire | None = None):
     """Three robust peers and one hostile peer average `rounds` times; the honest peers' tensors after each
     round, the honest inputs' means (the first round's; with `fresh`, each round's), the hostile peer's id and
     what each honest peer banned. After the first round the hostile peer's step may find no group (the honest
     peers may have left it out): its failure is not theirs. `fresh`: every round after the first starts from new
-    honest tensors, as a gradient averager does (each round a new step's gradients). `wire`: what every peer sends."""
+    honest tensors, as a gradient averager does (each round a new step's gradients). `wire`: what the peers send
+    (`fourth_wire`: the fourth peer, if it differs)."""
     dht = DHT(start=True)
     averagers = []
     try:
         peers = [dht] + [DHT(start=True, initial_peers=dht.get_visible_maddrs()) for _ in range(3)]
         common = dict(prefix="stage1", target_group_size=4, min_group_size=min_group_size, min_matchmaking_time=5.0,
-                      request_timeout=3.0, compression=wire.compression(), start=True)
+                      request_timeout=3.0, start=True)
         inputs = [honest_tensors(seed) for seed in (1, 2, 3)]
         honest_mean = torch.stack([t[0] for t in inputs]).mean(0)
         for peer, tensors in zip(peers[:3], inputs, strict=True):
-            averagers.append(RobustAverager(averaged_tensors=tensors, dht=peer, **common))
-        hostile = hostile_cls(averaged_tensors=hostile_tensors, dht=peers[3], **common)
+            averagers.append(RobustAverager(averaged_tensors=tensors, dht=peer, **common, **wire.averager_options()))
+        hostile = hostile_cls(averaged_tensors=hostile_tensors, dht=peers[3], **common,
+                              **(fourth_wire or wire).averager_options())
         averagers.append(hostile)
         results, means = [], [honest_mean]
         with ThreadPoolExecutor(4) as pool:
@@ -178,6 +180,17 @@ def test_fp16_on_the_wire_keeps_the_mean_and_still_refuses_a_nan_sender():
     results, _, hostile, bans = average_once(PlainAverager, [torch.full((SIZE,), float("nan"))], wire=GradientWire.FP16)
     assert all(torch.isfinite(averaged).all() for averaged in results[0])
     assert all(hostile in banned for banned in bans), bans
+
+
+def test_a_peer_sending_fp32_averages_with_peers_sending_fp16():
+    """hivemind cuts the tensors into parts by bytes after compression: unless fp16 parts are half the bytes, an
+    fp32 peer's parts hold half as many values, every reducer refuses them as misshapen and bans it."""
+    fourth = honest_tensors(4)
+    mean_of_four = (3 * torch.stack([honest_tensors(seed)[0] for seed in (1, 2, 3)]).mean(0) + fourth[0]) / 4
+    results, _, _, bans = average_once(RobustAverager, fourth, wire=GradientWire.FP16, fourth_wire=GradientWire.FP32)
+    for averaged in results[0]:
+        assert float((averaged - mean_of_four).norm()) < 0.1 * spread()
+    assert bans == [{}, {}, {}]
 
 
 def test_matchmaking_reads_the_dht_at_most_once_an_interval():

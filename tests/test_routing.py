@@ -107,6 +107,15 @@ def test_a_liar_banned_again_after_its_ban_ran_out_is_banned_twice_as_long():
     assert r.bans == {} and r.ban("liar", now=later, lied=True) == r.audit_ban
 
 
+def test_a_failure_after_a_lie_does_not_wipe_the_lie_from_the_record():
+    r = router(entry("liar", 10.0))
+    r.ban("liar", now=0.0, lied=True)
+    r.ban("liar", now=r.audit_ban + 1)  # its ban ran out; one failed duplicate: a short ban, not a lie
+    after = r.audit_ban + 1 + 4 * r.max_ban + 1
+    r.update(r.stages, now=after)  # the failure's memory has passed, the lie's has not
+    assert r.ban("liar", now=after, lied=True) == 4 * r.audit_ban  # its third strike
+
+
 def test_identity_key_is_private_from_creation(tmp_path):
     import stat
 

@@ -252,10 +252,9 @@ def main(argv: list[str] | None = None) -> int:
             log(f"RTT {rtt:g} ms ({rtt / 4:g} ms per link each way), {mode}, {window} in flight, {wire} gradient "
                 f"averaging, repeat {repeat}")
             cell = measure_point(variant, rtt, rate, args, log)
-            # cells from before `--grad-averaging` averaged fp32 and are named by their mode alone
-            named = ", ".join([mode] + [f"{window} in flight"] * (len(windows) > 1)
-                              + [f"{wire} averaging"] * (len(wires) > 1 or wire != "fp32"))
-            data["cells"].append({**cell, **({"variant": named} if named != mode else {}), "max_inflight": window,
+            # every cell names what its averaging sent (cells from before `--grad-averaging`, all fp32, by mode alone)
+            named = ", ".join([mode] + [f"{window} in flight"] * (len(windows) > 1) + [f"{wire} averaging"])
+            data["cells"].append({**cell, "variant": named, "max_inflight": window,
                                   "grad_averaging": wire, "rtt_ms": rtt, "repeat": repeat, "code": code_version()})
             out.write_text(json.dumps(data, indent=1))
     except (KeyboardInterrupt, NetSimError) as exc:

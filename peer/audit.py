@@ -226,7 +226,7 @@ class Ledger:
         primary = verified[0]
         unverified = [p for p in candidates if not self.verified(p) and p not in busy]
         if now is not None:
-            unverified.sort(key=lambda p: now - self.lagging_since.get(p, -math.inf) <= self.lag_grace)
+            unverified.sort(key=lambda p: self._in_lag_grace(p, now))
         if unverified:
             return Plan(primary, unverified[0])
         if len(verified) > 1 and verified[1] not in busy and self.rng.random() < self.audit_rate:
@@ -261,7 +261,11 @@ class Ledger:
         """An audit of `peer_id` came back too many epochs from the reply it is checked against: whether that is
         still excused (within `lag_grace` of its first such audit in the last `lag_memory`)."""
         self.lagging_since = {p: t for p, t in self.lagging_since.items() if now - t <= self.lag_memory}
-        return now - self.lagging_since.setdefault(peer_id, now) <= self.lag_grace
+        self.lagging_since.setdefault(peer_id, now)
+        return self._in_lag_grace(peer_id, now)
+
+    def _in_lag_grace(self, peer_id: str, now: float) -> bool:
+        return peer_id in self.lagging_since and now - self.lagging_since[peer_id] <= self.lag_grace
 
     def distrust(self, peer_id: str) -> None:
         self.standings.pop(peer_id, None)

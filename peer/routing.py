@@ -239,8 +239,8 @@ class Router:
     def _remembered(self, ban: Ban, now: float) -> bool:
         """Strikes are kept `strike_memory` × `max_ban` after the last one, and × `max_audit_ban` after the last
         lie (whatever banned the peer since: a failure after a lie must not wipe the lie's record)."""
-        lie_memory = now - ban.last_lie < self.strike_memory * self.max_audit_ban if ban.last_lie is not None else False
-        return now - ban.struck < self.strike_memory * self.max_ban or lie_memory
+        return now - ban.struck < self.strike_memory * self.max_ban or (
+            ban.last_lie is not None and now - ban.last_lie < self.strike_memory * self.max_audit_ban)
 
     def ban(self, peer_id: str, now: float | None = None, lied: bool = False) -> float:
         """Ban `peer_id`, doubling with its strikes; a peer caught lying by an audit (`lied`) for far longer.

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import torch
 from hivemind.averaging.partition import DEFAULT_PART_SIZE_BYTES
-from hivemind.compression import CompressionBase, NoCompression, ScaledFloat16Compression
+from hivemind.compression import NoCompression, ScaledFloat16Compression
 from hivemind.optim.grad_averager import GradientAverager
 from hivemind.optim.state_averager import TrainingStateAverager
 
@@ -37,15 +37,11 @@ class GradientWire(enum.Enum):
     FP16 = "fp16"
     FP32 = "fp32"
 
-    def compression(self) -> CompressionBase:
-        return ScaledFloat16Compression() if self is GradientWire.FP16 else NoCompression()
-
-    def part_size_bytes(self) -> int:
-        return DEFAULT_PART_SIZE_BYTES // 2 if self is GradientWire.FP16 else DEFAULT_PART_SIZE_BYTES
-
     def averager_options(self) -> dict:
         """What a gradient averager sending this takes (hivemind's `compression` and `part_size_bytes`)."""
-        return dict(compression=self.compression(), part_size_bytes=self.part_size_bytes())
+        if self is GradientWire.FP16:
+            return dict(compression=ScaledFloat16Compression(), part_size_bytes=DEFAULT_PART_SIZE_BYTES // 2)
+        return dict(compression=NoCompression(), part_size_bytes=DEFAULT_PART_SIZE_BYTES)
 
 
 class RobustGradientAverager(RobustAveraging, GradientAverager):

@@ -238,6 +238,9 @@ class StageOptimizer(Optimizer):
         # in memory (tests/test_stage_moves.py)
         self.checked_download = _unchecked
         super().shutdown()
+        # hivemind never stops its state averager's step executor: its worker (started at the first state round)
+        # would run until the garbage collector happens to take the executor
+        self.state_averager.step_executor.shutdown(wait=True)
 
     def _should_load_state_from_peers(self) -> bool:
         behind = self.tracker.global_epoch - self.local_epoch

@@ -58,16 +58,24 @@ def descendants(root: int) -> list[int]:
     return out
 
 
+def state_pool(runtime) -> str:
+    """The thread-name prefix of a stage's hivemind state averager's step executor: one unnamed pool per stage
+    (`ThreadPoolExecutor-N`), whose worker starts at the stage's first state round."""
+    return runtime.optimizer.state_averager.step_executor._thread_name_prefix
+
+
 class Mover(PeerDaemon):
     def __init__(self, *args, moves: int, dwell: float, **kwargs):
         super().__init__(*args, **kwargs)
         self.moves_left, self.dwell, self.moved = moves, dwell, 0
         self.released: list[weakref.ref] = []  # the stages this peer left: each must be collected
+        self.released_pools: list[str] = []  # their state averagers' thread pools: each must have stopped
 
     async def move_target(self) -> Slot | None:
         if time.monotonic() - self.service.online_since < self.dwell:
             return None
         self.released.append(weakref.ref(self.service.runtime))  # the stage this move leaves
+        self.released_pools.append(state_pool(self.service.runtime))
         return 1 - self.service.index, 0
 
     async def serve(self, parts: PeerParts, slot: Slot) -> Slot | None:
@@ -88,6 +96,7 @@ class Mover(PeerDaemon):
                     thread_names=sorted(t.name for t in threading.enumerate()),
                     tasks=len(asyncio.all_tasks()),
                     runtimes_alive=sum(ref() is not None for ref in self.released),
+                    released_pools=self.released_pools,
                 )
             ),
             flush=True,

@@ -134,8 +134,8 @@ def replies_disagree(
     """Why two replies to the same message cannot both be honest, or None if they agree (`seen`: their
     `agreement`, when the caller has it already).
 
-    Losses are compared when both are present (relative difference against the larger; a loss beyond the
-    plausible bound is dropped on receipt, so one may be missing); gradients by the
+    Losses are compared when both are present (relative difference against the larger; a loss is compared as
+    sent, beyond the plausible bound too, so a liar cannot skip the check with one); gradients by the
     cosine similarity of the flattened tensors. An all-zero gradient agrees only with another all-zero one
     (a tail with a zero loss gradient is honest only if both say so)."""
     seen = seen or agreement(grad_a, loss_a, grad_b, loss_b)

@@ -41,18 +41,23 @@ SEND_ATTEMPTS = 8  # peers of the next stage tried for one trip before giving up
 Fetch = Callable[[], Awaitable[dict[int, list[PeerEntry]]]]
 
 
-def check_loss(loss: float | None, manifest: Manifest) -> float | None:
-    """A loss carried back by a reply: a non-finite one (or not a number) is refused; a finite one outside
-    [0, plausible_loss_bound] is dropped (None), not refused: an honest run that diverges must not get its
-    peers banned, but its loss is not published either. A fake but plausible loss cannot be told from a real
-    one by looking at it: audit trips (`peer/audit.py`) keep replies of unverified peers from being used."""
+def check_loss(loss: float | None) -> float | None:
+    """A loss carried back by a reply, as sent: a non-finite one (or not a number) is refused. A finite one is
+    kept whatever its value, for an audit to compare (a liar must not skip the loss check by sending one
+    out of bounds); what is published passes `plausible_loss` too."""
     if loss is None:
         return None
     if isinstance(loss, bool) or not isinstance(loss, (int, float)) or not math.isfinite(loss):
         raise WireError(ErrorCode.NOT_FINITE, f"reported loss {loss!r} is not a finite number")
-    if not 0.0 <= loss <= plausible_loss_bound(manifest):
-        return None
     return float(loss)
+
+
+def plausible_loss(loss: float | None, manifest: Manifest) -> float | None:
+    """The loss to publish: one outside [0, plausible_loss_bound] is dropped (None), not refused: an honest run
+    that diverges must not get its peers banned, but its loss is not published either. A fake but plausible
+    loss cannot be told from a real one by looking at it: audit trips (`peer/audit.py`) keep replies of
+    unverified peers from being used."""
+    return loss if loss is not None and 0.0 <= loss <= plausible_loss_bound(manifest) else None
 
 
 def _hop_counts(extra: dict, key: str, lengths: range) -> list[int]:
@@ -121,7 +126,7 @@ class NextHop:
     def check_reply(self, reply: bytes) -> Reply:
         """Decode a backward reply and its hop-version audit (raises WireError on anything off)."""
         header, grad = self.runtime.codec.decode_backward(reply, stage=self.index)
-        loss = check_loss(header.loss, self.manifest)
+        loss = check_loss(header.loss)
         versions = hop_versions(header.extra, self.manifest.num_stages)
         return Reply(grad, loss, versions, hop_epochs(header.extra, len(versions)), len(reply))
 
@@ -206,18 +211,18 @@ class NextHop:
         except WireError as exc:
             raise WireError(exc.code, exc.message, max(exc.hops, 1)) from None
         self.router.answered(peer_id, time.monotonic() - started, self.tokens_per_trip)
-        return reply
+        return replace(reply, loss=plausible_loss(reply.loss, self.manifest))
 
     def _believe(self, peer_id: str, checked: Reply) -> Reply:
-        """The reply as the trip uses it: only a trusted peer's loss is published (verified, or trust on first use
-        while nobody is verified); an untrusted one's gradient keeps trips going when no trusted peer is left, its
-        loss is not told. `checked` itself keeps its loss, for an audit to compare. A clean answer while nobody is
-        verified counts toward trust on first use."""
+        """The reply as the trip uses it: only a trusted peer's plausible loss is published (verified, or trust on
+        first use while nobody is verified); an untrusted one's gradient keeps trips going when no trusted peer is
+        left, its loss is not told. `checked` itself keeps its loss as sent, for an audit to compare. A clean
+        answer while nobody is verified counts toward trust on first use."""
         ledger = self.router.ledger
         trusted = ledger.trusted(peer_id)
         if ledger.clean_trip(peer_id, time.monotonic(), tofu=True):
             logger.info("%s next hop %s verified (trust on first use)", self.label, peer_id[-6:])
-        return checked if trusted else replace(checked, loss=None)
+        return replace(checked, loss=plausible_loss(checked.loss, self.manifest) if trusted else None)
 
     async def _ask(self, peer_id: str, message: bytes, max_reply: int) -> Reply:
         reply = await self.link.send(peer_id, message, self.timeout(), max_reply)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import math
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -22,9 +23,11 @@ from peer.audit import (
     loss_rtol,
     replies_disagree,
 )
-from peer.next_hop import NextHop, Reply, check_loss, hop_epochs
+from peer.next_hop import NextHop, Reply, check_loss, hop_epochs, plausible_loss
 from peer.routing import Failover, Router, failover
 from peer.stats import Stats
+from swarm.codec import BoundaryCodec
+from swarm.model import PipelineStage
 from swarm.presets import preset
 from swarm.records import plausible_loss_bound
 from swarm.wire import ErrorCode, WireError
@@ -35,7 +38,7 @@ def test_honest_replies_agree_within_the_measured_tolerances():
     grad = torch.randn(4, 16, 32)
     lagged = grad + 0.5 * torch.randn_like(grad)  # cosine ~0.9: honest peers an epoch or two apart
     assert replies_disagree(grad, 4.0, lagged, 4.0 * (1 + LOSS_RTOL * 0.8)) is None
-    assert replies_disagree(grad, None, lagged, 3.0) is None  # a dropped (implausible) loss is not compared
+    assert replies_disagree(grad, None, lagged, 3.0) is None  # a loss the hop after did not publish is not compared
     assert replies_disagree(torch.zeros(3), 0.0, torch.zeros(3), 0.0) is None
 
 
@@ -123,15 +126,21 @@ def test_back_off_codes_are_no_fault_and_bans_for_lies_are_long():
     assert r.ban("x", now=1.0, lied=True) == 2 * r.audit_ban
 
 
-def test_an_implausible_finite_loss_is_dropped_not_refused():
+def test_an_implausible_finite_loss_is_compared_but_not_published():
     manifest = preset("tiny", stages=2)
     bound = plausible_loss_bound(manifest)
-    assert check_loss(3.0, manifest) == 3.0 and check_loss(None, manifest) is None
-    assert check_loss(bound * 2, manifest) is None and check_loss(-1.0, manifest) is None
+    assert check_loss(3.0) == 3.0 and check_loss(None) is None
+    assert check_loss(bound * 2) == bound * 2 and check_loss(-1.0) == -1.0  # kept for the audit's comparison
+    assert plausible_loss(3.0, manifest) == 3.0 and plausible_loss(None, manifest) is None
+    assert plausible_loss(bound * 2, manifest) is None and plausible_loss(-1.0, manifest) is None
     for bad in (math.nan, math.inf, "3"):
         with pytest.raises(WireError) as info:
-            check_loss(bad, manifest)
+            check_loss(bad)
         assert info.value.code == ErrorCode.NOT_FINITE
+    # a liar that sends a loss out of bounds (dropped, never published) is still compared with the honest one
+    grad = torch.randn(4, 16, 32)
+    assert "losses" in replies_disagree(grad, 3.0, grad, bound * 2)
+    assert "losses" in replies_disagree(grad, 3.0, grad, -1.0)
 
 
 def test_replies_are_compared_only_at_close_epochs_and_a_lag_is_excused_once_for_a_while():
@@ -187,7 +196,10 @@ def test_an_audit_excuses_a_joiner_with_stale_weights_then_verifies_it_and_bans_
     async def nobody():
         raise AssertionError("the comparison fetches nothing")
 
-    next_hop = NextHop(manifest, 0, None, router, None, nobody, Stats(), "[driver]", 30.0)
+    # the driver's stage holds only what a reply's check reads: its codec
+    head = SimpleNamespace(codec=BoundaryCodec(manifest, PipelineStage(manifest, 0).subspace))
+    tail_codec = BoundaryCodec(manifest, PipelineStage(manifest, 1).subspace)
+    next_hop = NextHop(manifest, 0, head, router, None, nobody, Stats(), "[driver]", 30.0)
     ledger = router.ledger
     for t in (1.0, 2.0, 3.0):
         ledger.clean_trip("honest", now=t, tofu=True)
@@ -225,5 +237,15 @@ def test_an_audit_excuses_a_joiner_with_stale_weights_then_verifies_it_and_bans_
         # a zero gradient is no honest reply at any gap: banned at once, grace or not
         await audit("honest", reply(3.0, 70), "zero", reply(3.0, 0, torch.zeros_like(grad)))
         assert "zero" in router.liars()
+        # a loss out of bounds arrives as sent (a real reply through the real codec) and is never published, but
+        # it is compared: sending one skips no check
+        far = 2 * plausible_loss_bound(manifest)
+        batch = manifest.batch
+        boundary = torch.randn(batch.microbatch_size, batch.seq_len, manifest.model.d_model)
+        blob = tail_codec.encode_backward(boundary, "t", 0, loss=far, extra={"versions": [0], "epochs": [80]})
+        received = next_hop.check_reply(blob)
+        assert received.loss == far and next_hop._believe("honest", received).loss is None
+        await audit("honest", reply(3.0, 80, received.grad * 1.01), "out-of-bounds", received)
+        assert "out-of-bounds" in router.liars()
 
     asyncio.run(run())

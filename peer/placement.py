@@ -24,7 +24,7 @@ import random
 from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass
 
-from swarm.records import ANNOUNCE_INTERVAL, RECORD_TTL, PeerEntry, StagePeerRecord
+from swarm.records import ANNOUNCE_INTERVAL, RECORD_TTL, PeerEntry, StagePeerRecord, speaks_our_wire
 
 StageLoads = Mapping[int, Sequence[float]]  # stage → throughputs (tokens/s) of its live peers
 
@@ -53,12 +53,13 @@ def record_age(expiration: float, now: float, ttl: float = RECORD_TTL) -> float:
 def counts_for_placement(
     entry: PeerEntry, now: float, t_fixed_sha256: str, own_peer_id: str, unreachable: Set[str] = frozenset()
 ) -> bool:
-    """Another peer of our function, online or joining, refreshed within `LIVENESS_WINDOW`, and not one
-    this peer failed to reach."""
+    """Another peer of our function and wire (one that cannot carry our trips covers no slot for us), online or
+    joining, refreshed within `LIVENESS_WINDOW`, and not one this peer failed to reach."""
     record: StagePeerRecord = entry.record
     return (
         record.state in ("online", "joining")
         and record.t_fixed_sha256 == t_fixed_sha256
+        and speaks_our_wire(record.software_version)
         and record.peer_id != own_peer_id
         and record.peer_id not in unreachable
         and record_age(entry.expiration, now) <= LIVENESS_WINDOW

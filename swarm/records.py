@@ -48,7 +48,7 @@ ANNOUNCE_INTERVAL = 10.0
 # does not see the old peers' records.
 # 0.3.0: a backward reply's header carries the epoch of each hop's weights (`epochs`, beside `versions`); a reply
 # without it is refused as malformed, so 0.2.0 and 0.3.0 peers cannot carry each other's trips (the tracker
-# flags a peer whose version differs from its own).
+# flags a peer whose version differs from its own; peers route around it, `speaks_our_wire`).
 SOFTWARE_VERSION = "0.3.0"
 
 _Count = pydantic.conint(strict=True, ge=0)
@@ -207,7 +207,17 @@ class PeerEntry:
     owner: bytes  # the subkey: the owner's public key marker
 
 
+def speaks_our_wire(software_version: str) -> bool:
+    """Whether a peer of `software_version` carries our trips: a release before 1.0 changes the wire at each minor
+    version (0.2 and 0.3 refuse each other's replies), so the major and minor must match ours. A claim only: a
+    peer that claims ours and sends another wire is refused reply by reply, as any malformed one."""
+    ours = SOFTWARE_VERSION.split(".")[:2]
+    return software_version.split(".")[:2] == ours
+
+
 def usable_peer(record: StagePeerRecord, t_fixed_sha256: str, own_peer_id: str) -> bool:
-    """Online, serving our `T_fixed`, and not ourselves: a peer to send trips to, load state from or count
-    in placement (one at another `T_fixed` could not decode what we send)."""
-    return record.state == "online" and record.t_fixed_sha256 == t_fixed_sha256 and record.peer_id != own_peer_id
+    """Online, serving our `T_fixed`, on our wire, and not ourselves: a peer to send trips to (one at another
+    `T_fixed` could not decode what we send; one of another release would be banned for replies it cannot help
+    sending malformed)."""
+    return (record.state == "online" and record.t_fixed_sha256 == t_fixed_sha256
+            and speaks_our_wire(record.software_version) and record.peer_id != own_peer_id)

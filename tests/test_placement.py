@@ -99,6 +99,12 @@ def test_joining_counts_leaving_and_unreachable_do_not():
     assert loads_of(stages, unreachable={stage_record(1, "banned").peer_id}) == {0: [100.0], 1: [100.0]}
 
 
+def test_a_peer_of_another_release_covers_no_slot():
+    """It cannot carry our trips (`speaks_our_wire`): a stage it alone serves is empty for us."""
+    stages = {0: [entry(0, "a")], 1: [entry(1, "old", software_version="0.2.0")]}
+    assert loads_of(stages) == {0: [100.0], 1: []}
+
+
 def test_a_newcomer_reads_the_swarm_only_after_one_liveness_window():
     assert placement_wait(0.0) == LIVENESS_WINDOW
     assert placement_wait(4.0) == LIVENESS_WINDOW - 4.0

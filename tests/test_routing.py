@@ -3,7 +3,7 @@
 from builders import stage_record
 
 from peer.routing import Router
-from swarm.records import PeerEntry
+from swarm.records import SOFTWARE_VERSION, PeerEntry, speaks_our_wire
 
 
 def entry(
@@ -23,13 +23,21 @@ def router(*entries: PeerEntry) -> Router:
 
 
 def test_incompatible_peers_are_never_chosen():
+    old_release = entry("old-release", 1000)
+    old_release = PeerEntry(old_release.record.copy(update={"software_version": "0.2.0"}), 0.0, b"")
+    patched = entry("patched", 1.0)
+    major, minor, _ = SOFTWARE_VERSION.split(".")
+    patched = PeerEntry(patched.record.copy(update={"software_version": f"{major}.{minor}.99"}), 0.0, b"")
     r = router(
         entry("bad-hash", 1000, t_fixed="c" * 64),
         entry("leaving", 1000, state="leaving"),
         entry("me", 1000),
+        old_release,  # a release whose replies we refuse (0.2.0 sends no epochs): routed around, never banned
         entry("good", 1.0),
+        patched,  # a patch release speaks our wire
     )
-    assert [e.record.peer_id for e in r.candidates(1)] == ["good"]
+    assert sorted(e.record.peer_id for e in r.candidates(1)) == ["good", "patched"]
+    assert not speaks_our_wire("garbage") and not speaks_our_wire("") and speaks_our_wire(SOFTWARE_VERSION)
 
 
 def test_a_lane_the_run_does_not_have_serves_nothing():

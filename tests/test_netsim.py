@@ -94,8 +94,11 @@ def test_two_hosts_train_over_a_shaped_link_and_leave_nothing(tmp_path):
 def test_lanes_exchange_dense_kv_over_links_slower_than_the_default_stream_rate(tmp_path):
     """1 stage x 2 lanes, one host each, dense K/V (1 KB per token on each uplink) at 2 Mbit/s per host: with
     several K/V streams sharing a link each runs below the default 1 Mbit/s minimum stream rate, so the peers
-    take --min-stream-kbit 16; trips finish, every driver is counted, and the K/V bytes match the formula."""
+    take --min-stream-kbit 16; trips finish, every driver is counted, and the K/V bytes match the formula. No epoch
+    ends within the test: the two lanes are one stage's replicas, and a gradient round moves the whole stage's
+    gradient over the same 2 Mbit/s uplinks (a CI run: one trip in 100 s beside the rounds)."""
     manifest = preset("tiny", stages=1, context_parallel={"size": 2, "compression": "none"})
+    manifest = manifest.model_copy(update={"batch": manifest.batch.model_copy(update={"target_batch_size": 1 << 16})})
     swarm = NetSwarm(manifest, tmp_path, max_inflight=2, log=lambda line: None,
                      peer_args=("--min-stream-kbit", "16"))
     try:

@@ -156,14 +156,16 @@ class LocalSwarm:
     def bootstrap(self) -> list[str]:
         return [str(a) for a in self.dht.get_visible_maddrs()]
 
-    def spawn_peer(self, name: str, stage: str, extra_args: list[str] | None = None) -> Child:
+    def spawn_peer(self, name: str, stage: str, extra_args: list[str] | None = None,
+                   program: list[str] | None = None) -> Child:
+        """A peer of this swarm: `protocol-peer`, or `program` taking its arguments (a test's hostile peer)."""
         peer = shutil.which("protocol-peer")
-        if peer is None:
+        if program is None and peer is None:
             raise LocalSwarmError("protocol-peer is not installed (pip install -e .)")
         return self._spawn(
             name,
             [
-                peer,
+                *(program or [peer]),
                 "--manifest",
                 str(self.manifest_path),
                 "--initial-peers",

@@ -40,7 +40,10 @@ peer from a liar. So the loss is the discriminator (`LOSS_RTOL` 0.25, honest pee
 10 steps; the fake 0.0123 against an honest 3–10 differs by ~1), and the gradient check only refuses what
 no honest peer sends: an all-zero gradient against a non-zero one, a non-finite one, or one pointing
 against the verified reply (`COSINE_MIN` -0.8; see below). A liar that sends a plausible loss with a random gradient
-passes (a limit, stated in docs/DESIGN.md); a liar that computes the real reply passes, which is the point.
+passes (a limit, stated in docs/DESIGN.md); a liar that computes the real reply passes, which is the point. Replies
+are not paired at the same weights: tried with a hash of each hop's weights in every reply (RESULTS, "Pairing
+audits at the same weights"), 207 honest comparisons found no two replicas holding bit-equal weights (hivemind's
+all-reduce leaves each its own rounding), though 35 agreed to a cosine of 0.999999.
 
 The loss is compared only where the weights behind two replies are close enough for its tolerance: every
 reply carries the epoch of each hop's weights (`StageOptimizer.weights_epoch`, which lags a peer's epoch by the

@@ -57,6 +57,20 @@ def test_one_hostile_part_of_four_moves_the_average_by_at_most_about_a_clip_radi
     assert float((plain - mean).norm()) > 10 * aggregate.tau  # what a plain mean would have let through
 
 
+def test_parts_most_peers_send_as_zeros_accuse_nobody_and_stay_clipped():
+    """An embedding's rows for tokens one replica saw: the others' parts are exactly zero, so the clip radius is a
+    floor, and neither an honest nonzero part nor a hostile huge one there is accused; both are clipped to it."""
+    zeros = [torch.zeros(SHAPE) for _ in range(3)]
+    rare = torch.zeros(SHAPE)
+    rare[:40] = 1e-3 * torch.randn(40)
+    for odd in (rare, 1e6 * torch.ones(SHAPE)):
+        aggregate = robust_average([*zeros, odd], [1.0] * 4, SHAPE)
+        assert aggregate.accused == {}
+        assert float(aggregate.average.norm()) <= aggregate.tau <= 1e-9
+    two = robust_average([zeros[0], zeros[1], rare, 0.5 * rare], [1.0] * 4, SHAPE)  # two saw it, two did not
+    assert two.accused == {}
+
+
 def test_no_usable_contribution_gives_no_average():
     assert robust_average([torch.full(SHAPE, float("nan"))], [1.0], SHAPE) is None
 

@@ -11,8 +11,8 @@ averager builds in `_run_allreduce_inplace_`. Here:
   gives the honest relative change), then applies `check_reduced` to each: a refused part is replaced by zeros
   (this peer keeps its own values for that slice, as hivemind does for a reducer that fails) and the reducer is
   accused;
-- `RobustAveraging`, mixed into an averager, runs `RobustAllReduceRunner` and keeps the accused peers for the
-  life of the averager: their contributions and reduced parts are ignored in every later round;
+- `RobustAveraging`, mixed into an averager, runs `RobustAllReduceRunner` and bans the accused peers
+  (`AveragingBans`): their contributions and reduced parts are ignored in every round until the ban ends;
 - `ExcludingMatchmaking` keeps them out of later groups: as a leader this peer refuses their requests to join,
   as a follower it does not ask them to lead. Inside a group a banned reducer's share of the parts would
   stay each peer's own values (unaveraged, every round); out of it, the honest peers split that share among
@@ -22,6 +22,15 @@ averager builds in `_run_allreduce_inplace_`. Here:
 The averager runs in its own process (hivemind's), so the ban list lives there; every accusation is one log
 line with the peer and the reason. A group led by an honest peer that has not banned a peer (yet) may still
 hold it; the runner then ignores it for whoever banned it.
+
+A ban ends (`AveragingBans`: `BAN_SECONDS`, doubling with each accusation of the same peer up to `MAX_BAN_SECONDS`)
+because the checks also accuse honest peers. Measured on real peers (benchmarks/audit_pairs.py
+`--context-parallel 2`, RESULTS): in each of two 6-minute runs of an all-honest swarm of 8 peers, 4 to a stage,
+averaging banned honest peers 13 and 15 times; in the second, after `swarm/robust.py` stopped accusing senders
+where most parts are exact zeros, 12 of the 13 were reducers (a reduced part that moved this peer's part, of
+another region of the model, more than 8 times as far as the honest change of its own). Banned for the averager's
+life, as they were, each such ban split a stage's replicas for good. A hostile peer is accused again in the first
+round it spoils after its ban, and then banned twice as long.
 """
 
 from __future__ import annotations
@@ -211,7 +220,7 @@ class ExcludingMatchmaking(Matchmaking):
     """hivemind's matchmaking without the peers in `banned` (module docstring), adopted after the averager built
     it (`RobustAveraging._matchmaking`)."""
 
-    banned: dict[PeerID, str]
+    banned: AveragingBans
 
     def _check_reasons_to_reject(self, request: averaging_pb2.JoinRequest, context: P2PContext):
         if context.remote_id in self.banned:
@@ -247,18 +256,51 @@ def pace_lookups(keys: GroupKeyManager, interval: float) -> None:
     keys.get_averagers = paced
 
 
+class AveragingBans:
+    """The peers an averager bans, each until a time (`clock`: seconds), and the first reason: a peer accused
+    again after its ban ended is banned twice as long as the last time (module docstring). `in` and `current`
+    forget ended bans; the strikes are kept, so a peer accused often stays out for long."""
+
+    BAN_SECONDS = 600.0
+    MAX_BAN_SECONDS = 4 * 3600.0
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic):
+        self.clock = clock
+        self.reasons: dict[PeerID, str] = {}
+        self.until: dict[PeerID, float] = {}
+        self.strikes: dict[PeerID, int] = {}
+
+    def ban(self, peer_id: PeerID, why: str) -> float | None:
+        """Ban `peer_id` unless it is banned now; the ban's length in seconds, or None if it already was."""
+        if peer_id in self:
+            return None
+        self.strikes[peer_id] = self.strikes.get(peer_id, 0) + 1
+        seconds = min(self.BAN_SECONDS * 2 ** (self.strikes[peer_id] - 1), self.MAX_BAN_SECONDS)
+        self.reasons[peer_id], self.until[peer_id] = why, self.clock() + seconds
+        return seconds
+
+    def __contains__(self, peer_id: object) -> bool:
+        if peer_id in self.until and self.until[peer_id] <= self.clock():
+            del self.until[peer_id], self.reasons[peer_id]
+        return peer_id in self.until
+
+    def current(self) -> dict[PeerID, str]:
+        """The peers banned now, with why."""
+        return {peer: why for peer, why in list(self.reasons.items()) if peer in self}
+
+
 class RobustAveraging:
     """Mixin for a hivemind averager (before it in the bases): every all-reduce runs `runner_class`, and peers
-    accused in any round are banned from this averager's later rounds and groups. Its matchmaking reads the DHT at most
-    once per `LOOKUP_INTERVAL` (`pace_lookups`)."""
+    accused in any round are banned from this averager's later rounds and groups while their ban lasts
+    (`AveragingBans`). Its matchmaking reads the DHT at most once per `LOOKUP_INTERVAL` (`pace_lookups`)."""
 
     runner_class: type[AllReduceRunner] = RobustAllReduceRunner
     robust_rule = RobustRule()
     LOOKUP_INTERVAL = 0.2  # seconds between two DHT reads of a matchmaking (`pace_lookups`)
 
     def __init__(self, *args, **kwargs):
-        # accused peers and the first reason; set before hivemind forks the averager's process, which owns it
-        self.banned_peers: dict[PeerID, str] = {}
+        # accused peers, until when and why; set before hivemind forks the averager's process, which owns it
+        self.banned_peers = AveragingBans()
         super().__init__(*args, **kwargs)
 
     @property
@@ -280,13 +322,14 @@ class RobustAveraging:
         return future.result()
 
     async def _banned_peers_for(self, future: MPFuture) -> None:
-        future.set_result({peer.to_base58(): why for peer, why in self.banned_peers.items()})
+        future.set_result({peer.to_base58(): why for peer, why in self.banned_peers.current().items()})
 
     def _accuse(self, peer_id: PeerID, why: str) -> None:
-        if peer_id == self.peer_id or peer_id in self.banned_peers:
+        if peer_id == self.peer_id:
             return
-        self.banned_peers[peer_id] = why
-        logger.warning("%s banned peer %s from averaging: %s", self.prefix, peer_id, why)
+        seconds = self.banned_peers.ban(peer_id, why)
+        if seconds is not None:
+            logger.warning("%s banned peer %s from averaging for %.0f s: %s", self.prefix, peer_id, seconds, why)
 
     async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs):
         """hivemind's step, with `runner_class`: build the runner, hand it to the group, add what it yields."""
@@ -300,7 +343,7 @@ class RobustAveraging:
             group_id=group_id,
             ordered_peer_ids=group_info.peer_ids,
             rule=self.robust_rule,
-            banned=set(self.banned_peers),
+            banned=set(self.banned_peers.current()),
             accuse=self._accuse,
             **kwargs,
         )

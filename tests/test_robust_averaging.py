@@ -13,8 +13,9 @@ from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AllReduceRunner
 from hivemind.averaging.partition import TensorPartReducer
 from hivemind.dht import DHT
+from hivemind.p2p import PeerID
 
-from peer.robust_averaging import RobustAveraging, pace_lookups
+from peer.robust_averaging import AveragingBans, RobustAveraging, pace_lookups
 from peer.stage_averagers import GradientWire
 
 pytestmark = pytest.mark.slow
@@ -213,3 +214,20 @@ def test_matchmaking_reads_the_dht_at_most_once_an_interval():
     gaps = [later - earlier for earlier, later in zip(calls, calls[1:], strict=False)]
     # asyncio may wake a timer up to its clock's resolution early: unpaced, the reads would be microseconds apart
     assert len(calls) == 5 and min(gaps) >= 0.04 and keys.reads == 5
+
+
+def test_an_averaging_ban_ends_and_a_peer_accused_again_is_banned_twice_as_long():
+    now = [0.0]
+    bans = AveragingBans(clock=lambda: now[0])
+    peer = PeerID.from_base58("QmXpdBTZgZQsoUFRuBsQCboSjE4n1Lo3dCpk437pGM8F7M")
+    assert bans.ban(peer, "as a sender: NaN") == AveragingBans.BAN_SECONDS
+    assert peer in bans and bans.current() == {peer: "as a sender: NaN"}
+    assert bans.ban(peer, "again") is None  # banned now: one ban, the first reason
+    now[0] = AveragingBans.BAN_SECONDS + 1
+    assert peer not in bans and bans.current() == {}
+    assert bans.ban(peer, "as a reducer") == 2 * AveragingBans.BAN_SECONDS
+    now[0] += 2 * AveragingBans.BAN_SECONDS - 2
+    assert peer in bans
+    for _ in range(10):
+        now[0] += AveragingBans.MAX_BAN_SECONDS + 1
+        assert bans.ban(peer, "again") <= AveragingBans.MAX_BAN_SECONDS

@@ -1,7 +1,7 @@
 """Does the robust rule accuse honest peers? Replicas' real gradients, cut as hivemind cuts them (issue 26).
 
-A stage's peers average their gradients part by part (hivemind's butterfly all-reduce; a part is
-`DEFAULT_PART_SIZE_BYTES` of the wire's bytes, 131,072 fp16 values); the reducer of each part runs
+A stage's peers average their gradients part by part (hivemind's butterfly all-reduce; a part is the bytes
+`GradientWire.FP16` sets, 131,072 fp16 values); the reducer of each part runs
 `swarm/robust.py` `robust_average`, which accuses a sender whose part lies far from the others. Here `--peers`
 honest replicas of the tiny preset's two stages (the same weights, each its own microbatch of real text, the
 backward of the whole pipeline in one process) give their gradients, each stage's flattened gradient is cut
@@ -20,16 +20,16 @@ from collections import Counter
 from pathlib import Path
 
 import torch
-from hivemind.averaging.partition import DEFAULT_PART_SIZE_BYTES
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from peer.stage_averagers import GradientWire  # noqa: E402
 from swarm.data import load_splits  # noqa: E402
 from swarm.model import PipelineStage, next_token_loss  # noqa: E402
 from swarm.presets import preset  # noqa: E402
 from swarm.robust import robust_average  # noqa: E402
 
-PART = DEFAULT_PART_SIZE_BYTES // 2 // 2  # values per part with fp16 on the wire (peer/stage_averagers.py)
+PART = GradientWire.FP16.averager_options()["part_size_bytes"] // 2  # fp16 values per part, as the peers cut them
 
 
 def part_contents(stage: PipelineStage) -> dict[int, list[str]]:
@@ -75,15 +75,14 @@ def main() -> None:
                                            pieces[0].shape)
                 contributions[index] += args.peers
                 accused[index][part] += len(aggregate.accused)
-    report = {
-        f"stage {index}": dict(
+    report = {}
+    for index, stage in enumerate(stages):
+        holds = part_contents(stage)
+        report[f"stage {index}"] = dict(
             contributions=contributions[index],
             accused=sum(accused[index].values()),
-            parts={part: dict(accused=n, holds=part_contents(stages[index])[part])
-                   for part, n in sorted(accused[index].items()) if n},
+            parts={part: dict(accused=n, holds=holds[part]) for part, n in sorted(accused[index].items()) if n},
         )
-        for index in range(len(stages))
-    }
     print(json.dumps(dict(rounds=args.rounds, peers=args.peers, data=args.data, values_per_part=PART, **report),
                      indent=1))
 

@@ -19,12 +19,12 @@ a huge claimed weight), and lets reducer j return anything for its part. Two rul
 - a part further than `accuse_factor` × tau from the result is accused (excluded from this peer's later
   rounds by the caller), but only where tau is the parts' own spread: where a floor set it, most parts agree
   exactly and a part apart from them may be honest. Measured: an embedding table's rows for tokens only one
-  replica saw are zero in every other replica's gradient; with four replicas of the tiny preset's stage 0 on
-  real text, the part holding the rare bytes' rows had two or three zero contributions in every round, tau fell
-  to its floor (1e-12) and an honest peer was accused in 7 of 20 contributions over 5 rounds (a lane swarm's
-  peers were banned from averaging 10 times in 6 minutes for it). Clipping still bounds such a part: it moves
-  the average by at most its weight's share of the floor, so an honest rare row is clipped away, not banned,
-  and a hostile part there changes nothing either.
+  replica saw are zero in every other replica's gradient. With four replicas of the tiny preset's stage 0 on
+  real text, the part holding the rare bytes' rows had two or three zero contributions where an honest peer was
+  accused: tau fell to its floor (1e-12), 21 accusations in 20 rounds (benchmarks/honest_accusations.py), and a
+  lane swarm's peers were banned from averaging 10 times in 6 minutes for it. Clipping still bounds such a part:
+  it moves the average by at most its weight's share of the floor, so an honest rare row is clipped away, not
+  banned, and a hostile part there changes nothing either.
 
 **Reduced parts** (what comes back from another reducer, `check_reduced`): the result must be finite and its
 change to this peer's own part no larger than what honest reducers produce. This peer reduced one part

@@ -6,7 +6,8 @@ sends to a verified peer also duplicated to the other (`--audit-rate 1`, `PROTOC
 comparison logged by the drivers at DEBUG (peer/next_hop.py). Every peer is honest, so each refusal (and the ban
 that follows it) is a false positive. It reports how many pairs, the gradient cosine (min, 1st percentile,
 median), the relative loss difference (max, 99th percentile, median), the ratio of the gradients' norms, and the
-refusals with the reason each gave. With `--context-parallel 2` every stage has 2 lanes of 2 peers each and
+refusals with the reason each gave, and every ban from a stage's averaging the peers logged (each one also of an
+honest peer). With `--context-parallel 2` every stage has 2 lanes of 2 peers each and
 every lane trip is forked for an audit (`peer/lane_claim.py`): the lane peers' comparisons, measured the same way.
 
     OMP_NUM_THREADS=1 python benchmarks/audit_pairs.py --steps 150 --runs 2 --json benchmarks/results/audit-pairs.json
@@ -34,14 +35,16 @@ from swarm.manifest import save_manifest  # noqa: E402
 from swarm.presets import preset  # noqa: E402
 
 LINE = re.compile(
-    r"audit of \S+ against \S+: loss rdiff (?P<loss>\S+), cosine (?P<cosine>\S+), norms (?P<na>\S+) (?P<nb>\S+), "
+    r"(?P<observer>\[[^\]]*\]|\S+) audit of (?P<shadow>\S+) against (?P<primary>\S+): "
+    r"loss rdiff (?P<loss>\S+), cosine (?P<cosine>\S+), norms (?P<na>\S+) (?P<nb>\S+), "
     r"(?:epochs apart (?P<lag>\S+), )?(?P<verdict>.*)$"
 )
 
 
 def parse(log_text: str) -> list[dict]:
-    """Every audit comparison a driver logged: its loss difference, cosine, norm ratio, how many epochs apart the
-    two replies' weights were (None in logs from before replies carried epochs) and the tolerances' verdict."""
+    """Every audit comparison a driver logged: who compared whom (the end of the peers' ids), its loss difference,
+    cosine, norm ratio (and the shadow's norm over the primary's, as a log), how many epochs apart the two replies'
+    weights were (None in logs from before replies carried epochs) and the tolerances' verdict."""
     pairs = []
     for line in log_text.splitlines():
         match = LINE.search(line)
@@ -53,11 +56,24 @@ def parse(log_text: str) -> list[dict]:
                 loss_rdiff=None if match["loss"] == "None" else float(match["loss"]),
                 cosine=None if match["cosine"] == "None" else float(match["cosine"]),
                 norm_ratio=max(na, nb) / min(na, nb) if min(na, nb) > 0 else math.inf,
+                log_norm_ratio=math.log(nb / na) if min(na, nb) > 0 else None,
+                observer=match["observer"], primary=match["primary"], shadow=match["shadow"],
                 lag=None if match["lag"] in (None, "None") else int(match["lag"]),
                 verdict=match["verdict"],
             )
         )
     return pairs
+
+
+AVERAGING_BAN = re.compile(
+    r"(?P<averager>\S+) banned peer \S+ from averaging for \S+ s: as an? (?P<role>\w+): (?P<why>.*)$")
+
+
+def averaging_bans(log_text: str) -> list[dict]:
+    """Every ban from a stage's averaging in the peers' logs (peer/robust_averaging.py): which averager (its
+    prefix: gradients or state), as a sender or a reducer, and why. Every peer is honest: each is a false one."""
+    return [dict(averager=m["averager"], role=m["role"], why=m["why"])
+            for m in map(AVERAGING_BAN.search, log_text.splitlines()) if m]
 
 
 def too_far(pair: dict) -> bool:
@@ -134,18 +150,20 @@ def main() -> None:
         run, logs, workdir = run_swarm(args.steps, args.timeout, args.context_parallel, args.target_batch_size)
         pairs = parse(logs)
         bans = sum("audit: replies of" in line for line in logs.splitlines())  # every peer is honest: false positives
-        if bans and args.keep_logs is not None:
+        averaging = averaging_bans(logs)
+        if (bans or averaging) and args.keep_logs is not None:
             kept = args.keep_logs / f"run{len(runs) + 1}"
             shutil.copytree(workdir, kept, ignore=shutil.ignore_patterns("checkpoints", "*.sqlite*"))
-            print(f"the logs of a run with {bans} bans are in {kept}", file=sys.stderr, flush=True)
+            print(f"the logs of a run with {bans} + {len(averaging)} bans are in {kept}", file=sys.stderr, flush=True)
         shutil.rmtree(workdir, ignore_errors=True)
         excused = sum("answered with weights" in line for line in logs.splitlines())
         runs.append(dict(target_batch_size=args.target_batch_size,
                          steps=run["steps"], loss_first=run.get("loss_first"), loss_last=run.get("loss_last"),
-                         honest_peers_banned=bans, lags_excused=excused, summary=summary(pairs), pairs=pairs))
+                         honest_peers_banned=bans, averaging_bans=averaging, lags_excused=excused,
+                         summary=summary(pairs), pairs=pairs))
         everything = [pair for r in runs for pair in r["pairs"]]
         result = dict(summary=summary(everything), honest_peers_banned=sum(r["honest_peers_banned"] for r in runs),
-                      runs=runs)
+                      honest_averaging_bans=sum(len(r.get("averaging_bans", ())) for r in runs), runs=runs)
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=1))
         print(json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=1), flush=True)

@@ -1,90 +1,193 @@
-"""Does the robust rule accuse honest peers? Replicas' real gradients, cut as hivemind cuts them (issue 26).
+"""Does the robust rule accuse honest peers? Replicas' real gradients, cut and reduced as hivemind does (issue 26).
 
-A stage's peers average their gradients part by part (hivemind's butterfly all-reduce; a part is the bytes
-`GradientWire.FP16` sets, 131,072 fp16 values); the reducer of each part runs
-`swarm/robust.py` `robust_average`, which accuses a sender whose part lies far from the others. Here `--peers`
-honest replicas of the tiny preset's two stages (the same weights, each its own microbatch of real text, the
-backward of the whole pipeline in one process) give their gradients, each stage's flattened gradient is cut
-into those parts, and every part is reduced as a peer would. Every accusation is a false positive; the report
-says how many contributions were accused, in which part, and which parameters that part holds.
+A stage's peers average their gradients part by part (hivemind's butterfly all-reduce: each tensor is cut into
+parts of the bytes `GradientWire.FP16` sets, 131,072 fp16 values; the leader shuffles the group's order and the
+parts go to the peers in that order, a run of them each). Each part's reducer runs `swarm/robust.py`
+`robust_average`, which accuses a sender whose part lies far from the others; each receiver checks what the other
+reducers return with `check_reduced`. Here `--peers` honest replicas of the tiny preset's two stages (the same
+weights, each its own microbatch of real text, the backward of the whole pipeline in one process) give their
+gradients for `--rounds` rounds; the replicas train on the robust average (AdamW at the preset's rate) so the
+rounds see a model that learns. Every accusation is a false positive. The reduced-part check is scored two ways:
+`region`, against the change this receiver's reduction made to its own parts this round (the rule until
+27 Nov 2026), and `part`, against the larger of that and the change it made to the same part when it last reduced
+it (`PartChanges`). The same rounds also score a hostile reducer (the last replica, on the parts it reduced
+honestly) returning noise of 10× the average's norm, or the negated average: how many the receivers refuse.
 
-    OMP_NUM_THREADS=1 python benchmarks/honest_accusations.py --rounds 20
+    OMP_NUM_THREADS=1 python benchmarks/honest_accusations.py --rounds 40
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
 import sys
 from collections import Counter
 from pathlib import Path
 
 import torch
+from hivemind.averaging.partition import TensorPartContainer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from peer.stage_averagers import GradientWire  # noqa: E402
 from swarm.data import load_splits  # noqa: E402
+from swarm.evidence import Evidence  # noqa: E402
 from swarm.model import PipelineStage, next_token_loss  # noqa: E402
 from swarm.presets import preset  # noqa: E402
-from swarm.robust import robust_average  # noqa: E402
+from swarm.robust import PartChanges, RobustRule, check_reduced, robust_average  # noqa: E402
 
-PART = GradientWire.FP16.averager_options()["part_size_bytes"] // 2  # fp16 values per part, as the peers cut them
+RULE = RobustRule()
+RULE_PART = GradientWire.FP16.averager_options()["part_size_bytes"] // 2  # fp16 values per part
+ATTACKS = ("reducer noise", "reducer sign", "sender ×10")
 
 
-def part_contents(stage: PipelineStage) -> dict[int, list[str]]:
-    """The parameters each part of the stage's flattened gradient holds (all of one, or pieces of several)."""
-    holds: dict[int, list[str]] = {}
-    offset = 0
-    for name, param in stage.named_parameters():
-        for part in range(offset // PART, (offset + param.numel() - 1) // PART + 1):
-            holds.setdefault(part, []).append(name)
-        offset += param.numel()
-    return holds
+def regions(tensors: list[torch.Tensor], peers: int) -> list[list[tuple[int, int]]]:
+    """The parts (tensor index, part index) each position of a group reduces, as hivemind assigns them."""
+    container = TensorPartContainer(tensors, [1.0] * peers, **GradientWire.FP16.averager_options())
+    return [[(info.key, info.part_index) for _, info in parts] for parts in container._input_parts_by_peer]
+
+
+def hostile(attack: str, average: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """What a hostile reducer returns instead of the `average` it reduced."""
+    if attack == "reducer noise":
+        noise = torch.randn(average.shape, generator=generator)
+        return average + noise * (10 * average.norm() / noise.norm())
+    return -average
+
+
+class Stage:
+    """One stage's replicas for the whole run: each round's parts, each rule's findings, and the accusations each
+    replica's `Evidence` makes, all honest and with the last replica hostile in each way of `ATTACKS`."""
+
+    def __init__(self, stage: PipelineStage, peers: int, lr: float):
+        self.params = list(stage.parameters())
+        self.names = [name for name, _ in stage.named_parameters()]
+        self.optimizer = torch.optim.AdamW(self.params, lr=lr)
+        self.peers = peers
+        self.memory = [PartChanges(RULE.reduced_memory) for _ in range(peers)]
+        self.judged = Counter()  # parts judged, by role
+        self.findings = {"sender": Counter(), "reducer region": Counter(), "reducer part": Counter()}
+        self.honest = [Evidence() for _ in range(peers)]  # each replica's, all replicas honest
+        self.accusations: list[dict] = []
+        self.attacked = {attack: [Evidence() for _ in range(peers)] for attack in ATTACKS}
+        self.attack_findings = Counter()
+        self.attack_judged = Counter()
+        self.caught: dict[str, dict[int, int]] = {attack: {} for attack in ATTACKS}  # observer -> round
+
+    def _judge(self, step: int, observer: int, suspect: int, role: str, honest, attacked: dict) -> None:
+        """One judged part of `suspect` by `observer`: `honest` its finding in the all-honest round, `attacked` what
+        it is under each attack (the honest finding where the attack does not touch this part)."""
+        why = self.honest[observer].judge(suspect, step, honest)
+        if why:
+            self.accusations.append(dict(round=step, observer=observer, suspect=suspect, role=role, why=why))
+        if suspect != self.peers - 1 or observer == suspect:
+            return
+        for attack, finding in attacked.items():
+            self.attack_judged[attack] += 1
+            self.attack_findings[attack] += finding is not None
+            if self.attacked[attack][observer].judge(suspect, step, finding) and observer not in self.caught[attack]:
+                self.caught[attack][observer] = step
+
+    def round(self, step: int, grads: list[list[torch.Tensor]], rng: random.Random, gen: torch.Generator) -> None:
+        order = list(range(self.peers))
+        rng.shuffle(order)  # position -> replica, as the leader shuffles the group
+        reducer_of = {key: order[position] for position, parts in enumerate(regions(grads[0], self.peers))
+                      for key in parts}
+        pieces = {key: [g[key[0]].reshape(-1).split(RULE_PART)[key[1]] for g in grads] for key in reducer_of}
+        averages = {}
+        hostile_part = self.peers - 1
+        for key, contributions in pieces.items():
+            weights, shape = [1.0] * self.peers, contributions[0].shape
+            aggregate = robust_average(contributions, weights, shape, RULE)
+            scaled = robust_average([*contributions[:-1], 10 * contributions[-1]], weights, shape, RULE)
+            averages[key] = aggregate.average
+            for sender, finding in aggregate.judged.items():
+                self.judged["sender"] += 1
+                self.findings["sender"][self.names[key[0]]] += finding is not None
+                attacked = {attack: finding for attack in ATTACKS}
+                if sender == hostile_part:
+                    attacked["sender ×10"] = scaled.judged.get(sender)
+                self._judge(step, reducer_of[key], sender, "sender", finding, attacked)
+        for receiver in range(self.peers):
+            own = [key for key, reducer in reducer_of.items() if reducer == receiver]
+            moved = sum(float((averages[k] - pieces[k][receiver]).norm()) ** 2 for k in own)
+            norm = sum(float(pieces[k][receiver].norm()) ** 2 for k in own)
+            honest = (moved / max(norm, 1e-30)) ** 0.5
+            memory = self.memory[receiver]
+            for key in own:
+                x = pieces[key][receiver]
+                memory.record(key, float((averages[key] - x).norm()) / max(float(x.norm()), 1e-30))
+            for key, reducer in reducer_of.items():
+                if reducer == receiver:
+                    continue
+                x = pieces[key][receiver]
+                self.judged["reducer"] += 1
+                region = check_reduced(x, averages[key] - x, honest, RULE)
+                self.findings["reducer region"][self.names[key[0]]] += region is not None
+                finding = check_reduced(x, averages[key] - x, honest, RULE, memory.reference(key))
+                self.findings["reducer part"][self.names[key[0]]] += finding is not None
+                attacked = {attack: finding for attack in ATTACKS}
+                if reducer == hostile_part:
+                    for attack in ("reducer noise", "reducer sign"):
+                        delta = hostile(attack, averages[key], gen) - x
+                        attacked[attack] = check_reduced(x, delta, honest, RULE, memory.reference(key))
+                self._judge(step, receiver, reducer, "reducer", finding, attacked)
+        for index, param in enumerate(self.params):
+            parts = sum(1 for key in averages if key[0] == index)
+            param.grad = torch.cat([averages[(index, part)] for part in range(parts)]).reshape(param.shape)
+        self.optimizer.step()
+
+    def report(self) -> dict:
+        return dict(
+            parts_judged=dict(self.judged),
+            findings={rule: sum(c.values()) for rule, c in self.findings.items()},
+            findings_by_tensor={rule: {name: n for name, n in c.items() if n} for rule, c in self.findings.items()},
+            honest_accusations=self.accusations,
+            attacks={attack: dict(parts_judged=self.attack_judged[attack], findings=self.attack_findings[attack],
+                                  accused_by={str(o): step for o, step in sorted(self.caught[attack].items())})
+                     for attack in ATTACKS},
+        )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=40)
     parser.add_argument("--peers", type=int, default=4)
     parser.add_argument("--data", default="builtin:stdlib")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     torch.manual_seed(args.seed)
+    rng, generator = random.Random(args.seed), torch.Generator().manual_seed(args.seed)
     manifest = preset("tiny", stages=2)
     train, _ = load_splits(manifest, args.data, seed=args.seed)
-    stages = [PipelineStage(manifest, index) for index in range(manifest.num_stages)]
-    accused: dict[int, Counter] = {index: Counter() for index in range(len(stages))}
-    contributions = {index: 0 for index in range(len(stages))}
-    for _ in range(args.rounds):
-        grads: dict[int, list[torch.Tensor]] = {index: [] for index in range(len(stages))}
+    modules = [PipelineStage(manifest, index) for index in range(manifest.num_stages)]
+    stages = [Stage(module, args.peers, manifest.optimizer.lr) for module in modules]
+    for step in range(args.rounds):
+        grads: list[list[list[torch.Tensor]]] = [[] for _ in modules]
+        losses = []
         for _peer in range(args.peers):
             tokens = train.batch(manifest.batch.microbatch_size)
             hidden = None
-            for stage in stages:
-                stage.zero_grad(set_to_none=True)
-                hidden, _ = stage.forward_with_residual(hidden, tokens)
-            next_token_loss(hidden, tokens).backward()
-            for index, stage in enumerate(stages):
-                grads[index].append(torch.cat([
-                    (p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in stage.parameters()]))
-        for index, flat in grads.items():
-            for part, start in enumerate(range(0, flat[0].numel(), PART)):
-                pieces = [g[start : start + PART] for g in flat]
-                aggregate = robust_average(pieces, [float(manifest.batch.microbatch_size)] * args.peers,
-                                           pieces[0].shape)
-                contributions[index] += args.peers
-                accused[index][part] += len(aggregate.accused)
-    report = {}
-    for index, stage in enumerate(stages):
-        holds = part_contents(stage)
-        report[f"stage {index}"] = dict(
-            contributions=contributions[index],
-            accused=sum(accused[index].values()),
-            parts={part: dict(accused=n, holds=holds[part]) for part, n in sorted(accused[index].items()) if n},
-        )
-    print(json.dumps(dict(rounds=args.rounds, peers=args.peers, data=args.data, values_per_part=PART, **report),
-                     indent=1))
+            for module in modules:
+                module.zero_grad(set_to_none=True)
+                hidden, _ = module.forward_with_residual(hidden, tokens)
+            loss = next_token_loss(hidden, tokens)
+            loss.backward()
+            losses.append(float(loss))
+            for index, module in enumerate(modules):
+                grads[index].append(
+                    [torch.zeros_like(p) if p.grad is None else p.grad.detach().clone() for p in module.parameters()])
+        for index, stage in enumerate(stages):
+            stage.round(step, grads[index], rng, generator)
+        print(f"round {step + 1}/{args.rounds}: loss {sum(losses) / len(losses):.3f}", file=sys.stderr, flush=True)
+    report = dict(rounds=args.rounds, peers=args.peers, data=args.data, seed=args.seed, values_per_part=RULE_PART,
+                  **{f"stage {index}": stage.report() for index, stage in enumerate(stages)})
+    text = json.dumps(report, indent=1, ensure_ascii=False)
+    print(text)
+    if args.json:
+        args.json.write_text(text + "\n")
 
 
 if __name__ == "__main__":

@@ -15,15 +15,16 @@ Peer 3 of stage 1 is hostile in one way per run:
   floor for an attacker the rule excludes.
 
 The rule is `robust` (swarm/robust.py, what the peers run: CenteredClip per part, reduced parts checked by
-each honest peer, an accused peer left out of every later group, so its share of the parts is reduced by the
-honest peers) or `mean` (hivemind's plain weighted mean, for
-contrast). An honest peer's view is applied (peer 0's: where it refuses a reduced part it keeps its own
+each honest peer, findings weighed into accusations by swarm/evidence.py, an accused peer left out of every
+later group, so its share of the parts is reduced by the honest peers) or `mean` (hivemind's plain weighted
+mean, for contrast). An honest peer's view is applied (peer 0's: where it refuses a reduced part it keeps its own
 gradient for that slice). What it does not model: the network (the wiring is tested on real hivemind
 averagers in tests/test_robust_averaging.py), state averaging (all peers hold the same weights here), and
 peers drifting apart where they kept their own slice.
 
 The number is the held-out loss after the same tokens, as a ratio to the all-honest robust run of the same
-seed, and the step at which the hostile peer was first accused. The held-out loss is the mean of `TAIL_EVALS`
+seed, the step at which peer 0 first accused the hostile peer, and how often it accused an honest one (counted,
+not acted on). The held-out loss is the mean of `TAIL_EVALS`
 evaluations over the last steps (`--tail-every` apart), so that one step's jitter does not decide a 5% bound.
 
     OMP_NUM_THREADS=1 python benchmarks/robust_stage.py --json benchmarks/results/robust-stage.json --jobs 2
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import multiprocessing
 import statistics
 import sys
@@ -47,10 +49,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from swarm.data import load_splits  # noqa: E402
+from swarm.evidence import Evidence  # noqa: E402
 from swarm.model import build_stages  # noqa: E402
 from swarm.optim import clip_grad_norm, lr_at, make_optimizer  # noqa: E402
 from swarm.presets import preset  # noqa: E402
-from swarm.robust import RobustRule, check_reduced, relative_change, robust_average  # noqa: E402
+from swarm.robust import Finding, RobustRule, check_reduced, relative_change, robust_average  # noqa: E402
 from swarm.simulate import evaluate, run_trip  # noqa: E402
 
 PEERS, HOSTILE = 4, 3
@@ -97,6 +100,8 @@ class Stage1Averaging:
         self.robust = RobustRule()
         self.banned = False
         self.accused_at: int | None = None
+        self.evidence = Evidence()  # peer 0's: when findings against a peer add up to an accusation
+        self.honest_accused = 0  # accusations of an honest peer by peer 0 (counted, not acted on)
         self.generator = torch.Generator().manual_seed(10_000 + seed)
 
     def average(self, grads: list[torch.Tensor], step: int) -> torch.Tensor:
@@ -118,8 +123,10 @@ class Stage1Averaging:
                 keep = [i for i in range(PEERS) if not ((self.banned or self.attack == "absent") and i == HOSTILE)]
                 aggregate = robust_average([parts[i] for i in keep], [weights[i] for i in keep], parts[0].shape)
                 part = own[bounds[j] : bounds[j + 1]] if aggregate is None else aggregate.average
-                if aggregate is not None and any(keep[n] == HOSTILE for n in aggregate.accused):
-                    self._accuse(step)
+                if aggregate is not None and j == 0:  # peer 0 judges the senders of the part it reduces
+                    refused = {n: Finding(why, math.inf) for n, why in aggregate.refused.items()}
+                    for n, finding in (refused | aggregate.judged).items():
+                        self._judge(keep[n], step, finding)
             # a banned peer is in no later group (`peer/robust_averaging.py` `ExcludingMatchmaking`): the honest
             # peers split its share of the parts among themselves, so every part is theirs to reduce
             if j == HOSTILE and self.attack in REDUCER_ATTACKS and not (self.rule == "robust" and self.banned):
@@ -134,14 +141,19 @@ class Stage1Averaging:
         honest_change = relative_change(own[bounds[0] : bounds[1]], reduced[0])
         for j in range(1, PEERS):
             mine = own[bounds[j] : bounds[j + 1]]
-            if check_reduced(mine, reduced[j] - mine, honest_change, self.robust):
+            finding = check_reduced(mine, reduced[j] - mine, honest_change, self.robust)
+            if finding is not None:
                 reduced[j] = mine
-                if j == HOSTILE:
-                    self._accuse(step)
+            if not (j == HOSTILE and self.banned):
+                self._judge(j, step, finding)
         return reduced
 
-    def _accuse(self, step: int) -> None:
-        if not self.banned:
+    def _judge(self, peer: int, step: int, finding: Finding | None) -> None:
+        if self.evidence.judge(peer, step, finding) is None:
+            return
+        if peer != HOSTILE:
+            self.honest_accused += 1
+        elif not self.banned:
             self.banned, self.accused_at = True, step
 
 
@@ -186,6 +198,8 @@ def run(point: dict) -> dict:
         "val_loss": tail[-1],
         "val_loss_tail": statistics.mean(tail),
         "accused_at": averaging.accused_at,
+        "honest_accused": averaging.honest_accused,
+        "accusation": ACCUSATION,
         "skipped_steps": skipped,
         "finite": all(torch.isfinite(p).all().item() for stage_params in params for p in stage_params),
         "seconds": time.perf_counter() - started,
@@ -193,17 +207,19 @@ def run(point: dict) -> dict:
 
 
 GROUPS = "excluded"  # how a banned peer is treated: left out of later groups; runs before this kept it in ("kept")
+ACCUSATION = "evidence"  # findings weighed by swarm/evidence.py; runs before this accused at the first ("at-once")
 
 
 def counts_now(run: dict) -> bool:
-    """Whether a run holds under the current `GROUPS`: it ran under them, or nobody was banned in it (the same
-    computation under either)."""
-    return run.get("groups", "kept") == GROUPS or run["accused_at"] is None
+    """Whether a run holds under the current `GROUPS` and `ACCUSATION`: it ran under them, or the hostile peer was
+    never accused in it (then it had no finding, and the computation is the same under either)."""
+    current = run.get("groups", "kept") == GROUPS and run.get("accusation", "at-once") == ACCUSATION
+    return current or run["accused_at"] is None
 
 
 def key(point: dict) -> tuple:
     return (point["rule"], point["attack"], point["seed"], point["steps"], point.get("tail_every", 0),
-            point.get("groups", "kept"))
+            point.get("groups", "kept"), point.get("accusation", "at-once"))
 
 
 def report(results: list[dict], steps: int, tail_every: int) -> str:
@@ -224,8 +240,8 @@ def report(results: list[dict], steps: int, tail_every: int) -> str:
     honest = {r["seed"]: loss(r) for r in of("robust", "none")}
     lines = [
         "| attack on peer 3 of 4 | rule | seeds | held-out loss / all-honest robust, mean [min, max] "
-        "| accused at step | weights finite |",
-        "|---|---|---|---|---|---|",
+        "| accused at step | honest peers accused | weights finite |",
+        "|---|---|---|---|---|---|---|",
     ]
     for attack in ATTACKS:
         for rule in ("robust", "mean"):
@@ -236,7 +252,10 @@ def report(results: list[dict], steps: int, tail_every: int) -> str:
             accused = sorted({r["accused_at"] for r in rows}, key=lambda a: (a is None, a))
             spread = f"×{statistics.mean(ratios):.3f} [{min(ratios):.3f}, {max(ratios):.3f}]"
             when = ", ".join("never" if a is None else str(a) for a in accused)
-            lines.append(f"| {attack} | {rule} | {len(rows)} | {spread} | {when} | {all(r['finite'] for r in rows)} |")
+            counted = rule == "robust" and all("honest_accused" in r for r in rows)  # older runs did not count
+            falsely = sum(r["honest_accused"] for r in rows) if counted else "—"
+            finite = all(r["finite"] for r in rows)
+            lines.append(f"| {attack} | {rule} | {len(rows)} | {spread} | {when} | {falsely} | {finite} |")
     return "\n".join(lines)
 
 
@@ -253,10 +272,10 @@ def main() -> None:
     parser.add_argument("--report-only", action="store_true")
     args = parser.parse_args()
     results = json.loads(args.json.read_text()) if args.json.exists() else []
-    done = {key({**r, "groups": GROUPS}) for r in results if counts_now(r)}
+    done = {key({**r, "groups": GROUPS, "accusation": ACCUSATION}) for r in results if counts_now(r)}
     points = [
         {"rule": rule, "attack": attack, "seed": seed, "steps": args.steps, "tail_every": args.tail_every,
-         "groups": GROUPS}
+         "groups": GROUPS, "accusation": ACCUSATION}
         for seed in args.seeds
         for attack in args.attacks
         for rule in args.rules

@@ -6,37 +6,35 @@ averager builds in `_run_allreduce_inplace_`. Here:
 
 - `RobustPartReducer` collects the parts of the current part index (the running sum becomes a list, through
   the `add_` hivemind calls on its accumulator) and, once every sender is in, returns `robust_average` instead
-  of the mean; senders it accuses are reported and their later parts of the round ignored;
+  of the mean; each sender's part is judged, and an accused sender's later parts of the round are ignored;
 - `CheckedPartContainer` holds the parts other reducers return until this peer's own reduction is done (that
-  gives the honest relative change), then applies `check_reduced` to each: a refused part is replaced by zeros
-  (this peer keeps its own values for that slice, as hivemind does for a reducer that fails) and the reducer is
-  accused;
-- `RobustAveraging`, mixed into an averager, runs `RobustAllReduceRunner` and bans the accused peers
-  (`AveragingBans`): their contributions and reduced parts are ignored in every round until the ban ends;
+  gives the honest relative change), then applies `check_reduced` to each, with the change this peer's own
+  reductions made to that same part in earlier rounds (`PartChanges`) as a second reference: a refused part is
+  replaced by zeros (this peer keeps its own values for that slice, as hivemind does for a reducer that fails),
+  and an accused reducer's every later part of the round too;
+- `RobustAveraging`, mixed into an averager, weighs every judged part with `swarm/evidence.py` (`Evidence`:
+  one part past its bound accuses nobody unless flagrant, findings on a share of a peer's parts over its
+  recent rounds do) and bans the accused peers (`AveragingBans`): their contributions and reduced parts are
+  ignored in every round until the ban ends;
 - `ExcludingMatchmaking` keeps them out of later groups: as a leader this peer refuses their requests to join,
   as a follower it does not ask them to lead. Inside a group a banned reducer's share of the parts would
   stay each peer's own values (unaveraged, every round); out of it, the honest peers split that share among
   themselves (measured in benchmarks/robust_stage.py: a banned reducer of four cost up to ×1.09 in loss
   before).
 
-The averager runs in its own process (hivemind's), so the ban list lives there; every accusation is one log
-line with the peer and the reason. A group led by an honest peer that has not banned a peer (yet) may still
-hold it; the runner then ignores it for whoever banned it.
-
-A ban ends (`AveragingBans`: `BAN_SECONDS`, doubling with each accusation of the same peer up to `MAX_BAN_SECONDS`)
-because the checks also accuse honest peers. Measured on real peers (benchmarks/audit_pairs.py
-`--context-parallel 2`, RESULTS): in each of two 6-minute runs of an all-honest swarm of 8 peers, 4 to a stage,
-averaging banned honest peers 13 and 15 times; in the second, after `swarm/robust.py` stopped accusing senders
-where most parts are exact zeros, 12 of the 13 were reducers (a reduced part that moved this peer's part, of
-another region of the model, more than 8 times as far as the honest change of its own). Banned for the averager's
-life, as they were, each such ban split a stage's replicas for good. A hostile peer is accused again in the first
-round it spoils after its ban, and then banned twice as long.
+The averager runs in its own process (hivemind's), so the bans, the part changes and the evidence live there;
+every accusation is one log line with the peer and the reason. A group led by an honest peer that has not
+banned a peer (yet) may still hold it; the runner then ignores it for whoever banned it. A ban ends
+(`AveragingBans`: `BAN_SECONDS`, doubling with each accusation of the same peer up to `MAX_BAN_SECONDS`), so
+that an honest peer accused by chance rejoins its stage's averaging; a hostile one is accused again once it
+spoils enough parts, and banned twice as long.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 
@@ -51,11 +49,13 @@ from hivemind.utils.asyncio import as_aiter, azip
 from hivemind.utils.mpfuture import MPFuture
 from hivemind.utils.timed_storage import get_dht_time
 
-from swarm.robust import RobustRule, check_reduced, robust_average
+from swarm.evidence import Evidence
+from swarm.robust import Finding, PartChanges, RobustRule, check_reduced, robust_average
 
 logger = logging.getLogger(__name__)
 
 Accuse = Callable[[PeerID, str], None]
+Judge = Callable[[int, Finding | None], bool]  # one judged part of the peer at this index; True: it is accused
 
 
 class _PartCollector:
@@ -78,10 +78,10 @@ class RobustPartReducer(TensorPartReducer):
         part_shapes: Sequence[torch.Size],
         num_senders: int,
         rule: RobustRule,
-        accuse: Callable[[int, str], None],
+        judge: Judge,
         ignored: set[int],
     ):
-        self.rule, self.accuse, self.ignored = rule, accuse, ignored
+        self.rule, self.judge, self.ignored = rule, judge, ignored
         self._sender_of: dict[int, int] = {}  # id(part) -> sender index, for the part being collected
         self._collected_senders: list[int] = []
         super().__init__(part_shapes, num_senders)
@@ -117,9 +117,10 @@ class RobustPartReducer(TensorPartReducer):
         if aggregate is None:
             future.set_exception(AllreduceException("no usable contribution to this part"))
         else:
-            for n, why in aggregate.accused.items():
-                self.ignored.add(senders[keep[n]])
-                self.accuse(senders[keep[n]], why)
+            findings = {n: Finding(why, math.inf) for n, why in aggregate.refused.items()} | aggregate.judged
+            for n, finding in findings.items():
+                if self.judge(senders[keep[n]], finding):
+                    self.ignored.add(senders[keep[n]])
             future.set_result(aggregate.average)
         self.reset_accumulators()
 
@@ -127,11 +128,18 @@ class RobustPartReducer(TensorPartReducer):
 class CheckedPartContainer(TensorPartContainer):
     """Checks the parts other reducers return against this peer's own reduction (module docstring)."""
 
-    def adopt(self, own_index: int, rule: RobustRule, accuse: Callable[[int, str], None], banned: set[int]):
+    def adopt(
+        self,
+        own_index: int,
+        rule: RobustRule,
+        judge: Judge,
+        banned: set[int],
+        changes: PartChanges,
+    ):
         """Turn hivemind's container into this one after `AllReduceRunner.__init__` built it (it builds it inline,
         with no hook for another class)."""
         self.__class__ = CheckedPartContainer
-        self.own_index, self.rule, self.accuse = own_index, rule, accuse
+        self.own_index, self.rule, self.judge, self.changes = own_index, rule, judge, changes
         self.refused: set[int] = set()
         self._pending: list[tuple[int, int, torch.Tensor]] = []
         self._own_change_sq, self._own_norm_sq, self._own_done = 0.0, 0.0, 0
@@ -144,12 +152,20 @@ class CheckedPartContainer(TensorPartContainer):
     def _own_input(self, peer_index: int, part_index: int) -> torch.Tensor:
         return self._input_parts_by_peer[peer_index][part_index][0]
 
+    def _part_key(self, peer_index: int, part_index: int) -> tuple:
+        """The same slice in every round: its tensor's key and its index in that tensor."""
+        info = self._input_parts_by_peer[peer_index][part_index][1]
+        return info.key, info.part_index
+
     def register_processed_part(self, peer_index: int, part_index: int, part: torch.Tensor):
         if peer_index in self.refused:
             return
         if peer_index == self.own_index:
-            self._own_change_sq += float(part.float().norm()) ** 2
-            self._own_norm_sq += float(self._own_input(peer_index, part_index).float().norm()) ** 2
+            change_sq = float(part.float().norm()) ** 2
+            norm_sq = float(self._own_input(peer_index, part_index).float().norm()) ** 2
+            self.changes.record(self._part_key(peer_index, part_index), (change_sq / max(norm_sq, 1e-30)) ** 0.5)
+            self._own_change_sq += change_sq
+            self._own_norm_sq += norm_sq
             self._own_done += 1
             super().register_processed_part(peer_index, part_index, part)
             if self._own_done == self.num_parts_by_peer[self.own_index]:
@@ -161,21 +177,24 @@ class CheckedPartContainer(TensorPartContainer):
         if self.honest_change is None and not self.reduces_nothing:
             self._pending.append((peer_index, part_index, part))
             return
-        why = self._check(self._own_input(peer_index, part_index), part)
-        if why:
+        own = self._own_input(peer_index, part_index)
+        finding = self._check(own, part, self._part_key(peer_index, part_index))
+        if self.judge(peer_index, finding):
             self.register_failed_reducer(peer_index)
-            self.accuse(peer_index, why)
+        elif finding is not None:  # refused: this peer keeps its own values for that slice
+            super().register_processed_part(peer_index, part_index, torch.zeros_like(own))
+            self.failed_size += own.numel()
         else:
             super().register_processed_part(peer_index, part_index, part)
 
-    def _check(self, own: torch.Tensor, delta: torch.Tensor) -> str | None:
+    def _check(self, own: torch.Tensor, delta: torch.Tensor, key: tuple) -> Finding | None:
         # no honest change to compare with, or (a group of two) nothing that can judge the other: shape and
         # finiteness only
         if self.reduces_nothing or len(self.num_parts_by_peer) <= 2:
             if delta.shape != own.shape or not torch.isfinite(delta).all():
-                return "a reduced part of the wrong shape or with NaN or inf"
+                return Finding("a reduced part of the wrong shape or with NaN or inf", math.inf)
             return None
-        return check_reduced(own, delta, self.honest_change, self.rule)
+        return check_reduced(own, delta, self.honest_change, self.rule, self.changes.reference(key))
 
     def register_failed_reducer(self, peer_index: int):
         """This peer keeps its own values for every part of `peer_index` not yet applied (hivemind does the same
@@ -191,29 +210,46 @@ class CheckedPartContainer(TensorPartContainer):
 class RobustAllReduceRunner(AllReduceRunner):
     """hivemind's all-reduce with the robust reducer and the checked container; `banned` peers change nothing."""
 
-    def __init__(self, *args, rule: RobustRule, banned: set[PeerID], accuse: Accuse, **kwargs):
+    def __init__(
+        self,
+        *args,
+        rule: RobustRule,
+        banned: set[PeerID],
+        accuse: Accuse,
+        changes: PartChanges,
+        evidence: Evidence,
+        **kwargs,
+    ):
         super().__init__(*args, **kwargs)
-        self.rule, self._accuse = rule, accuse
+        self.rule, self._accuse, self._evidence = rule, accuse, evidence
         ignored = {i for i, peer in enumerate(self.sender_peer_ids) if peer in banned}
         hivemind_reducer = self.tensor_part_reducer
         hivemind_reducer.finished.set()  # never used: quiet its "received 0%" warning when it is collected
         self.tensor_part_reducer = RobustPartReducer(
-            hivemind_reducer.part_shapes, hivemind_reducer.num_senders, rule, self._accuse_sender, ignored
+            hivemind_reducer.part_shapes, hivemind_reducer.num_senders, rule, self._judge_sender, ignored
         )
         banned_reducers = {i for i, peer in enumerate(self.ordered_peer_ids) if peer in banned and peer != self.peer_id}
         CheckedPartContainer.adopt(
             self.tensor_part_container,
             self.ordered_peer_ids.index(self.peer_id),
             rule,
-            self._accuse_reducer,
+            self._judge_reducer,
             banned_reducers,
+            changes,
         )
 
-    def _accuse_sender(self, sender_index: int, why: str) -> None:
-        self._accuse(self.sender_peer_ids[sender_index], f"as a sender: {why}")
+    def _judge(self, peer_id: PeerID, role: str, finding: Finding | None) -> bool:
+        """Weigh one judged part of `peer_id` (`swarm/evidence.py`); True if it now stands accused."""
+        why = self._evidence.judge(peer_id, self.group_id, finding)
+        if why is not None:
+            self._accuse(peer_id, f"as a {role}: {why}")
+        return why is not None
 
-    def _accuse_reducer(self, peer_index: int, why: str) -> None:
-        self._accuse(self.ordered_peer_ids[peer_index], f"as a reducer: {why}")
+    def _judge_sender(self, sender_index: int, finding: Finding | None) -> bool:
+        return self._judge(self.sender_peer_ids[sender_index], "sender", finding)
+
+    def _judge_reducer(self, peer_index: int, finding: Finding | None) -> bool:
+        return self._judge(self.ordered_peer_ids[peer_index], "reducer", finding)
 
 
 class ExcludingMatchmaking(Matchmaking):
@@ -299,8 +335,11 @@ class RobustAveraging:
     LOOKUP_INTERVAL = 0.2  # seconds between two DHT reads of a matchmaking (`pace_lookups`)
 
     def __init__(self, *args, **kwargs):
-        # accused peers, until when and why; set before hivemind forks the averager's process, which owns it
+        # accused peers, until when and why, and the honest change of each part this peer reduced; set before
+        # hivemind forks the averager's process, which owns them
         self.banned_peers = AveragingBans()
+        self.part_changes = PartChanges(self.robust_rule.reduced_memory)
+        self.evidence = Evidence()
         super().__init__(*args, **kwargs)
 
     @property
@@ -345,6 +384,8 @@ class RobustAveraging:
             rule=self.robust_rule,
             banned=set(self.banned_peers.current()),
             accuse=self._accuse,
+            changes=self.part_changes,
+            evidence=self.evidence,
             **kwargs,
         )
         self._running_groups[group_id].set_result(runner)

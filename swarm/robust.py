@@ -1,52 +1,58 @@
 """Averaging that one hostile peer of a stage cannot stop or bend: the math, as pure functions.
 
-The peers of a stage average their gradients and their state with hivemind's butterfly all-reduce: the
-tensors are cut into one part per peer, every peer sends part j to peer j, peer j reduces what it received
-and sends the result back. A plain weighted mean lets one sender move part j anywhere (a huge or NaN part, or
-a huge claimed weight), and lets reducer j return anything for its part. Two rules bound both:
+The peers of a stage average their gradients and their state with hivemind's butterfly all-reduce: each tensor
+is cut into parts, each peer reduces a run of parts for everyone (every peer sends its part j to j's reducer,
+which reduces what it received and sends the result back). A plain weighted mean lets one sender move a part
+anywhere (a huge or NaN part, or a huge claimed weight), and lets a reducer return anything for its parts. Two
+rules bound both:
 
 **Contributions** (what a reducer does with the parts it receives, `robust_average`):
 - a part that is not finite, of the wrong shape, or sent with a weight that is not a finite non-negative
-  number is refused and its sender accused; weights are capped at the median weight of the part's senders
-  (`weight_cap`), so no one buys the average with a claimed batch size (an honest peer that did accumulate
-  more samples then counts like the median one: the average stays unbiased, only a little noisier);
+  number is refused; weights are capped at the median weight of the part's senders (`weight_cap`), so no one
+  buys the average with a claimed batch size (an honest peer that did accumulate more samples then counts like
+  the median one: the average stays unbiased, only a little noisier);
 - the rest are combined by CenteredClip (Karimireddy, He and Jaggi, 2021; the rule BTARD builds on): start
   at the coordinate-wise median, then repeatedly move by the weighted mean of every part's difference to the
   current centre, each difference clipped to norm `tau`. `tau` is twice the median distance of the parts to
   that median (an honest majority sets it; honest parts of one scale are then not clipped, so with no hostile
   part the result is their weighted mean), floored at `tau_floor` of the median's norm so that honest parts that
   agree almost exactly (parameters right after an averaging round) do not make every other part an outlier;
-- a part further than `accuse_factor` × tau from the result is accused (excluded from this peer's later
-  rounds by the caller), but only where tau is the parts' own spread: where a floor set it, most parts agree
-  exactly and a part apart from them may be honest. Measured: an embedding table's rows for tokens only one
-  replica saw are zero in every other replica's gradient. With four replicas of the tiny preset's stage 0 on
-  real text, the part holding the rare bytes' rows had two or three zero contributions where an honest peer was
-  accused: tau fell to its floor (1e-12), 21 accusations in 20 rounds (benchmarks/honest_accusations.py), and a
-  lane swarm's peers were banned from averaging 10 times in 6 minutes for it. Clipping still bounds such a part:
-  it moves the average by at most its weight's share of the floor, so an honest rare row is clipped away, not
-  banned, and a hostile part there changes nothing either.
+- a part further than `accuse_factor` × tau from the result is a `Finding` against its sender, but only where
+  tau is the parts' own spread: where a floor set it, most parts agree exactly and a part apart from them may be
+  honest (an embedding table's rows for bytes only one replica saw are zero in every other replica's gradient;
+  clipping still bounds such a part, to its weight's share of the floor).
 
 **Reduced parts** (what comes back from another reducer, `check_reduced`): the result must be finite and its
-change to this peer's own part no larger than what honest reducers produce. This peer reduced one part
-itself, so it knows how far the honest average moved its own part, relative to that part's norm; a part
-from another reducer that moves this peer's part more than `reduced_factor` times as far (relative) and more
-than `reduced_floor` of its norm is refused (this peer keeps its own part for that slice) and the reducer is
-accused.
+change to this peer's own part no larger than what honest reducers produce. This peer reduced parts itself, so
+it knows how far the honest average moved its own parts, relative to their norm; a part from another reducer
+that moves this peer's part more than `reduced_factor` times as far and more than `reduced_floor` of its norm is
+refused (this peer keeps its own values for that slice) and is a `Finding` against the reducer. Regions of a
+model differ (an embedding's rows this peer saw few of, attention's query weights early in training), so a part
+is judged against the larger of that change and the one this peer's own reductions made to that same part in
+its recent rounds (`PartChanges`). A reducer that returns the negated average stays inside that bound wherever
+honest averages move a part about as far as its own norm (gradients of other microbatches later in training):
+checking the direction instead (an average pointing away from this peer's part) was tried and dropped, as
+honest parts did so too (3 to 6 % of reduced parts, benchmarks/honest_accusations.py, 27 Nov 2026).
+
+A refusal is something no honest peer sends; a finding is a part past a statistical bound, which honest peers
+also reach now and then (benchmarks/honest_accusations.py), so `swarm/evidence.py` decides when findings add
+up to an accusation.
 
 Guarantee, for a group of N senders of which f are hostile and f < N/2, each round: a hostile contribution
 moves the average by at most about f·w·tau/W (w its capped weight, W the total), that is, no more than an
-honest part a clip radius away; a NaN, inf or wrong-shaped contribution, or an absurd weight, changes
-nothing; a hostile reducer moves no honest peer's tensors by more than `reduced_factor` × the honest relative
-change of that peer's own part. Limits: with N = 2 there is no majority (the median of two is their mean); a
-hostile reducer can still bend its own part within that bound each round it is not yet accused; a
-contribution inside the clip radius (a plausible but wrong gradient) is averaged in with its weight.
+honest part a clip radius away; a NaN, inf or wrong-shaped contribution, or an absurd weight, changes nothing;
+a hostile reducer moves no honest peer's tensors by more than `reduced_factor` × that peer's honest reference
+for the part. Limits: with N = 2 there is no majority (the median of two is their mean); a hostile reducer can
+bend its parts within that bound; a contribution inside the clip
+radius (a plausible but wrong gradient) is averaged in with its weight.
 """
 
 from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -63,15 +69,26 @@ class RobustRule:
     accuse_factor: float = 8.0  # a part further than this many clip radii from the result is accused
     reduced_factor: float = 8.0  # a reduced part may move this peer's part this many times the honest change
     reduced_floor: float = 1e-2  # ...and always by this share of its norm (honest parts that already agree)
+    reduced_memory: int = 8  # a part's own reference is the largest change of this peer's last reductions of it
+
+
+@dataclass(frozen=True)
+class Finding:
+    """A part past a statistical bound: why, and how many times past it (∞ for what no honest peer sends)."""
+
+    why: str
+    excess: float
 
 
 @dataclass
 class Aggregate:
-    """The robust average of one part, its clip radius, and the senders (by index) refused or accused, with why."""
+    """The robust average of one part, its clip radius, the senders (by index) refused with why, and each sender
+    the radius judged: its `Finding` if it lay too far, else None."""
 
     average: torch.Tensor
     tau: float
-    accused: dict[int, str] = field(default_factory=dict)
+    refused: dict[int, str] = field(default_factory=dict)
+    judged: dict[int, Finding | None] = field(default_factory=dict)
 
 
 def refusal(part: torch.Tensor, weight: float, shape: torch.Size) -> str | None:
@@ -117,11 +134,11 @@ def robust_average(
 ) -> Aggregate | None:
     """The part as a reducer returns it to every sender: refused contributions out, weights capped, CenteredClip
     of the rest, as float32 of `shape`. None when no contribution is usable."""
-    accused, usable = {}, []
+    refused, usable = {}, []
     for index, (part, weight) in enumerate(zip(parts, weights, strict=True)):
         reason = refusal(part, weight, shape)
         if reason:
-            accused[index] = reason
+            refused[index] = reason
         else:
             usable.append(index)
     capped = capped_weights([float(weights[i]) for i in usable], rule.weight_cap)
@@ -131,10 +148,13 @@ def robust_average(
     stacked = torch.stack([parts[i].detach().reshape(-1).float() for i, _ in kept])
     centre, tau, spread = centered_clip(stacked, torch.tensor([w for _, w in kept], dtype=torch.float32), rule)
     distances = (stacked - centre).norm(dim=1)
+    judged: dict[int, Finding | None] = {}
     for row, (index, _) in enumerate(kept if spread else ()):  # a floor's radius judges nobody (module docstring)
-        if distances[row] > rule.accuse_factor * tau:
-            accused[index] = f"a part {float(distances[row]) / tau:.1f} clip radii from the robust average"
-    return Aggregate(average=centre.reshape(shape), tau=tau, accused=accused)
+        radii = float(distances[row]) / tau
+        far = radii > rule.accuse_factor
+        why = f"a part {radii:.1f} clip radii from the robust average"
+        judged[index] = Finding(why, radii / rule.accuse_factor) if far else None
+    return Aggregate(average=centre.reshape(shape), tau=tau, refused=refused, judged=judged)
 
 
 def relative_change(before: torch.Tensor, after: torch.Tensor) -> float:
@@ -146,15 +166,40 @@ def relative_change(before: torch.Tensor, after: torch.Tensor) -> float:
     return change / norm if norm > 0 else change
 
 
-def check_reduced(own_part: torch.Tensor, delta: torch.Tensor, honest_change: float, rule: RobustRule) -> str | None:
+class PartChanges:
+    """The relative change this peer's own reductions made to each part (keyed by tensor and part index), over its
+    last `memory` reductions of that part: the honest change of *that* slice, which `check_reduced` compares a
+    reduced part from another peer with. hivemind's leader shuffles the group's order every round, so the peers
+    take turns at each part and a peer soon holds a reference for most of them."""
+
+    def __init__(self, memory: int):
+        self.memory = memory
+        self._changes: dict[Hashable, deque[float]] = {}
+
+    def record(self, key: Hashable, change: float) -> None:
+        if math.isfinite(change):
+            self._changes.setdefault(key, deque(maxlen=self.memory)).append(change)
+
+    def reference(self, key: Hashable) -> float | None:
+        """The largest remembered change of the part, or None if this peer never reduced it."""
+        changes = self._changes.get(key)
+        return max(changes) if changes else None
+
+
+def check_reduced(
+    own_part: torch.Tensor, delta: torch.Tensor, honest_change: float, rule: RobustRule, reference: float | None = None
+) -> Finding | None:
     """Why a reduced part from another peer is refused (None if it is used). `delta` is what it says to add to
-    `own_part`; `honest_change` the relative change this peer's own reduction made to the part it reduced."""
+    `own_part`; `honest_change` the relative change this peer's own reduction made to the part it reduced this round,
+    `reference` the largest it made to this very part in earlier rounds (`PartChanges`), if it ever reduced it.
+    The bound is `reduced_factor` times the larger of the two."""
     if delta.shape != own_part.shape:
-        return f"a reduced part of shape {tuple(delta.shape)}, expected {tuple(own_part.shape)}"
+        return Finding(f"a reduced part of shape {tuple(delta.shape)}, expected {tuple(own_part.shape)}", math.inf)
     if not torch.isfinite(delta).all():
-        return "a reduced part with NaN or inf"
+        return Finding("a reduced part with NaN or inf", math.inf)
     change = relative_change(own_part, own_part + delta)
-    bound = max(rule.reduced_factor * honest_change, rule.reduced_floor)
+    bound = max(rule.reduced_factor * max(honest_change, reference or 0.0), rule.reduced_floor)
     if change > bound:
-        return f"a reduced part that moves this peer's part by {change:.3g} of its norm (bound {bound:.3g})"
+        return Finding(f"a reduced part that moves this peer's part by {change:.3g} of its norm (bound {bound:.3g})",
+                       change / bound)
     return None

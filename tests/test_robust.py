@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from swarm.robust import RobustRule, capped_weights, check_reduced, refusal, robust_average
+from swarm.robust import PartChanges, RobustRule, capped_weights, check_reduced, refusal, robust_average
 
 SHAPE = torch.Size([5000])
 
@@ -24,7 +24,8 @@ def test_honest_parts_average_to_their_weighted_mean_and_nobody_is_accused():
     capped = capped_weights(weights, RobustRule().weight_cap)  # the median weight (1.0) caps 2.0 and 3.0
     expected = sum(w * p for w, p in zip(capped, parts, strict=True)) / sum(capped)
     assert torch.allclose(aggregate.average, expected, atol=1e-5)
-    assert aggregate.accused == {}
+    assert aggregate.refused == {}
+    assert aggregate.judged == dict.fromkeys(range(5))  # every part judged, none past the bound
 
 
 @pytest.mark.parametrize(
@@ -40,7 +41,8 @@ def test_honest_parts_average_to_their_weighted_mean_and_nobody_is_accused():
 def test_unusable_contributions_are_refused_and_change_nothing(bad, weight, why):
     parts = honest(3)
     aggregate = robust_average([*parts, bad], [1.0, 1.0, 1.0, weight], SHAPE)
-    assert why in aggregate.accused[3]
+    assert why in aggregate.refused[3]
+    assert 3 not in aggregate.judged
     assert torch.allclose(aggregate.average, torch.stack(parts).mean(0), atol=1e-5)
 
 
@@ -52,7 +54,8 @@ def test_one_hostile_part_of_four_moves_the_average_by_at_most_about_a_clip_radi
     weight = 1e9 if attack == "huge weight" else 1.0
     aggregate = robust_average([*parts, hostile[attack]], [1.0, 1.0, 1.0, weight], SHAPE)
     assert float((aggregate.average - mean).norm()) <= aggregate.tau
-    assert "clip radii" in aggregate.accused[3]
+    assert "clip radii" in aggregate.judged[3].why and aggregate.judged[3].excess > 1
+    assert [aggregate.judged[i] for i in range(3)] == [None] * 3
     plain = (sum(parts) + weight * hostile[attack]) / (3 + weight)
     assert float((plain - mean).norm()) > 10 * aggregate.tau  # what a plain mean would have let through
 
@@ -65,10 +68,10 @@ def test_parts_most_peers_send_as_zeros_accuse_nobody_and_stay_clipped():
     rare[:40] = 1e-3 * torch.randn(40)
     for odd in (rare, 1e6 * torch.ones(SHAPE)):
         aggregate = robust_average([*zeros, odd], [1.0] * 4, SHAPE)
-        assert aggregate.accused == {}
+        assert aggregate.refused == {} and aggregate.judged == {}
         assert float(aggregate.average.norm()) <= aggregate.tau <= 1e-9
     two = robust_average([zeros[0], zeros[1], rare, 0.5 * rare], [1.0] * 4, SHAPE)  # two saw it, two did not
-    assert two.accused == {}
+    assert two.refused == {} and not any(two.judged.values())
 
 
 def test_no_usable_contribution_gives_no_average():
@@ -86,8 +89,28 @@ def test_a_reduced_part_is_checked_against_the_honest_change():
     own = torch.ones(SHAPE)
     honest_change = 0.05
     assert check_reduced(own, 0.04 * torch.ones(SHAPE), honest_change, rule) is None
-    assert "moves this peer's part" in check_reduced(own, 1000 * torch.ones(SHAPE), honest_change, rule)
-    assert "NaN" in check_reduced(own, torch.full(SHAPE, float("nan")), honest_change, rule)
-    assert "shape" in check_reduced(own, torch.zeros(3), honest_change, rule)
+    assert "moves this peer's part" in check_reduced(own, 1000 * torch.ones(SHAPE), honest_change, rule).why
+    assert "NaN" in check_reduced(own, torch.full(SHAPE, float("nan")), honest_change, rule).why
+    assert "shape" in check_reduced(own, torch.zeros(3), honest_change, rule).why
     # parts that already agree (parameters after a round): the floor keeps the bound from reaching zero
     assert check_reduced(own, 0.005 * torch.ones(SHAPE), 0.0, rule) is None
+
+
+def test_a_part_is_judged_by_its_own_honest_change_when_this_peer_reduced_it_before():
+    """A slice that honest averages move far (this peer saw few of an embedding's rows that others saw) passes
+    once this peer has measured such a change there itself; other parts keep this round's reference."""
+    rule = RobustRule(reduced_memory=2)
+    changes = PartChanges(rule.reduced_memory)
+    own, far = torch.ones(SHAPE), 3.0 * torch.ones(SHAPE)  # moves the part by 3 of its norm
+    assert changes.reference(("table", 0)) is None
+    assert "moves this peer's part" in check_reduced(own, far, 0.05, rule, changes.reference(("table", 0))).why
+    changes.record(("table", 0), 2.5)
+    changes.record(("table", 0), float("nan"))  # never remembered
+    assert changes.reference(("table", 0)) == 2.5
+    assert check_reduced(own, far, 0.05, rule, changes.reference(("table", 0))) is None
+    assert "moves this peer's part" in check_reduced(own, 1000 * torch.ones(SHAPE), 0.05, rule, 2.5).why
+    assert "moves this peer's part" in check_reduced(own, far, 0.05, rule, changes.reference(("mlp", 0))).why
+    changes.record(("table", 0), 0.1)
+    changes.record(("table", 0), 0.2)  # the memory holds the last two reductions of the part
+    assert changes.reference(("table", 0)) == 0.2
+

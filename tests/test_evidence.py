@@ -1,0 +1,49 @@
+"""When findings against a peer add up to an accusation (swarm/evidence.py)."""
+
+import math
+
+from swarm.evidence import Evidence, EvidenceRule
+from swarm.robust import Finding
+
+FAR = Finding("a part 9.0 clip radii from the robust average", 9.0 / 8.0)
+
+
+def test_a_finding_now_and_then_accuses_nobody():
+    """An honest peer past a bound on one part in a round, in a few rounds: below the share."""
+    evidence = Evidence(EvidenceRule(rounds=8, flags=3, share=0.15))
+    for round_key in range(40):
+        for part in range(8):
+            finding = FAR if part == 0 and round_key % 3 == 0 else None
+            assert evidence.judge("honest", round_key, finding) is None
+
+
+def test_findings_on_a_share_of_a_peers_parts_accuse_it_and_spend_the_evidence():
+    evidence = Evidence(EvidenceRule(rounds=8, flags=3, share=0.15))
+    whys = [evidence.judge("hostile", 0, FAR if part % 2 else None) for part in range(6)]
+    assert whys[:5] == [None] * 5
+    assert whys[5] == f"3 of its last 6 parts past their bounds in 1 rounds (last: {FAR.why})"
+    assert evidence.judge("hostile", 0, FAR) is None  # after an accusation it starts from nothing
+
+
+def test_the_evidence_is_a_window_of_rounds():
+    """Three findings far apart in time (more than `rounds` rounds with the peer) never meet."""
+    evidence = Evidence(EvidenceRule(rounds=2, flags=3, share=0.0))
+    for round_key in range(12):
+        assert evidence.judge("p", round_key, FAR if round_key % 3 == 0 else None) is None
+    evidence.judge("q", 0, FAR)
+    evidence.judge("q", 1, FAR)
+    assert evidence.judge("q", 1, FAR) is not None
+
+
+def test_what_no_honest_peer_sends_accuses_at_once():
+    evidence = Evidence(EvidenceRule(flagrant=100.0))
+    assert evidence.judge("p", 0, Finding("a part with NaN or inf", math.inf)) == "a part with NaN or inf"
+    assert evidence.judge("q", 0, Finding("1000 × the bound", 1000.0)) == "1000 × the bound"
+    assert evidence.judge("r", 0, Finding("20 × the bound", 20.0)) is None
+
+
+def test_peers_are_judged_apart():
+    evidence = Evidence(EvidenceRule(rounds=8, flags=2, share=0.0))
+    assert evidence.judge("a", 0, FAR) is None
+    assert evidence.judge("b", 0, FAR) is None
+    assert evidence.judge("a", 1, FAR) is not None

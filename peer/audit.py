@@ -78,12 +78,28 @@ comparisons, the slack let 10 honest pairs pass that a flat 25 % refused): one r
 stage's loss spiked to 6-9.7 and the newer weights lost more. Honest cosines over both averaged measurements
 (928 pairs) were never below -0.52 (-0.63 before averaging), and 90 % were above 0.8: so `COSINE_MIN` is -0.8,
 and a sign-flipped reply, whose cosine is minus an honest pair's, is still refused at 9 audits in 10.
+
+One audit's gradient cannot tell a scaled or random gradient sent with the honest loss (honest pairs reach a
+cosine of -0.52 and a norm ratio of 22 in single audits), but a peer that forges its gradient does so audit after
+audit, while an honest pair's replies at nearly the same weights agree in most audits: with averaging, at most
+one epoch apart, 732 audits of 5 runs (benchmarks/results/audit-pairs-averaged.json, audit-pairs-lagslack.json)
+had a median cosine of 0.998 and norm ratio of 1.01, and the worst 5 audits in a row a median cosine of 0.19 and
+norm ratio of 2.36 (a run's last minute, where both replicas' losses spiked to 6–9.7). So `Ledger.drift` weighs
+each pair of peers' last `DRIFT_WINDOW` compared audits within `DRIFT_LAG` epochs: where their median cosine is
+below `DRIFT_COSINE` or their median norm ratio (either way) above `DRIFT_NORM`, the replies are not one computation,
+and the peer with the shorter verified history loses, as for any disagreement. A gradient scaled by 10 or 0.1, or
+a random one, is caught by the fifth such audit at the latest (the third after it turns, where the pair agreed
+before). Limits: audits more than `DRIFT_LAG` epochs apart do not count, so a liar that claims epochs that far
+from the verified reply's escapes this check (not its loss's); a liar that forges on fewer than half of its audited
+replies keeps the medians honest.
 """
 
 from __future__ import annotations
 
 import math
 import random
+import statistics
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -94,6 +110,10 @@ LOSS_RTOL_PER_EPOCH = 0.05  # more loss difference allowed per epoch of lag, whe
 AUDIT_MAX_LAG = 10  # epochs apart two replies' weights may be and still be compared (see above)
 LAG_GRACE = 120.0  # seconds an audited peer's replies may stay too far apart to compare (see above)
 LAG_MEMORY = 1800.0  # seconds a peer's grace is remembered: a later gap within it is a disagreement
+DRIFT_LAG = 1  # replies at most this many epochs apart count toward a pair's drift (see above)
+DRIFT_WINDOW = 5  # the last this many such audits of one pair of peers are weighed together
+DRIFT_COSINE = 0.1  # their median gradient cosine below this...
+DRIFT_NORM = 4.0  # ...or their median gradient norm ratio (either way) above this: not one computation
 VERIFY_AFTER = 3  # consecutive matching duplicates (or clean trust-on-first-use trips) to be verified
 AUDIT_RATE = 0.02  # share of a verified peer's trips duplicated to another verified peer
 # share of lane trips a driver forks for an audit (`peer/lane_claim.py`): every slot's peers are checked only
@@ -205,6 +225,8 @@ class Ledger:
     # peer -> when its audits first came back too many epochs from the verified reply (kept `lag_memory`, whether
     # its record lives or not: an expired record must not buy a new grace)
     lagging_since: dict[str, float] = field(default_factory=dict)
+    # a pair of peers -> (cosine, |log norm ratio|) of its last compared audits within `DRIFT_LAG` epochs
+    drifts: dict[frozenset[str], deque[tuple[float, float]]] = field(default_factory=dict)
     rng: random.Random = field(default_factory=random.Random)
 
     def verified(self, peer_id: str) -> bool:
@@ -269,6 +291,26 @@ class Ledger:
 
     def _in_lag_grace(self, peer_id: str, now: float) -> bool:
         return peer_id in self.lagging_since and now - self.lagging_since[peer_id] <= self.lag_grace
+
+    def drift(self, peer_a: str, peer_b: str, seen: Agreement, lag: int | None) -> str | None:
+        """Weigh one audit of `peer_a` against `peer_b` that agreed: why their replies over the pair's last
+        `DRIFT_WINDOW` audits within `DRIFT_LAG` epochs are not of one computation, or None (see above). One audit's
+        gradient says little (honest pairs reach cosine −0.5 and norm ratios of 20); the median of several at
+        nearly the same weights says whether one of them forges its gradient. A verdict starts the pair afresh."""
+        if lag is None or lag > DRIFT_LAG or seen.cosine is None:
+            return None
+        pair = frozenset((peer_a, peer_b))
+        window = self.drifts.setdefault(pair, deque(maxlen=DRIFT_WINDOW))
+        window.append((seen.cosine, abs(math.log(seen.norms[0] / seen.norms[1]))))
+        if len(window) < DRIFT_WINDOW:
+            return None
+        cosine = statistics.median(c for c, _ in window)
+        ratio = math.exp(statistics.median(r for _, r in window))
+        if cosine >= DRIFT_COSINE and ratio <= DRIFT_NORM:
+            return None
+        del self.drifts[pair]
+        return (f"over their last {DRIFT_WINDOW} audits within {DRIFT_LAG} epoch the median gradient cosine is "
+                f"{cosine:.2f} (at least {DRIFT_COSINE}) and norm ratio {ratio:.2f} (at most {DRIFT_NORM})")
 
     def distrust(self, peer_id: str) -> None:
         self.standings.pop(peer_id, None)

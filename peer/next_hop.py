@@ -197,7 +197,7 @@ class NextHop:
                 fork.cancel()
             raise
         if fork is not None and duplicate[0] != peer_id:
-            self._compare_later(peer_id, reply, duplicate[0], fork, fork_failures_ban=False)
+            self._compare_later(peer_id, reply, duplicate[0], fork, lane_fork=True)
         elif fork is not None:  # the fork kept this lane's peer: it serves both trips, there is nothing to compare
             fork.add_done_callback(_retrieve)
         return self._believe(peer_id, reply)
@@ -251,14 +251,15 @@ class NextHop:
         return task
 
     def _compare_later(
-        self, primary: str, used: Reply, shadow: str, task: asyncio.Task, fork_failures_ban: bool = True
+        self, primary: str, used: Reply, shadow: str, task: asyncio.Task, lane_fork: bool = False
     ) -> None:
         """Once the duplicate is back, compare it with the reply we used. Only a verified peer's reply can check
         another's: a match counts toward the unverified one's verification, a mismatch costs it its standing and
         a long ban; between two verified peers the shorter verified history loses. Two unverified replies (a lane
         fork's, which the driver chose) prove nothing either way. A duplicate that failed bans its peer as a failed
-        trip would, except a lane fork's (`fork_failures_ban` False): the driver shaped it, and a hostile driver
-        must not get honest peers banned by naming them in forks that cannot succeed."""
+        trip would, except a lane fork's (`lane_fork`): the driver shaped it, and a hostile driver must not get
+        honest peers banned by naming them in forks that cannot succeed. A lane fork's replies are not weighed for
+        drift (`Ledger.drift`): honest lane peers' replies drift apart (benchmarks/RESULTS.md)."""
         router, ledger = self.router, self.router.ledger
 
         def done(t: asyncio.Task) -> None:
@@ -270,7 +271,7 @@ class NextHop:
             if isinstance(exc, WireError):
                 self.stats.error(exc.code)
                 ledger.failed(shadow)
-                if fork_failures_ban:
+                if not lane_fork:
                     action, banned = router.after_failure(shadow, exc.code, exc.hops, 2, 1)
                     self._log_failure(shadow, exc, action, banned, 0)
                 else:
@@ -296,6 +297,8 @@ class NextHop:
                 if why is None and self._lag_excused(ledger.loser(primary, shadow), lag):
                     return
                 why = why or f"weights {lag} epochs apart, past the grace"
+            if not lane_fork:
+                why = why or ledger.drift(primary, shadow, seen, lag)
             if why is None:
                 router.answered(shadow, seconds, self.tokens_per_trip)
                 for checked in {primary, shadow} - verified:

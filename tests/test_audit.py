@@ -14,6 +14,8 @@ import torch
 from peer.audit import (
     AUDIT_MAX_LAG,
     COSINE_MIN,
+    DRIFT_LAG,
+    DRIFT_WINDOW,
     LOSS_RTOL,
     LOSS_RTOL_PER_EPOCH,
     Ledger,
@@ -249,3 +251,78 @@ def test_an_audit_excuses_a_joiner_with_stale_weights_then_verifies_it_and_bans_
         assert "out-of-bounds" in router.liars()
 
     asyncio.run(run())
+
+
+def _seen(cosine: float, ratio: float) -> object:
+    return agreement(*_pair(cosine, ratio))
+
+
+def _pair(cosine: float, ratio: float) -> tuple:
+    """Two gradients with this cosine and norm ratio, and equal losses."""
+    a = torch.zeros(64, dtype=torch.float64)
+    b = torch.zeros(64, dtype=torch.float64)
+    a[0] = 1.0
+    b[0], b[1] = cosine, math.sqrt(max(0.0, 1 - cosine**2))
+    return a, 3.0, ratio * b, 3.0
+
+
+def test_honest_pairs_do_not_drift_even_with_an_odd_audit_now_and_then():
+    """An honest pair's single audits reach cosine -0.5 and norm ratios of 20 (RESULTS); medians do not."""
+    ledger = Ledger()
+    audits = [(0.99, 1.0), (-0.52, 1.1), (0.95, 22.0), (0.8, 1.3), (0.1, 3.8), (0.99, 1.0), (0.97, 0.9)] * 5
+    for cosine, ratio in audits:
+        assert ledger.drift("a", "b", _seen(cosine, ratio), 0) is None
+
+
+@pytest.mark.parametrize("cosine, ratio", [(0.99, 10.0), (0.99, 0.1), (0.0, 1.0), (-0.3, 1.0)])
+def test_a_forged_gradient_with_the_honest_loss_drifts_within_the_window(cosine, ratio):
+    ledger = Ledger()
+    verdicts = [ledger.drift("honest", "liar", _seen(cosine, ratio), lag) for lag in [0, 1, 0, 1, 0]]
+    assert verdicts[:DRIFT_WINDOW - 1] == [None] * (DRIFT_WINDOW - 1) and "median gradient" in verdicts[-1]
+    assert frozenset(("honest", "liar")) not in ledger.drifts  # a verdict starts the pair afresh
+
+
+def test_only_audits_at_nearly_the_same_weights_count_toward_drift():
+    ledger = Ledger()
+    for _ in range(2 * DRIFT_WINDOW):
+        assert ledger.drift("a", "b", _seen(0.0, 1.0), DRIFT_LAG + 1) is None
+        assert ledger.drift("a", "b", _seen(0.0, 1.0), None) is None
+    assert frozenset(("a", "b")) not in ledger.drifts
+
+
+@pytest.mark.parametrize("forge", [lambda g: 10 * g, lambda g: 0.1 * g, lambda g: torch.randn_like(g) * g.norm()])
+def test_a_verified_peer_forging_its_gradient_with_the_honest_loss_is_banned_by_the_fifth_audit(forge):
+    """Through the driver's comparison (`NextHop._compare_later`, real router and ledger): each audit alone passes
+    the per-audit tolerances, their median does not."""
+    manifest = preset("tiny", stages=2)
+    router = Router(manifest.t_fixed_sha256, "me")
+
+    async def nobody():
+        raise AssertionError("the comparison fetches nothing")
+
+    head = SimpleNamespace(codec=BoundaryCodec(manifest, PipelineStage(manifest, 0).subspace))
+    next_hop = NextHop(manifest, 0, head, router, None, nobody, Stats(), "[driver]", 30.0)
+    for peer, t in (("honest", 1.0), ("honest", 2.0), ("honest", 3.0)):
+        router.ledger.clean_trip(peer, now=t, tofu=True)
+    for t in (4.0, 5.0, 6.0):
+        router.ledger.clean_trip("liar", now=t, tofu=False)
+    assert router.ledger.verified("liar")
+    torch.manual_seed(0)
+
+    async def answered(reply: Reply) -> tuple[Reply, float]:
+        return reply, 0.1
+
+    async def run() -> int:
+        for audit in range(1, 11):
+            grad = torch.randn(4, 16, 32)
+            grad = grad / grad.norm()
+
+            used, forged = Reply(grad, 3.0, [0], [20 + audit % 2], 100), Reply(forge(grad), 3.0, [0], [20], 100)
+            next_hop._compare_later("honest", used, "liar", asyncio.ensure_future(answered(forged)))
+            await asyncio.sleep(0.01)
+            if "liar" in router.liars():
+                return audit
+        return 0
+
+    assert asyncio.run(run()) == DRIFT_WINDOW
+    assert "honest" not in router.liars()

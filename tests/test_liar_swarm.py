@@ -2,10 +2,10 @@
 
 A 2-stage swarm (driver, an honest tail, then tests/liar_peer.py as a second tail) with every trip duplicated
 (`--audit-rate 1`). The liar serves honestly until the driver has verified it and the two tails' replies agree
-closely (gradient cosine above 0.9 three audits in a row: the replicas averaged into step), then negates every
-reply's input gradient while keeping the honest loss, so only the gradient check (peer/audit.py `COSINE_MIN`)
-can catch it. A scaled or random gradient with the honest loss passes that check (the limit peer/audit.py
-states), so it is not tested here."""
+closely (gradient cosine above 0.9 three audits in a row: the replicas averaged into step), then forges every
+reply's input gradient while keeping the honest loss, so only the gradient checks can catch it: a negated one
+is refused by a single audit (peer/audit.py `COSINE_MIN`), one scaled by 10 or a random direction of the honest
+norm by the median of the pair's last `DRIFT_WINDOW` audits at nearly the same weights (`Ledger.drift`)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,9 @@ COSINE = re.compile(r"cosine (\S+),")
 pytestmark = pytest.mark.slow
 
 
-def test_a_verified_peer_that_turns_liar_is_banned_within_10_audits(tmp_path: Path):
+@pytest.mark.parametrize("lie, why", [("negate", "gradient cosine"), ("scale10", "median gradient"),
+                                      ("random", "median gradient")])
+def test_a_verified_peer_that_turns_liar_is_banned_within_10_audits(tmp_path: Path, lie: str, why: str):
     manifest = preset("tiny", stages=2)
     turn = tmp_path / "turn"
     with swarm_of(manifest, extra_peer_args=["--audit-rate", "1", "--log-level", "DEBUG"], name="liar") as swarm:
@@ -31,7 +33,7 @@ def test_a_verified_peer_that_turns_liar_is_banned_within_10_audits(tmp_path: Pa
         swarm.spawn_peer("honest", "1")
         wait_for(lambda: (found := online(swarm, ["driver", "honest"])) and found["driver"].record.trips >= 5, 120,
                  "the honest pipeline to carry 5 trips")
-        liar_program = [sys.executable, str(REPO / "tests" / "liar_peer.py"), "--turn-file", str(turn)]
+        liar_program = [sys.executable, str(REPO / "tests" / "liar_peer.py"), "--turn-file", str(turn), "--lie", lie]
         swarm.spawn_peer("liar", "1", program=liar_program)
         liar = wait_for(lambda: online(swarm, ["liar"]), 120, "the liar online")["liar"].record.peer_id[-6:]
         honest = entries_by_name(swarm)["honest"].record.peer_id[-6:]
@@ -63,5 +65,5 @@ def test_a_verified_peer_that_turns_liar_is_banned_within_10_audits(tmp_path: Pa
         after = wait_for(until_the_ban, 180, "the driver to ban the liar")
         print(f"banned after {len(audits(after))} audits since the turn: {after[-1]}")
         assert 1 <= len(audits(after)) <= 10, audits(after)
-        assert "gradient cosine" in banned.search(after[-1])["why"]  # its loss was the honest one
+        assert why in banned.search(after[-1])["why"]  # its loss was the honest one
         assert not any(f"; {honest} banned" in line for line in lines())

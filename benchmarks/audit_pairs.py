@@ -149,7 +149,8 @@ def main() -> None:
         print(f"run {number + 1} of {args.runs} ({len(runs)} recorded before)", file=sys.stderr, flush=True)
         run, logs, workdir = run_swarm(args.steps, args.timeout, args.context_parallel, args.target_batch_size)
         pairs = parse(logs)
-        bans = sum("audit: replies of" in line for line in logs.splitlines())  # every peer is honest: false positives
+        ban_lines = [line for line in logs.splitlines() if "audit: replies of" in line]  # all honest: false ones
+        bans = len(ban_lines)
         averaging = averaging_bans(logs)
         if (bans or averaging) and args.keep_logs is not None:
             kept = args.keep_logs / f"run{len(runs) + 1}"
@@ -159,7 +160,8 @@ def main() -> None:
         excused = sum("answered with weights" in line for line in logs.splitlines())
         runs.append(dict(target_batch_size=args.target_batch_size,
                          steps=run["steps"], loss_first=run.get("loss_first"), loss_last=run.get("loss_last"),
-                         honest_peers_banned=bans, averaging_bans=averaging, lags_excused=excused,
+                         honest_peers_banned=bans, bans=[line.split("audit: ", 1)[1] for line in ban_lines],
+                         averaging_bans=averaging, lags_excused=excused,
                          summary=summary(pairs), pairs=pairs))
         everything = [pair for r in runs for pair in r["pairs"]]
         result = dict(summary=summary(everything), honest_peers_banned=sum(r["honest_peers_banned"] for r in runs),

@@ -3,7 +3,7 @@
 A stage's peers average their gradients part by part (hivemind's butterfly all-reduce: each tensor is cut into
 parts of the bytes `GradientWire.FP16` sets, 131,072 fp16 values; the leader shuffles the group's order and the
 parts go to the peers in that order, a run of them each). Each part's reducer runs `swarm/robust.py`
-`robust_average`, which accuses a sender whose part lies far from the others; each receiver checks what the other
+`robust_average`, which finds a sender whose part lies far from the others; each receiver checks what the other
 reducers return with `check_reduced`. Here `--peers` honest replicas of the tiny preset's two stages (the same
 weights, each its own microbatch of real text, the backward of the whole pipeline in one process) give their
 gradients for `--rounds` rounds; the replicas train on the robust average (AdamW at the preset's rate) so the

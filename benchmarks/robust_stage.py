@@ -15,7 +15,8 @@ Peer 3 of stage 1 is hostile in one way per run:
   floor for an attacker the rule excludes.
 
 The rule is `robust` (swarm/robust.py, what the peers run: CenteredClip per part, reduced parts checked by
-each honest peer, findings weighed into accusations by swarm/evidence.py, an accused peer left out of every
+each honest peer, findings weighed into accusations by swarm/evidence.py (but not `PartChanges`: here each
+peer reduces the same part every step, so its own change is the reference), an accused peer left out of every
 later group, so its share of the parts is reduced by the honest peers) or `mean` (hivemind's plain weighted
 mean, for contrast). An honest peer's view is applied (peer 0's: where it refuses a reduced part it keeps its own
 gradient for that slice). What it does not model: the network (the wiring is tested on real hivemind

@@ -301,16 +301,20 @@ class Ledger:
             return None
         pair = frozenset((peer_a, peer_b))
         window = self.drifts.setdefault(pair, deque(maxlen=DRIFT_WINDOW))
-        window.append((seen.cosine, abs(math.log(seen.norms[0] / seen.norms[1]))))
+        window.append((seen.cosine, abs(math.log(seen.norms[0]) - math.log(seen.norms[1]))))
         if len(window) < DRIFT_WINDOW:
             return None
         cosine = statistics.median(c for c, _ in window)
         ratio = math.exp(statistics.median(r for _, r in window))
-        if cosine >= DRIFT_COSINE and ratio <= DRIFT_NORM:
+        over = f"over their last {DRIFT_WINDOW} audits within {DRIFT_LAG} epoch"
+        if cosine < DRIFT_COSINE:
+            why = f"{over} the median gradient cosine is {cosine:.2f}, below {DRIFT_COSINE}"
+        elif ratio > DRIFT_NORM:
+            why = f"{over} the median gradient norm ratio is {ratio:.2f}, above {DRIFT_NORM}"
+        else:
             return None
         del self.drifts[pair]
-        return (f"over their last {DRIFT_WINDOW} audits within {DRIFT_LAG} epoch the median gradient cosine is "
-                f"{cosine:.2f} (at least {DRIFT_COSINE}) and norm ratio {ratio:.2f} (at most {DRIFT_NORM})")
+        return why
 
     def distrust(self, peer_id: str) -> None:
         self.standings.pop(peer_id, None)

@@ -14,8 +14,8 @@ averager builds in `_run_allreduce_inplace_`. Here:
   and an accused reducer's every later part of the round too;
 - `RobustAveraging`, mixed into an averager, weighs every judged part with `swarm/evidence.py` (`Evidence`:
   one part past its bound accuses nobody unless flagrant, findings on a share of a peer's parts over its
-  recent rounds do) and bans the accused peers (`AveragingBans`): their contributions and reduced parts are
-  ignored in every round until the ban ends;
+  recent rounds do) and bans the accused peers (`swarm/evidence.py` `AveragingBans`): their contributions and
+  reduced parts are ignored in every round until the ban ends;
 - `ExcludingMatchmaking` keeps them out of later groups: as a leader this peer refuses their requests to join,
   as a follower it does not ask them to lead. Inside a group a banned reducer's share of the parts would
   stay each peer's own values (unaveraged, every round); out of it, the honest peers split that share among
@@ -24,10 +24,8 @@ averager builds in `_run_allreduce_inplace_`. Here:
 
 The averager runs in its own process (hivemind's), so the bans, the part changes and the evidence live there;
 every accusation is one log line with the peer and the reason. A group led by an honest peer that has not
-banned a peer (yet) may still hold it; the runner then ignores it for whoever banned it. A ban ends
-(`AveragingBans`: `BAN_SECONDS`, doubling with each accusation of the same peer up to `MAX_BAN_SECONDS`), so
-that an honest peer accused by chance rejoins its stage's averaging; a hostile one is accused again once it
-spoils enough parts, and banned twice as long.
+banned a peer (yet) may still hold it; the runner then ignores it for whoever banned it. A ban ends, doubling
+with each accusation of the same peer (`AveragingBans`).
 """
 
 from __future__ import annotations
@@ -49,7 +47,7 @@ from hivemind.utils.asyncio import as_aiter, azip
 from hivemind.utils.mpfuture import MPFuture
 from hivemind.utils.timed_storage import get_dht_time
 
-from swarm.evidence import Evidence
+from swarm.evidence import AveragingBans, Evidence
 from swarm.robust import Finding, PartChanges, RobustRule, check_reduced, robust_average
 
 logger = logging.getLogger(__name__)
@@ -160,10 +158,16 @@ class CheckedPartContainer(TensorPartContainer):
     def register_processed_part(self, peer_index: int, part_index: int, part: torch.Tensor):
         if peer_index in self.refused:
             return
+        if part_index >= self.num_parts_by_peer[peer_index]:  # more parts than it reduces: no honest peer sends that
+            why = f"a reduced part {part_index} from a reducer of {self.num_parts_by_peer[peer_index]}"
+            if self.judge(peer_index, Finding(why, math.inf)):
+                self.register_failed_reducer(peer_index)
+            return
         if peer_index == self.own_index:
             change_sq = float(part.float().norm()) ** 2
             norm_sq = float(self._own_input(peer_index, part_index).float().norm()) ** 2
-            self.changes.record(self._part_key(peer_index, part_index), (change_sq / max(norm_sq, 1e-30)) ** 0.5)
+            if norm_sq > 0 and not self._shape_checks_only():  # a plain mean of two is no honest reference
+                self.changes.record(self._part_key(peer_index, part_index), (change_sq / norm_sq) ** 0.5)
             self._own_change_sq += change_sq
             self._own_norm_sq += norm_sq
             self._own_done += 1
@@ -179,7 +183,9 @@ class CheckedPartContainer(TensorPartContainer):
             return
         own = self._own_input(peer_index, part_index)
         finding = self._check(own, part, self._part_key(peer_index, part_index))
-        if self.judge(peer_index, finding):
+        if finding is None and self._shape_checks_only():  # nothing was judged: no evidence either way
+            super().register_processed_part(peer_index, part_index, part)
+        elif self.judge(peer_index, finding):
             self.register_failed_reducer(peer_index)
         elif finding is not None:  # refused: this peer keeps its own values for that slice
             super().register_processed_part(peer_index, part_index, torch.zeros_like(own))
@@ -187,10 +193,13 @@ class CheckedPartContainer(TensorPartContainer):
         else:
             super().register_processed_part(peer_index, part_index, part)
 
+    def _shape_checks_only(self) -> bool:
+        """No honest change to compare with, or (a group of two) nothing that can judge the other: returned parts
+        are checked for shape and finiteness only."""
+        return self.reduces_nothing or len(self.num_parts_by_peer) <= 2
+
     def _check(self, own: torch.Tensor, delta: torch.Tensor, key: tuple) -> Finding | None:
-        # no honest change to compare with, or (a group of two) nothing that can judge the other: shape and
-        # finiteness only
-        if self.reduces_nothing or len(self.num_parts_by_peer) <= 2:
+        if self._shape_checks_only():
             if delta.shape != own.shape or not torch.isfinite(delta).all():
                 return Finding("a reduced part of the wrong shape or with NaN or inf", math.inf)
             return None
@@ -218,10 +227,11 @@ class RobustAllReduceRunner(AllReduceRunner):
         accuse: Accuse,
         changes: PartChanges,
         evidence: Evidence,
+        round_number: int,
         **kwargs,
     ):
         super().__init__(*args, **kwargs)
-        self.rule, self._accuse, self._evidence = rule, accuse, evidence
+        self.rule, self._accuse, self._evidence, self._round = rule, accuse, evidence, round_number
         ignored = {i for i, peer in enumerate(self.sender_peer_ids) if peer in banned}
         hivemind_reducer = self.tensor_part_reducer
         hivemind_reducer.finished.set()  # never used: quiet its "received 0%" warning when it is collected
@@ -239,8 +249,11 @@ class RobustAllReduceRunner(AllReduceRunner):
         )
 
     def _judge(self, peer_id: PeerID, role: str, finding: Finding | None) -> bool:
-        """Weigh one judged part of `peer_id` (`swarm/evidence.py`); True if it now stands accused."""
-        why = self._evidence.judge(peer_id, self.group_id, finding)
+        """Weigh one judged part of `peer_id` (`swarm/evidence.py`) in this averager's round (counted here: a
+        leader's group id could repeat); True if it now stands accused. This peer does not judge itself."""
+        if peer_id == self.peer_id:
+            return False
+        why = self._evidence.judge(peer_id, self._round, finding)
         if why is not None:
             self._accuse(peer_id, f"as a {role}: {why}")
         return why is not None
@@ -292,39 +305,6 @@ def pace_lookups(keys: GroupKeyManager, interval: float) -> None:
     keys.get_averagers = paced
 
 
-class AveragingBans:
-    """The peers an averager bans, each until a time (`clock`: seconds), and the first reason: a peer accused
-    again after its ban ended is banned twice as long as the last time (module docstring). `in` and `current`
-    forget ended bans; the strikes are kept, so a peer accused often stays out for long."""
-
-    BAN_SECONDS = 600.0
-    MAX_BAN_SECONDS = 4 * 3600.0
-
-    def __init__(self, clock: Callable[[], float] = time.monotonic):
-        self.clock = clock
-        self.reasons: dict[PeerID, str] = {}
-        self.until: dict[PeerID, float] = {}
-        self.strikes: dict[PeerID, int] = {}
-
-    def ban(self, peer_id: PeerID, why: str) -> float | None:
-        """Ban `peer_id` unless it is banned now; the ban's length in seconds, or None if it already was."""
-        if peer_id in self:
-            return None
-        self.strikes[peer_id] = self.strikes.get(peer_id, 0) + 1
-        seconds = min(self.BAN_SECONDS * 2 ** (self.strikes[peer_id] - 1), self.MAX_BAN_SECONDS)
-        self.reasons[peer_id], self.until[peer_id] = why, self.clock() + seconds
-        return seconds
-
-    def __contains__(self, peer_id: object) -> bool:
-        if peer_id in self.until and self.until[peer_id] <= self.clock():
-            del self.until[peer_id], self.reasons[peer_id]
-        return peer_id in self.until
-
-    def current(self) -> dict[PeerID, str]:
-        """The peers banned now, with why."""
-        return {peer: why for peer, why in list(self.reasons.items()) if peer in self}
-
-
 class RobustAveraging:
     """Mixin for a hivemind averager (before it in the bases): every all-reduce runs `runner_class`, and peers
     accused in any round are banned from this averager's later rounds and groups while their ban lasts
@@ -340,6 +320,7 @@ class RobustAveraging:
         self.banned_peers = AveragingBans()
         self.part_changes = PartChanges(self.robust_rule.reduced_memory)
         self.evidence = Evidence()
+        self.rounds_run = 0
         super().__init__(*args, **kwargs)
 
     @property
@@ -374,6 +355,7 @@ class RobustAveraging:
         """hivemind's step, with `runner_class`: build the runner, hand it to the group, add what it yields."""
         group_id = group_info.group_id if group_id is None else group_id
         began = get_dht_time()
+        self.rounds_run += 1
         runner = self.runner_class(
             p2p=self._p2p,
             servicer_type=type(self),
@@ -386,6 +368,7 @@ class RobustAveraging:
             accuse=self._accuse,
             changes=self.part_changes,
             evidence=self.evidence,
+            round_number=self.rounds_run,
             **kwargs,
         )
         self._running_groups[group_id].set_result(runner)

@@ -42,8 +42,9 @@ Guarantee, for a group of N senders of which f are hostile and f < N/2, each rou
 moves the average by at most about f·w·tau/W (w its capped weight, W the total), that is, no more than an
 honest part a clip radius away; a NaN, inf or wrong-shaped contribution, or an absurd weight, changes nothing;
 a hostile reducer moves no honest peer's tensors by more than `reduced_factor` × that peer's honest reference
-for the part. Limits: with N = 2 there is no majority (the median of two is their mean); a hostile reducer can
-bend its parts within that bound; a contribution inside the clip
+for the part (its own reductions, in groups of three or more, where a hostile sender's pull on them is clipped).
+Limits: with N = 2 there is no majority (the median of two is their mean) and nobody is judged; a hostile reducer
+can bend its parts within that bound; a contribution inside the clip
 radius (a plausible but wrong gradient) is averaged in with its weight.
 """
 
@@ -149,7 +150,8 @@ def robust_average(
     centre, tau, spread = centered_clip(stacked, torch.tensor([w for _, w in kept], dtype=torch.float32), rule)
     distances = (stacked - centre).norm(dim=1)
     judged: dict[int, Finding | None] = {}
-    for row, (index, _) in enumerate(kept if spread else ()):  # a floor's radius judges nobody (module docstring)
+    # a floor's radius judges nobody (module docstring), nor does the centre of two parts (their mean)
+    for row, (index, _) in enumerate(kept if spread and len(kept) > 2 else ()):
         radii = float(distances[row]) / tau
         far = radii > rule.accuse_factor
         why = f"a part {radii:.1f} clip radii from the robust average"

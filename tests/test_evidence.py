@@ -2,7 +2,7 @@
 
 import math
 
-from swarm.evidence import Evidence, EvidenceRule
+from swarm.evidence import AveragingBans, Evidence, EvidenceRule
 from swarm.robust import Finding
 
 FAR = Finding("a part 9.0 clip radii from the robust average", 9.0 / 8.0)
@@ -47,3 +47,20 @@ def test_peers_are_judged_apart():
     assert evidence.judge("a", 0, FAR) is None
     assert evidence.judge("b", 0, FAR) is None
     assert evidence.judge("a", 1, FAR) is not None
+
+
+def test_an_averaging_ban_ends_and_a_peer_accused_again_is_banned_twice_as_long():
+    now = [0.0]
+    bans = AveragingBans(clock=lambda: now[0])
+    peer = "QmXpdBTZgZQsoUFRuBsQCboSjE4n1Lo3dCpk437pGM8F7M"
+    assert bans.ban(peer, "as a sender: NaN") == AveragingBans.BAN_SECONDS
+    assert peer in bans and bans.current() == {peer: "as a sender: NaN"}
+    assert bans.ban(peer, "again") is None  # banned now: one ban, the first reason
+    now[0] = AveragingBans.BAN_SECONDS + 1
+    assert peer not in bans and bans.current() == {}
+    assert bans.ban(peer, "as a reducer") == 2 * AveragingBans.BAN_SECONDS
+    now[0] += 2 * AveragingBans.BAN_SECONDS - 2
+    assert peer in bans
+    for _ in range(10):
+        now[0] += AveragingBans.MAX_BAN_SECONDS + 1
+        assert bans.ban(peer, "again") <= AveragingBans.MAX_BAN_SECONDS

@@ -11,12 +11,13 @@ import pytest
 import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AllReduceRunner
-from hivemind.averaging.partition import TensorPartReducer
+from hivemind.averaging.partition import TensorPartContainer, TensorPartReducer
 from hivemind.dht import DHT
-from hivemind.p2p import PeerID
 
-from peer.robust_averaging import AveragingBans, RobustAveraging, pace_lookups
+from peer.robust_averaging import CheckedPartContainer, RobustAveraging, pace_lookups
 from peer.stage_averagers import GradientWire
+from swarm.evidence import Evidence
+from swarm.robust import PartChanges, RobustRule
 
 pytestmark = pytest.mark.slow
 
@@ -42,7 +43,7 @@ class LyingReducer(TensorPartReducer):
 
 
 class LyingRunner(AllReduceRunner):
-    def __init__(self, *args, rule, banned, accuse, changes, evidence, **kwargs):
+    def __init__(self, *args, rule, banned, accuse, changes, evidence, round_number, **kwargs):
         super().__init__(*args, **kwargs)
         honest = self.tensor_part_reducer
         honest.finished.set()
@@ -231,18 +232,32 @@ def test_matchmaking_reads_the_dht_at_most_once_an_interval():
     assert len(calls) == 5 and min(gaps) >= 0.04 and keys.reads == 5
 
 
-def test_an_averaging_ban_ends_and_a_peer_accused_again_is_banned_twice_as_long():
-    now = [0.0]
-    bans = AveragingBans(clock=lambda: now[0])
-    peer = PeerID.from_base58("QmXpdBTZgZQsoUFRuBsQCboSjE4n1Lo3dCpk437pGM8F7M")
-    assert bans.ban(peer, "as a sender: NaN") == AveragingBans.BAN_SECONDS
-    assert peer in bans and bans.current() == {peer: "as a sender: NaN"}
-    assert bans.ban(peer, "again") is None  # banned now: one ban, the first reason
-    now[0] = AveragingBans.BAN_SECONDS + 1
-    assert peer not in bans and bans.current() == {}
-    assert bans.ban(peer, "as a reducer") == 2 * AveragingBans.BAN_SECONDS
-    now[0] += 2 * AveragingBans.BAN_SECONDS - 2
-    assert peer in bans
-    for _ in range(10):
-        now[0] += AveragingBans.MAX_BAN_SECONDS + 1
-        assert bans.ban(peer, "again") <= AveragingBans.MAX_BAN_SECONDS
+def test_a_receiver_refuses_one_reduced_part_keeps_the_order_and_accuses_on_evidence_or_what_no_honest_peer_sends():
+    """`CheckedPartContainer` alone: parts from another reducer wait for this peer's own reduction; one past its
+    bound is replaced by zeros (this peer keeps its values there) without an accusation, the next ones are used;
+    a part beyond the reducer's share is refused and accuses it at once."""
+    tensor = torch.randn(3000)
+    container = TensorPartContainer([tensor], [1.0, 1.0, 1.0], part_size_bytes=400)  # 10 parts of 100 per peer
+    judged: list[tuple[int, str | None]] = []
+    evidence = Evidence()
+
+    def judge(peer_index: int, finding) -> bool:
+        judged.append((peer_index, finding and finding.why))
+        return evidence.judge(peer_index, 0, finding) is not None
+
+    CheckedPartContainer.adopt(container, 0, RobustRule(), judge, set(), PartChanges(8))
+    own = [container._input_parts_by_peer[0][i][0] for i in range(10)]
+    theirs = [container._input_parts_by_peer[1][i][0] for i in range(3)]
+    container.register_processed_part(1, 0, 0.05 * theirs[0])  # before this peer's own reduction: held
+    assert container._outputs_registered_by_peer[1] == 0 and not judged
+    for i, part in enumerate(own):
+        container.register_processed_part(0, i, 0.1 * part)
+    container.register_processed_part(1, 1, 5.0 * theirs[1])  # 5 of its norm against 8 × 0.1: refused, not accused
+    container.register_processed_part(1, 2, 0.05 * theirs[2])
+    outputs = list(container._output_parts_by_peer[1])
+    assert torch.equal(outputs[0], 0.05 * theirs[0]) and torch.equal(outputs[2], 0.05 * theirs[2])
+    assert torch.equal(outputs[1], torch.zeros(100)) and container.failed_size == 100
+    assert [why is not None for _, why in judged] == [False, True, False] and 1 not in container.refused
+    container.register_processed_part(2, 10, torch.zeros(100))  # peer 2 reduces parts 0-9 only
+    assert 2 in container.refused and container._outputs_registered_by_peer[2] == 10
+    assert "from a reducer of 10" in judged[-1][1]

@@ -158,6 +158,8 @@ def test_one_hostile_contribution_of_four_neither_stops_nor_bends_the_average(na
         assert any(averaged is not None for averaged in round_results), name
         for averaged in filter(lambda averaged: averaged is not None, round_results):
             assert torch.isfinite(averaged).all(), name
+            if None in round_results:  # a split round: a group without every honest peer has another mean
+                continue
             # a plain mean would be off by ~1/4 of the hostile part: 2.5e5 per element for "huge"; here the
             # hostile part moves the average by at most about a clip radius (the honest spread) over four
             error = float((averaged - honest_mean).norm())

@@ -188,6 +188,8 @@ class CheckedPartContainer(TensorPartContainer):
         elif self.judge(peer_index, finding):
             self.register_failed_reducer(peer_index)
         elif finding is not None:  # refused: this peer keeps its own values for that slice
+            logger.info("refused reduced part %d of reducer %d (not accused yet): %s", part_index, peer_index,
+                        finding.why)
             super().register_processed_part(peer_index, part_index, torch.zeros_like(own))
             self.failed_size += own.numel()
         else:

@@ -47,7 +47,6 @@ class _Round:
     key: Hashable
     judged: int = 0
     findings: int = 0
-    last: str = ""
 
 
 class Evidence:
@@ -70,7 +69,7 @@ class Evidence:
         current.judged += 1
         if finding is None:
             return None
-        current.findings, current.last = current.findings + 1, finding.why
+        current.findings += 1
         judged = sum(r.judged for r in rounds)
         findings = sum(r.findings for r in rounds)
         if findings < self.rule.flags or findings < self.rule.share * judged:

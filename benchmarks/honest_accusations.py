@@ -10,8 +10,11 @@ gradients for `--rounds` rounds; the replicas train on the robust average (AdamW
 rounds see a model that learns. Every accusation is a false positive. The reduced-part check is scored two ways:
 `region`, against the change this receiver's reduction made to its own parts this round (the rule until
 27 Nov 2026), and `part`, against the larger of that and the change it made to the same part when it last reduced
-it (`PartChanges`). The same rounds also score a hostile reducer (the last replica, on the parts it reduced
-honestly) returning noise of 10× the average's norm, or the negated average: how many the receivers refuse.
+it (`PartChanges`). Each receiver also judges the direction of each reducer's round (`Alignment`, over the parts
+it used) with its own `Evidence(ALIGNMENT)`; the report gives how many rounds fell below the floor and the most of
+any 8 consecutive rounds of one receiver and reducer. The same rounds also score a hostile reducer (the last
+replica, on the parts it reduced honestly) returning noise of 10× the average's norm, or the negated average: how
+many the receivers refuse, and when they accuse it.
 
     OMP_NUM_THREADS=1 python benchmarks/honest_accusations.py --rounds 40
 """
@@ -22,7 +25,7 @@ import argparse
 import json
 import random
 import sys
-from collections import Counter
+from collections import Counter, defaultdict
 from pathlib import Path
 
 import torch
@@ -32,10 +35,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from peer.stage_averagers import GradientWire  # noqa: E402
 from swarm.data import load_splits  # noqa: E402
-from swarm.evidence import Evidence  # noqa: E402
+from swarm.evidence import ALIGNMENT, Evidence  # noqa: E402
 from swarm.model import PipelineStage, next_token_loss  # noqa: E402
 from swarm.presets import preset  # noqa: E402
-from swarm.robust import PartChanges, RobustRule, check_reduced, robust_average  # noqa: E402
+from swarm.robust import Alignment, PartChanges, RobustRule, check_reduced, robust_average  # noqa: E402
 
 RULE = RobustRule()
 RULE_PART = GradientWire.FP16.averager_options()["part_size_bytes"] // 2  # fp16 values per part
@@ -69,24 +72,31 @@ class Stage:
         self.judged = Counter()  # parts judged, by role
         self.findings = {"sender": Counter(), "reducer region": Counter(), "reducer part": Counter()}
         self.honest = [Evidence() for _ in range(peers)]  # each replica's, all replicas honest
+        self.honest_alignment = [Evidence(ALIGNMENT) for _ in range(peers)]
         self.accusations: list[dict] = []
         self.attacked = {attack: [Evidence() for _ in range(peers)] for attack in ATTACKS}
+        self.attacked_alignment = {attack: [Evidence(ALIGNMENT) for _ in range(peers)] for attack in ATTACKS}
+        self.away: dict[tuple[int, int], list[bool]] = defaultdict(list)  # (receiver, reducer): rounds below the floor
         self.attack_findings = Counter()
         self.attack_judged = Counter()
         self.caught: dict[str, dict[int, int]] = {attack: {} for attack in ATTACKS}  # observer -> round
 
     def _judge(self, step: int, observer: int, suspect: int, role: str, honest, attacked: dict) -> None:
-        """One judged part of `suspect` by `observer`: `honest` its finding in the all-honest round, `attacked` what
-        it is under each attack (the honest finding where the attack does not touch this part)."""
-        why = self.honest[observer].judge(suspect, step, honest)
+        """One judged part of `suspect` by `observer` (or, for the role "direction", one round's `Alignment`):
+        `honest` its finding in the all-honest round, `attacked` what it is under each attack (the honest finding
+        where the attack does not touch this part)."""
+        direction = role == "direction"
+        why = (self.honest_alignment if direction else self.honest)[observer].judge(suspect, step, honest)
         if why:
             self.accusations.append(dict(round=step, observer=observer, suspect=suspect, role=role, why=why))
         if suspect != self.peers - 1 or observer == suspect:
             return
         for attack, finding in attacked.items():
-            self.attack_judged[attack] += 1
-            self.attack_findings[attack] += finding is not None
-            if self.attacked[attack][observer].judge(suspect, step, finding) and observer not in self.caught[attack]:
+            if not direction:
+                self.attack_judged[attack] += 1
+                self.attack_findings[attack] += finding is not None
+            evidence = (self.attacked_alignment if direction else self.attacked)[attack][observer]
+            if evidence.judge(suspect, step, finding) and observer not in self.caught[attack]:
                 self.caught[attack][observer] = step
 
     def round(self, step: int, grads: list[list[torch.Tensor]], rng: random.Random, gen: torch.Generator) -> None:
@@ -118,6 +128,7 @@ class Stage:
             for key in own:
                 x = pieces[key][receiver]
                 memory.record(key, float((averages[key] - x).norm()) / max(float(x.norm()), 1e-30))
+            alignments = defaultdict(Alignment)  # (reducer, "honest" or an attack): its used parts this round
             for key, reducer in reducer_of.items():
                 if reducer == receiver:
                     continue
@@ -128,11 +139,22 @@ class Stage:
                 finding = check_reduced(x, averages[key] - x, honest, RULE, memory.reference(key))
                 self.findings["reducer part"][self.names[key[0]]] += finding is not None
                 attacked = {attack: finding for attack in ATTACKS}
+                returned = {attack: averages[key] for attack in ATTACKS}
                 if reducer == hostile_part:
                     for attack in ("reducer noise", "reducer sign"):
-                        delta = hostile(attack, averages[key], gen) - x
-                        attacked[attack] = check_reduced(x, delta, honest, RULE, memory.reference(key))
+                        returned[attack] = hostile(attack, averages[key], gen)
+                        attacked[attack] = check_reduced(x, returned[attack] - x, honest, RULE, memory.reference(key))
                 self._judge(step, receiver, reducer, "reducer", finding, attacked)
+                for name, used in (("honest", finding), *attacked.items()):
+                    if used is None:  # a refused part is not applied, so not judged for its direction
+                        alignments[reducer, name].add(x, averages[key] if name == "honest" else returned[name])
+            for reducer in {r for r, _ in alignments}:
+                verdict = {name: alignments[reducer, name] for name in ("honest", *ATTACKS)}
+                findings = {name: a.finding(RULE) for name, a in verdict.items() if a.judged}
+                if "honest" in findings:
+                    self.away[receiver, reducer].append(findings["honest"] is not None)
+                    attacked = {attack: findings[attack] for attack in ATTACKS if attack in findings}
+                    self._judge(step, receiver, reducer, "direction", findings["honest"], attacked)
         for index, param in enumerate(self.params):
             parts = sum(1 for key in averages if key[0] == index)
             param.grad = torch.cat([averages[(index, part)] for part in range(parts)]).reshape(param.shape)
@@ -143,6 +165,11 @@ class Stage:
             parts_judged=dict(self.judged),
             findings={rule: sum(c.values()) for rule, c in self.findings.items()},
             findings_by_tensor={rule: {name: n for name, n in c.items() if n} for rule, c in self.findings.items()},
+            rounds_pointing_away=dict(
+                judged=sum(len(flags) for flags in self.away.values()),
+                below_the_floor=sum(sum(flags) for flags in self.away.values()),
+                most_in_8_consecutive=max((sum(flags[i : i + 8]) for flags in self.away.values()
+                                           for i in range(len(flags))), default=0)),
             honest_accusations=self.accusations,
             attacks={attack: dict(parts_judged=self.attack_judged[attack], findings=self.attack_findings[attack],
                                   accused_by={str(o): step for o, step in sorted(self.caught[attack].items())})

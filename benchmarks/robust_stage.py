@@ -16,7 +16,8 @@ Peer 3 of stage 1 is hostile in one way per run:
 
 The rule is `robust` (swarm/robust.py, what the peers run: CenteredClip per part, reduced parts checked by
 each honest peer, findings weighed into accusations by swarm/evidence.py (but not `PartChanges`: here each
-peer reduces the same part every step, so its own change is the reference), an accused peer left out of every
+peer reduces the same part every step, so its own change is the reference), the direction of each reducer's
+used part judged each step (`Alignment`, weighed by its own `Evidence(ALIGNMENT)`), an accused peer left out of every
 later group, so its share of the parts is reduced by the honest peers) or `mean` (hivemind's plain weighted
 mean, for contrast). An honest peer's view is applied (peer 0's: where it refuses a reduced part it keeps its own
 gradient for that slice). What it does not model: the network (the wiring is tested on real hivemind
@@ -50,11 +51,18 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from swarm.data import load_splits  # noqa: E402
-from swarm.evidence import Evidence  # noqa: E402
+from swarm.evidence import ALIGNMENT, Evidence  # noqa: E402
 from swarm.model import build_stages  # noqa: E402
 from swarm.optim import clip_grad_norm, lr_at, make_optimizer  # noqa: E402
 from swarm.presets import preset  # noqa: E402
-from swarm.robust import Finding, RobustRule, check_reduced, relative_change, robust_average  # noqa: E402
+from swarm.robust import (  # noqa: E402
+    Alignment,
+    Finding,
+    RobustRule,
+    check_reduced,
+    relative_change,
+    robust_average,
+)
 from swarm.simulate import evaluate, run_trip  # noqa: E402
 
 PEERS, HOSTILE = 4, 3
@@ -102,6 +110,7 @@ class Stage1Averaging:
         self.banned = False
         self.accused_at: int | None = None
         self.evidence = Evidence()  # peer 0's: when findings against a peer add up to an accusation
+        self.alignment_evidence = Evidence(ALIGNMENT)  # peer 0's, for the direction of each reducer's part
         self.honest_accused = 0  # accusations of an honest peer by peer 0 (counted, not acted on)
         self.generator = torch.Generator().manual_seed(10_000 + seed)
 
@@ -145,12 +154,17 @@ class Stage1Averaging:
             finding = check_reduced(mine, reduced[j] - mine, honest_change, self.robust)
             if finding is not None:
                 reduced[j] = mine
-            if not (j == HOSTILE and self.banned):
-                self._judge(j, step, finding)
+            if j == HOSTILE and self.banned:
+                continue
+            self._judge(j, step, finding)
+            alignment = Alignment()
+            alignment.add(mine, reduced[j])
+            if finding is None and alignment.judged:  # a refused part is not applied, so not judged for its direction
+                self._judge(j, step, alignment.finding(self.robust), self.alignment_evidence)
         return reduced
 
-    def _judge(self, peer: int, step: int, finding: Finding | None) -> None:
-        if self.evidence.judge(peer, step, finding) is None:
+    def _judge(self, peer: int, step: int, finding: Finding | None, evidence: Evidence | None = None) -> None:
+        if (evidence or self.evidence).judge(peer, step, finding) is None:
             return
         if peer != HOSTILE:
             self.honest_accused += 1
@@ -208,14 +222,16 @@ def run(point: dict) -> dict:
 
 
 GROUPS = "excluded"  # how a banned peer is treated: left out of later groups; runs before this kept it in ("kept")
-ACCUSATION = "evidence"  # findings weighed by swarm/evidence.py; runs before this accused at the first ("at-once")
+# findings weighed by swarm/evidence.py and reducers' directions by `ALIGNMENT`; runs before accused on findings
+# alone ("evidence") or at the first finding ("at-once")
+ACCUSATION = "evidence+alignment"
 
 
 def counts_now(run: dict) -> bool:
-    """Whether a run holds under the current `GROUPS` and `ACCUSATION`: it ran under them, or the hostile peer was
-    never accused in it (then it had no finding, and the computation is the same under either)."""
-    current = run.get("groups", "kept") == GROUPS and run.get("accusation", "at-once") == ACCUSATION
-    return current or run["accused_at"] is None
+    """Whether a run holds under the current `GROUPS` and `ACCUSATION`: it ran under that accusation rule, and
+    under that treatment of a banned peer or with nobody banned (then the two compute the same)."""
+    groups = run.get("groups", "kept") == GROUPS or run["accused_at"] is None
+    return groups and run.get("accusation", "at-once") == ACCUSATION
 
 
 def key(point: dict) -> tuple:

@@ -11,16 +11,17 @@ averager builds in `_run_allreduce_inplace_`. Here:
   gives the honest relative change), then applies `check_reduced` to each, with the change this peer's own
   reductions made to that same part in earlier rounds (`PartChanges`) as a second reference: a refused part is
   replaced by zeros (this peer keeps its own values for that slice, as hivemind does for a reducer that fails),
-  and an accused reducer's every later part of the round too;
+  and an accused reducer's every later part of the round too; once a reducer's last part is in, how far its
+  used averages pointed along this peer's parts (`Alignment`) is judged too, once for the round;
 - `RobustAveraging`, mixed into an averager, weighs every judged part with `swarm/evidence.py` (`Evidence`:
   one part past its bound accuses nobody unless flagrant, findings on a share of a peer's parts over its
-  recent rounds do) and bans the accused peers (`swarm/evidence.py` `AveragingBans`): their contributions and
-  reduced parts are ignored in every round until the ban ends;
-- `ExcludingMatchmaking` keeps them out of later groups: as a leader this peer refuses their requests to join,
-  as a follower it does not ask them to lead. Inside a group a banned reducer's share of the parts would
-  stay each peer's own values (unaveraged, every round); out of it, the honest peers split that share among
-  themselves (measured in benchmarks/robust_stage.py: a banned reducer of four cost up to ×1.09 in loss
-  before).
+  recent rounds do; the alignments by their own `Evidence`, `ALIGNMENT`) and bans the accused peers
+  (`AveragingBans`): their contributions and reduced parts are ignored in every round until the ban ends;
+- `peer/averaging_matchmaking.py` `ExcludingMatchmaking` keeps them out of later groups: as a leader this peer
+  refuses their requests to join, as a follower it does not ask them to lead. Inside a group a banned reducer's
+  share of the parts would stay each peer's own values (unaveraged, every round); out of it, the honest peers
+  split that share among themselves (measured in benchmarks/robust_stage.py: a banned reducer of four cost up
+  to ×1.09 in loss before).
 
 The averager runs in its own process (hivemind's), so the bans, the part changes and the evidence live there;
 every accusation is one log line with the peer and the reason. A group led by an honest peer that has not
@@ -30,25 +31,21 @@ with each accusation of the same peer (`AveragingBans`).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
-import time
 from collections.abc import Callable, Sequence
 
 import torch
 from hivemind.averaging.allreduce import AllreduceException, AllReduceRunner, AveragingMode
-from hivemind.averaging.key_manager import GroupKeyManager
-from hivemind.averaging.matchmaking import Matchmaking
 from hivemind.averaging.partition import TensorPartContainer, TensorPartReducer
-from hivemind.p2p import P2PContext, PeerID
-from hivemind.proto import averaging_pb2
+from hivemind.p2p import PeerID
 from hivemind.utils.asyncio import as_aiter, azip
 from hivemind.utils.mpfuture import MPFuture
 from hivemind.utils.timed_storage import get_dht_time
 
-from swarm.evidence import AveragingBans, Evidence
-from swarm.robust import Finding, PartChanges, RobustRule, check_reduced, robust_average
+from peer.averaging_matchmaking import ExcludingMatchmaking, pace_lookups
+from swarm.evidence import ALIGNMENT, AveragingBans, Evidence
+from swarm.robust import Alignment, Finding, PartChanges, RobustRule, check_reduced, robust_average
 
 logger = logging.getLogger(__name__)
 
@@ -133,11 +130,15 @@ class CheckedPartContainer(TensorPartContainer):
         judge: Judge,
         banned: set[int],
         changes: PartChanges,
+        judge_alignment: Judge,
     ):
         """Turn hivemind's container into this one after `AllReduceRunner.__init__` built it (it builds it inline,
-        with no hook for another class)."""
+        with no hook for another class). `judge_alignment` weighs each reducer's `Alignment` once its last part of
+        the round is in."""
         self.__class__ = CheckedPartContainer
         self.own_index, self.rule, self.judge, self.changes = own_index, rule, judge, changes
+        self.judge_alignment = judge_alignment
+        self.alignments: dict[int, Alignment] = {}
         self.refused: set[int] = set()
         self._pending: list[tuple[int, int, torch.Tensor]] = []
         self._own_change_sq, self._own_norm_sq, self._own_done = 0.0, 0.0, 0
@@ -193,7 +194,15 @@ class CheckedPartContainer(TensorPartContainer):
             super().register_processed_part(peer_index, part_index, torch.zeros_like(own))
             self.failed_size += own.numel()
         else:
-            super().register_processed_part(peer_index, part_index, part)
+            self._use(peer_index, part_index, own, part)
+
+    def _use(self, peer_index: int, part_index: int, own: torch.Tensor, delta: torch.Tensor) -> None:
+        """Apply a part that passed its check; after the reducer's last part, judge the round's `Alignment`."""
+        alignment = self.alignments.setdefault(peer_index, Alignment())
+        alignment.add(own, own + delta)
+        super().register_processed_part(peer_index, part_index, delta)
+        if self._outputs_registered_by_peer[peer_index] == self.num_parts_by_peer[peer_index] and alignment.judged:
+            self.judge_alignment(peer_index, alignment.finding(self.rule))
 
     def _shape_checks_only(self) -> bool:
         """No honest change to compare with, or (a group of two) nothing that can judge the other: returned parts
@@ -229,11 +238,13 @@ class RobustAllReduceRunner(AllReduceRunner):
         accuse: Accuse,
         changes: PartChanges,
         evidence: Evidence,
+        alignment_evidence: Evidence,
         round_number: int,
         **kwargs,
     ):
         super().__init__(*args, **kwargs)
         self.rule, self._accuse, self._evidence, self._round = rule, accuse, evidence, round_number
+        self._alignment_evidence = alignment_evidence
         ignored = {i for i, peer in enumerate(self.sender_peer_ids) if peer in banned}
         hivemind_reducer = self.tensor_part_reducer
         hivemind_reducer.finished.set()  # never used: quiet its "received 0%" warning when it is collected
@@ -248,14 +259,16 @@ class RobustAllReduceRunner(AllReduceRunner):
             self._judge_reducer,
             banned_reducers,
             changes,
+            self._judge_alignment,
         )
 
-    def _judge(self, peer_id: PeerID, role: str, finding: Finding | None) -> bool:
-        """Weigh one judged part of `peer_id` (`swarm/evidence.py`) in this averager's round (counted here: a
-        leader's group id could repeat); True if it now stands accused. This peer does not judge itself."""
+    def _judge(self, peer_id: PeerID, role: str, finding: Finding | None, evidence: Evidence | None = None) -> bool:
+        """Weigh one judged part of `peer_id` (`swarm/evidence.py`; the per-part `Evidence` unless another is given)
+        in this averager's round (counted here: a leader's group id could repeat); True if it now stands accused.
+        This peer does not judge itself."""
         if peer_id == self.peer_id:
             return False
-        why = self._evidence.judge(peer_id, self._round, finding)
+        why = (evidence or self._evidence).judge(peer_id, self._round, finding)
         if why is not None:
             self._accuse(peer_id, f"as a {role}: {why}")
         return why is not None
@@ -266,45 +279,8 @@ class RobustAllReduceRunner(AllReduceRunner):
     def _judge_reducer(self, peer_index: int, finding: Finding | None) -> bool:
         return self._judge(self.ordered_peer_ids[peer_index], "reducer", finding)
 
-
-class ExcludingMatchmaking(Matchmaking):
-    """hivemind's matchmaking without the peers in `banned` (module docstring), adopted after the averager built
-    it (`RobustAveraging._matchmaking`)."""
-
-    banned: AveragingBans
-
-    def _check_reasons_to_reject(self, request: averaging_pb2.JoinRequest, context: P2PContext):
-        if context.remote_id in self.banned:
-            return averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
-        return super()._check_reasons_to_reject(request, context)
-
-    async def _request_join_group(self, leader: PeerID):
-        if leader in self.banned:  # also a leader another one redirects us to
-            return None
-        return await super()._request_join_group(leader)
-
-
-def pace_lookups(keys: GroupKeyManager, interval: float) -> None:
-    """Let `keys` read the group's averagers from the DHT at most once per `interval` seconds.
-
-    While this peer looks for a group and no one else is declared, hivemind's matchmaking reads the group key
-    again as soon as the last read returned (`PotentialLeaders.pop_next_leader` finds the queue empty and
-    triggers `_update_queue_periodically` at once): a loop of DHT reads for as long as the search lasts, on a
-    machine whose cores the stages' trips need. A read asked for sooner waits out the interval; the cost is
-    that a peer declared meanwhile is seen up to `interval` later."""
-    read = keys.get_averagers
-    last = -float("inf")
-
-    async def paced(group_key, only_active):
-        nonlocal last
-        wait = last + interval - time.monotonic()
-        if wait > 0:
-            await asyncio.sleep(wait)
-        last = time.monotonic()
-        keys.reads = getattr(keys, "reads", 0) + 1
-        return await read(group_key, only_active)
-
-    keys.get_averagers = paced
+    def _judge_alignment(self, peer_index: int, finding: Finding | None) -> bool:
+        return self._judge(self.ordered_peer_ids[peer_index], "reducer", finding, self._alignment_evidence)
 
 
 class RobustAveraging:
@@ -322,6 +298,7 @@ class RobustAveraging:
         self.banned_peers = AveragingBans()
         self.part_changes = PartChanges(self.robust_rule.reduced_memory)
         self.evidence = Evidence()
+        self.alignment_evidence = Evidence(ALIGNMENT)
         self.rounds_run = 0
         super().__init__(*args, **kwargs)
 
@@ -370,6 +347,7 @@ class RobustAveraging:
             accuse=self._accuse,
             changes=self.part_changes,
             evidence=self.evidence,
+            alignment_evidence=self.alignment_evidence,
             round_number=self.rounds_run,
             **kwargs,
         )

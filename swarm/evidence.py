@@ -17,6 +17,12 @@ What a finding costs a peer before it is accused is only the part itself: a far 
 refused reduced part replaced by the receiver's own values. What it cannot catch: a peer that spoils fewer parts
 than `share` of its judged ones stays unaccused (each of those parts is still clipped or refused).
 
+The direction of a reducer's averages (`swarm/robust.py` `Alignment`) is judged once per round, not per part,
+and by its own evidence (`ALIGNMENT`): a reducer is accused when its averages pointed away from this peer's parts
+in `flags` = 5 of its last 8 rounds with it. Honest reducers did so in at most 3 of any 8 consecutive rounds over
+2 seeds × 2 stages × 60 rounds of benchmarks/honest_accusations.py; a reducer that negates its averages does so
+in nearly every round, and was accused after its 5th.
+
 An accusation bans the peer from that averager (`AveragingBans`) for `BAN_SECONDS`, doubling with each new
 accusation of the same peer up to `MAX_BAN_SECONDS`, so that an honest peer accused by chance rejoins its stage's
 averaging, while a hostile one is accused again once it spoils enough parts, and banned twice as long.
@@ -40,6 +46,11 @@ class EvidenceRule:
     flags: int = 3  # at least this many findings in them...
     share: float = 0.15  # ...and at least this share of its judged parts
     flagrant: float = 100.0  # a finding this many times past its bound accuses at once
+    unit: str = "parts"  # what one judgement is, for the accusation's text
+
+
+# one judgement per reducer and round (module docstring)
+ALIGNMENT = EvidenceRule(rounds=8, flags=5, share=0.5, unit="rounds")
 
 
 @dataclass
@@ -75,7 +86,8 @@ class Evidence:
         if findings < self.rule.flags or findings < self.rule.share * judged:
             return None
         del self._rounds[peer]
-        return f"{findings} of its last {judged} parts past their bounds in {len(rounds)} rounds (last: {finding.why})"
+        return (f"{findings} of its last {judged} {self.rule.unit} past their bounds in {len(rounds)} rounds "
+                f"(last: {finding.why})")
 
 
 class AveragingBans:

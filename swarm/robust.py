@@ -29,10 +29,16 @@ that moves this peer's part more than `reduced_factor` times as far and more tha
 refused (this peer keeps its own values for that slice) and is a `Finding` against the reducer. Regions of a
 model differ (an embedding's rows this peer saw few of, attention's query weights early in training), so a part
 is judged against the larger of that change and the one this peer's own reductions made to that same part in
-its recent rounds (`PartChanges`). A reducer that returns the negated average stays inside that bound wherever
-honest averages move a part about as far as its own norm (gradients of other microbatches later in training):
-checking the direction instead (an average pointing away from this peer's part) was tried and dropped, as
-honest parts did so too (3 to 6 % of reduced parts, benchmarks/honest_accusations.py, 27 Nov 2026).
+its recent rounds (`PartChanges`).
+
+A reducer that returns the negated average (or zeros, or noise of the honest norm) stays inside that bound
+wherever honest averages move a part about as far as its own norm (gradients of other microbatches later in
+training). What it cannot hide is the direction: an honest average holds this peer's own part with its weight
+(clipped at most to the radius), so over all the parts one reducer returned in a round it points along them,
+⟨average, own⟩ ≥ `aligned_floor` × ‖own‖² (`Alignment`). One part alone is too noisy to judge that way (3 to 6 %
+of honest parts pointed away, benchmarks/honest_accusations.py, 27 Nov 2026); a reducer's whole round fell below
+the floor in 111 of 2,880 honest cases there, never in more than 3 of a pair's 8 consecutive rounds, and a
+negating reducer in nearly all of them, so `swarm/evidence.py` weighs rounds of alignment, not parts.
 
 A refusal is something no honest peer sends; a finding is a part past a statistical bound, which honest peers
 also reach now and then (benchmarks/honest_accusations.py), so `swarm/evidence.py` decides when findings add
@@ -44,7 +50,7 @@ honest part a clip radius away; a NaN, inf or wrong-shaped contribution, or an a
 a hostile reducer moves no honest peer's tensors by more than `reduced_factor` × that peer's honest reference
 for the part (its own reductions, in groups of three or more, where a hostile sender's pull on them is clipped).
 Limits: with N = 2 there is no majority (the median of two is their mean) and nobody is judged; a hostile reducer
-can bend its parts within that bound; a contribution inside the clip
+can bend its parts within that bound and along this peer's parts (shrink them, say); a contribution inside the clip
 radius (a plausible but wrong gradient) is averaged in with its weight.
 """
 
@@ -71,6 +77,7 @@ class RobustRule:
     reduced_factor: float = 8.0  # a reduced part may move this peer's part this many times the honest change
     reduced_floor: float = 1e-2  # ...and always by this share of its norm (honest parts that already agree)
     reduced_memory: int = 8  # a part's own reference is the largest change of this peer's last reductions of it
+    aligned_floor: float = 0.1  # a reducer's averages of a round hold at least this share of this peer's parts
 
 
 @dataclass(frozen=True)
@@ -205,3 +212,31 @@ def check_reduced(
         return Finding(f"a reduced part that moves this peer's part by {change:.3g} of its norm (bound {bound:.3g})",
                        change / bound)
     return None
+
+
+@dataclass
+class Alignment:
+    """How far the averages one reducer returned in a round point along this peer's own parts: Σ⟨average, own⟩
+    over Σ‖own‖², summed over every part of the round that was used (module docstring)."""
+
+    dot: float = 0.0
+    norm_sq: float = 0.0
+
+    def add(self, own: torch.Tensor, average: torch.Tensor) -> None:
+        own, average = own.detach().reshape(-1).float(), average.detach().reshape(-1).float()
+        self.dot += float(own @ average)
+        self.norm_sq += float(own @ own)
+
+    def finding(self, rule: RobustRule) -> Finding | None:
+        """A `Finding` if the averages held less than `aligned_floor` of this peer's parts (None if they held
+        enough, or there was nothing of this peer's to hold: then nothing was judged, see `judged`)."""
+        if not self.judged:
+            return None
+        share = self.dot / self.norm_sq
+        if share >= rule.aligned_floor:
+            return None
+        return Finding(f"averages that hold {share:.2f} of this peer's parts (floor {rule.aligned_floor})", 1.0)
+
+    @property
+    def judged(self) -> bool:
+        return self.norm_sq > 0 and math.isfinite(self.dot)

@@ -2,7 +2,7 @@
 
 import math
 
-from swarm.evidence import AveragingBans, Evidence, EvidenceRule
+from swarm.evidence import ALIGNMENT, AveragingBans, Evidence, EvidenceRule
 from swarm.robust import Finding
 
 FAR = Finding("a part 9.0 clip radii from the robust average", 9.0 / 8.0)
@@ -64,3 +64,15 @@ def test_an_averaging_ban_ends_and_a_peer_accused_again_is_banned_twice_as_long(
     for _ in range(10):
         now[0] += AveragingBans.MAX_BAN_SECONDS + 1
         assert bans.ban(peer, "again") <= AveragingBans.MAX_BAN_SECONDS
+
+
+def test_a_reducer_is_accused_on_its_direction_in_five_of_eight_rounds_not_three():
+    """`ALIGNMENT`: one judgement a round. Honest reducers pointed away in at most 3 of 8 consecutive rounds
+    (benchmarks/honest_accusations.py); a negating one does in nearly every round."""
+    away = Finding("averages that hold -0.25 of this peer's parts (floor 0.1)", 1.0)
+    evidence = Evidence(ALIGNMENT)
+    for round_key in range(40):  # 3 of every 8 rounds, bunched
+        assert evidence.judge("honest", round_key, away if round_key % 8 < 3 else None) is None
+    whys = [evidence.judge("negating", round_key, away) for round_key in range(5)]
+    assert whys[:4] == [None] * 4
+    assert whys[4].startswith("5 of its last 5 rounds past their bounds in 5 rounds (last: averages that hold")

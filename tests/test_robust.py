@@ -7,7 +7,15 @@ import math
 import pytest
 import torch
 
-from swarm.robust import PartChanges, RobustRule, capped_weights, check_reduced, refusal, robust_average
+from swarm.robust import (
+    Alignment,
+    PartChanges,
+    RobustRule,
+    capped_weights,
+    check_reduced,
+    refusal,
+    robust_average,
+)
 
 SHAPE = torch.Size([5000])
 
@@ -114,3 +122,25 @@ def test_a_part_is_judged_by_its_own_honest_change_when_this_peer_reduced_it_bef
     changes.record(("table", 0), 0.2)  # the memory holds the last two reductions of the part
     assert changes.reference(("table", 0)) == 0.2
 
+
+
+def test_an_honest_average_holds_this_peers_parts_and_a_negated_zero_or_random_one_does_not():
+    """Four peers' parts that are mostly their own noise: the robust average holds a quarter of each, summed over a
+    reducer's parts; its negation, zeros and a random part of the same norm hold about nothing or less."""
+    rule = RobustRule()
+    generator = torch.Generator().manual_seed(1)
+    rounds = [[torch.randn(SHAPE, generator=generator) for _ in range(4)] for _ in range(3)]  # three parts, 4 peers
+    verdicts: dict[str, Alignment] = {name: Alignment() for name in ("honest", "negated", "zeros", "random")}
+    for parts in rounds:
+        average = robust_average(parts, [1.0] * 4, SHAPE, rule).average
+        noise = torch.randn(SHAPE, generator=generator)
+        verdicts["honest"].add(parts[0], average)
+        verdicts["negated"].add(parts[0], -average)
+        verdicts["zeros"].add(parts[0], torch.zeros(SHAPE))
+        verdicts["random"].add(parts[0], noise * average.norm() / noise.norm())
+    assert verdicts["honest"].finding(rule) is None and verdicts["honest"].dot / verdicts["honest"].norm_sq > 0.2
+    for name in ("negated", "zeros", "random"):
+        assert "hold" in verdicts[name].finding(rule).why, name
+    nothing = Alignment()
+    nothing.add(torch.zeros(SHAPE), torch.ones(SHAPE))  # nothing of this peer's to hold: not judged
+    assert not nothing.judged and nothing.finding(rule) is None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -14,7 +15,8 @@ from hivemind.averaging.allreduce import AllReduceRunner
 from hivemind.averaging.partition import AllreduceException, TensorPartContainer, TensorPartReducer
 from hivemind.dht import DHT
 
-from peer.robust_averaging import CheckedPartContainer, RobustAveraging, pace_lookups
+from peer.averaging_matchmaking import pace_lookups
+from peer.robust_averaging import CheckedPartContainer, RobustAveraging
 from peer.stage_averagers import GradientWire
 from swarm.evidence import Evidence
 from swarm.robust import PartChanges, RobustRule
@@ -42,15 +44,34 @@ class LyingReducer(TensorPartReducer):
         super().check_current_part_finished()
 
 
-class LyingRunner(AllReduceRunner):
-    def __init__(self, *args, rule, banned, accuse, changes, evidence, round_number, **kwargs):
-        super().__init__(*args, **kwargs)
-        honest = self.tensor_part_reducer
-        honest.finished.set()
-        self.tensor_part_reducer = LyingReducer(honest.part_shapes, honest.num_senders)
+class NegatingReducer(TensorPartReducer):
+    """Returns the negated mean for every part it reduces: as far from each sender's part as noise-like honest
+    averages are, but pointing away from it."""
+
+    def check_current_part_finished(self):
+        if self.current_part_accumulated_from == self.num_current_senders:
+            self.accumulator.neg_()
+        super().check_current_part_finished()
 
 
-LyingAverager = type("RobustAverager", (RobustAveraging, DecentralizedAverager), {"runner_class": LyingRunner})
+def lying_runner(reducer_cls: type[TensorPartReducer]) -> type[AllReduceRunner]:
+    """hivemind's runner with `reducer_cls` reducing this peer's parts (and the robust runner's arguments unused)."""
+
+    class LyingRunner(AllReduceRunner):
+        def __init__(self, *args, rule, banned, accuse, changes, evidence, alignment_evidence, round_number,
+                     **kwargs):
+            super().__init__(*args, **kwargs)
+            honest = self.tensor_part_reducer
+            honest.finished.set()
+            self.tensor_part_reducer = reducer_cls(honest.part_shapes, honest.num_senders)
+
+    return LyingRunner
+
+
+LyingAverager = type("RobustAverager", (RobustAveraging, DecentralizedAverager),
+                     {"runner_class": lying_runner(LyingReducer)})
+NegatingAverager = type("RobustAverager", (RobustAveraging, DecentralizedAverager),
+                        {"runner_class": lying_runner(NegatingReducer)})
 
 
 def honest_tensors(seed: int) -> list[torch.Tensor]:
@@ -59,8 +80,14 @@ def honest_tensors(seed: int) -> list[torch.Tensor]:
     return [base + 0.1 * torch.randn(SIZE, generator=generator)]
 
 
+def independent_tensors(seed: int) -> list[torch.Tensor]:
+    """Tensors with nothing in common across seeds: gradients of other microbatches, where noise dominates."""
+    return [torch.randn(SIZE, generator=torch.Generator().manual_seed(seed))]
+
+
 def average_once(hostile_cls, hostile_tensors, hostile_weight: float = 1.0, rounds: int = 1, min_group_size: int = 4,
-                 fresh: bool = False, wire: GradientWire = GradientWire.FP32, fourth_wire: GradientWire | None = None):
+                 fresh: bool = False, wire: GradientWire = GradientWire.FP32, fourth_wire: GradientWire | None = None,
+                 make_tensors: Callable[[int], list[torch.Tensor]] = honest_tensors):
     """Three robust peers and one hostile peer average `rounds` times; the honest peers' tensors after each
     round, the honest inputs' means (the first round's; with `fresh`, each round's), the hostile peer's id and
     what each honest peer banned. After the first round the hostile peer's step may find no group (the honest
@@ -68,14 +95,14 @@ def average_once(hostile_cls, hostile_tensors, hostile_weight: float = 1.0, roun
     the honest peers' bans differ (one left the hostile peer out, another joined its group): that peer's result of
     the round is then None (its tensors are its own, not averaged). `fresh`: every round after the first starts from new
     honest tensors, as a gradient averager does (each round a new step's gradients). `wire`: what the peers send
-    (`fourth_wire`: the fourth peer, if it differs)."""
+    (`fourth_wire`: the fourth peer, if it differs); `make_tensors`: each peer's tensors from a seed."""
     dht = DHT(start=True)
     averagers = []
     try:
         peers = [dht] + [DHT(start=True, initial_peers=dht.get_visible_maddrs()) for _ in range(3)]
         common = dict(prefix="stage1", target_group_size=4, min_group_size=min_group_size, min_matchmaking_time=5.0,
                       request_timeout=3.0, start=True)
-        inputs = [honest_tensors(seed) for seed in (1, 2, 3)]
+        inputs = [make_tensors(seed) for seed in (1, 2, 3)]
         honest_mean = torch.stack([t[0] for t in inputs]).mean(0)
         for peer, tensors in zip(peers[:3], inputs, strict=True):
             averagers.append(RobustAverager(averaged_tensors=tensors, dht=peer, **common, **wire.averager_options()))
@@ -86,7 +113,7 @@ def average_once(hostile_cls, hostile_tensors, hostile_weight: float = 1.0, roun
         with ThreadPoolExecutor(4) as pool:
             for round_ in range(rounds):
                 if fresh and round_:
-                    new = [honest_tensors(seed + 10 * round_)[0] for seed in (1, 2, 3, 4)]
+                    new = [make_tensors(seed + 10 * round_)[0] for seed in (1, 2, 3, 4)]
                     means.append(torch.stack(new[:3]).mean(0))
                     for averager, tensor in zip(averagers, new, strict=True):
                         with averager.get_tensors() as tensors:
@@ -187,6 +214,18 @@ def test_a_lying_reducer_is_refused_banned_and_left_out_of_the_next_group():
         assert float((averaged - second[0]).abs().max()) < 1e-4
 
 
+def test_a_reducer_returning_the_negated_mean_is_banned_on_the_direction_of_its_rounds():
+    """Gradients of other microbatches: each peer's part is mostly its own noise, so the negated mean moves it no
+    further than an honest mean does and no part is refused. Its averages point away from every honest peer's
+    parts, round after round (`Alignment`): every honest peer bans it once that held in 5 of its rounds, and no
+    honest peer is banned."""
+    results, _, liar, bans = average_once(NegatingAverager, independent_tensors(4), rounds=6, min_group_size=3,
+                                          fresh=True, make_tensors=independent_tensors)
+    assert all(torch.isfinite(averaged).all() for round_ in results for averaged in round_ if averaged is not None)
+    assert all(list(banned) == [liar] for banned in bans), bans
+    assert all("rounds past their bounds" in banned[liar] and "hold -" in banned[liar] for banned in bans), bans
+
+
 def test_four_honest_peers_ban_nobody_and_get_about_their_mean():
     fourth = honest_tensors(4)
     fourth_before = fourth[0].clone()  # the averager averages its tensors in place
@@ -258,7 +297,9 @@ def test_a_receiver_refuses_one_reduced_part_keeps_the_order_and_accuses_on_evid
         judged.append((peer_index, finding and finding.why))
         return evidence.judge(peer_index, 0, finding) is not None
 
-    CheckedPartContainer.adopt(container, 0, RobustRule(), judge, set(), PartChanges(8))
+    aligned: list = []
+    CheckedPartContainer.adopt(container, 0, RobustRule(), judge, set(), PartChanges(8),
+                               lambda peer_index, finding: aligned.append(peer_index))
     own = [container._input_parts_by_peer[0][i][0] for i in range(10)]
     theirs = [container._input_parts_by_peer[1][i][0] for i in range(3)]
     container.register_processed_part(1, 0, 0.05 * theirs[0])  # before this peer's own reduction: held
@@ -274,3 +315,28 @@ def test_a_receiver_refuses_one_reduced_part_keeps_the_order_and_accuses_on_evid
     container.register_processed_part(2, 10, torch.zeros(100))  # peer 2 reduces parts 0-9 only
     assert 2 in container.refused and container._outputs_registered_by_peer[2] == 10
     assert "from a reducer of 10" in judged[-1][1]
+    assert aligned == []  # no reducer's round is complete and judged: 1 sent 3 parts of 10, 2 was refused
+
+
+def test_a_receiver_judges_each_reducers_direction_once_its_round_is_in():
+    """Reducer 1 returns the negated mean of parts that are mostly noise (as far as an honest mean moves them, so
+    every part is used), reducer 2 an honest mean: each is judged once, after its last part, and only 1's
+    averages point away from this peer's parts."""
+    generator = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(3000, generator=generator) for _ in range(3)]
+    mean = torch.stack(inputs).mean(0)
+    container = TensorPartContainer([inputs[0]], [1.0, 1.0, 1.0], part_size_bytes=400)
+    aligned: list[tuple[int, str | None]] = []
+    CheckedPartContainer.adopt(container, 0, RobustRule(), lambda *_: False, set(), PartChanges(8),
+                               lambda peer_index, finding: aligned.append((peer_index, finding and finding.why)))
+    for i in range(10):
+        container.register_processed_part(0, i, mean[i * 100 : (i + 1) * 100] - inputs[0][i * 100 : (i + 1) * 100])
+    for i in range(10):
+        region = slice(1000 + i * 100, 1000 + (i + 1) * 100)
+        container.register_processed_part(1, i, -mean[region] - inputs[0][region])
+        assert aligned == ([(1, aligned[0][1])] if i == 9 else [])
+    for i in range(10):
+        region = slice(2000 + i * 100, 2000 + (i + 1) * 100)
+        container.register_processed_part(2, i, mean[region] - inputs[0][region])
+    assert [peer for peer, _ in aligned] == [1, 2] and aligned[1][1] is None
+    assert aligned[0][1].startswith("averages that hold -0.") and container.failed_size == 0

@@ -31,6 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from peer.audit import AUDIT_MAX_LAG, COSINE_MIN, LOSS_RTOL, LOSS_RTOL_PER_EPOCH  # noqa: E402
+from peer.next_hop import NOT_JUDGED  # noqa: E402
 from swarm.manifest import save_manifest  # noqa: E402
 from swarm.presets import preset  # noqa: E402
 
@@ -76,6 +77,10 @@ def averaging_bans(log_text: str) -> list[dict]:
             for m in map(AVERAGING_BAN.search, log_text.splitlines()) if m]
 
 
+def unjudged(pair: dict) -> bool:
+    return pair["verdict"].startswith(NOT_JUDGED)
+
+
 def too_far(pair: dict) -> bool:
     return pair.get("lag") is not None and pair["lag"] > AUDIT_MAX_LAG
 
@@ -102,7 +107,9 @@ def summary(pairs: list[dict]) -> dict:
         norm_ratio_max=max(ratios, default=None),
         norm_ratio_p99=quantile(ratios, 0.99),
         # a pair too many epochs apart is not compared (peer/audit.py): the tolerances' verdict on it is not used
-        refused=[p["verdict"] for p in pairs if p["verdict"] != "agree" and not too_far(p)],
+        refused=[p["verdict"] for p in pairs if p["verdict"] != "agree" and not too_far(p) and not unjudged(p)],
+        # back after a verdict on its pair landed (peer/next_hop.py): logged, not judged
+        not_judged=sum(unjudged(p) for p in pairs),
         not_compared=sum(too_far(p) for p in pairs),
         lag_max=max((p["lag"] for p in pairs if p.get("lag") is not None), default=None),
         tolerances=dict(cosine_min=COSINE_MIN, loss_rtol=LOSS_RTOL, loss_rtol_per_epoch=LOSS_RTOL_PER_EPOCH),

@@ -92,6 +92,12 @@ a random one, is caught by the fifth such audit at the latest (the third after i
 before). Limits: audits more than `DRIFT_LAG` epochs apart do not count, so a liar that claims epochs that far
 from the verified reply's escapes this check (not its loss's); a liar that forges on fewer than half of its audited
 replies keeps the medians honest.
+
+One verdict a pair at a time: audits are in flight together (a lane trip forks every lane, a driver sends a trip
+before the last one's duplicate is back), and once a verdict lands on one of the two peers, the comparisons sent
+before it are not judged (`Ledger.verdicts_on`). Without this one episode banned an honest lane peer 9 times within
+2 s, its ban doubling each time from 300 s to an hour (benchmarks/results/audit-pairs-lanes-evidence-e7ed139.json:
+comparisons in flight when the first ban landed each found the now unverified peer the loser).
 """
 
 from __future__ import annotations
@@ -227,6 +233,8 @@ class Ledger:
     lagging_since: dict[str, float] = field(default_factory=dict)
     # a pair of peers -> (cosine, |log norm ratio|) of its last compared audits within `DRIFT_LAG` epochs
     drifts: dict[frozenset[str], deque[tuple[float, float]]] = field(default_factory=dict)
+    # peer -> how many times it lost its standing (`distrust`): a comparison sent before the last is not judged
+    verdicts: dict[str, int] = field(default_factory=dict)
     rng: random.Random = field(default_factory=random.Random)
 
     def verified(self, peer_id: str) -> bool:
@@ -318,6 +326,12 @@ class Ledger:
 
     def distrust(self, peer_id: str) -> None:
         self.standings.pop(peer_id, None)
+        self.verdicts[peer_id] = self.verdicts.get(peer_id, 0) + 1
+
+    def verdicts_on(self, *peers: str) -> tuple[int, ...]:
+        """How many times each of `peers` lost its standing so far: taken when a comparison is sent, a change by the
+        time it is back means a verdict on the pair landed meanwhile, and it is not judged (module docstring)."""
+        return tuple(self.verdicts.get(peer, 0) for peer in peers)
 
     def failed(self, peer_id: str) -> None:
         """A duplicate or trust-on-first-use trip that failed: the unverified peer's streak starts again."""

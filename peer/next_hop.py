@@ -36,6 +36,8 @@ from swarm.wire import ErrorCode, WireError, expectation_for, raise_if_error
 
 logger = logging.getLogger("peer")
 
+# the verdict logged for a comparison that is not judged (a verdict on its pair landed while it was in flight)
+NOT_JUDGED = "not judged, a verdict on the pair landed meanwhile"
 SEND_ATTEMPTS = 8  # peers of the next stage tried for one trip before giving up
 
 Fetch = Callable[[], Awaitable[dict[int, list[PeerEntry]]]]
@@ -259,8 +261,10 @@ class NextHop:
         fork's, which the driver chose) prove nothing either way. A duplicate that failed bans its peer as a failed
         trip would, except a lane fork's (`lane_fork`): the driver shaped it, and a hostile driver must not get
         honest peers banned by naming them in forks that cannot succeed. A lane fork's replies are not weighed for
-        drift (`Ledger.drift`): honest lane peers' replies drift apart (benchmarks/RESULTS.md)."""
+        drift (`Ledger.drift`): honest lane peers' replies drift apart (benchmarks/RESULTS.md). A comparison is not
+        judged if a verdict on either peer landed while it was in flight (`Ledger.verdicts_on`)."""
         router, ledger = self.router, self.router.ledger
+        standing = ledger.verdicts_on(primary, shadow)
 
         def done(t: asyncio.Task) -> None:
             if self.shadows.get(shadow) is t:
@@ -285,9 +289,12 @@ class NextHop:
             lag = epoch_lag(used.epochs, reply.epochs)
             rtol = loss_rtol(used.loss, used.epochs, reply.loss, reply.epochs)
             why = replies_disagree(used.grad, used.loss, reply.grad, reply.loss, loss_rtol=rtol, seen=seen)
-            logger.debug("%s audit of %s against %s: loss rdiff %s, cosine %s, norms %.4g %.4g, epochs apart %s, %s",
+            judged = ledger.verdicts_on(primary, shadow) == standing
+            logger.debug("%s audit of %s against %s: loss rdiff %s, cosine %s, norms %.4g %.4g, epochs apart %s, %s%s",
                          self.label, shadow[-6:], primary[-6:], seen.loss_rdiff, seen.cosine, *seen.norms, lag,
-                         why or "agree")
+                         "" if judged else f"{NOT_JUDGED}: ", why or "agree")
+            if not judged:
+                return
             verified = {peer for peer in (primary, shadow) if ledger.verified(peer)}
             if not verified:
                 return

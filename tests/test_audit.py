@@ -290,10 +290,9 @@ def test_only_audits_at_nearly_the_same_weights_count_toward_drift():
     assert frozenset(("a", "b")) not in ledger.drifts
 
 
-@pytest.mark.parametrize("forge", [lambda g: 10 * g, lambda g: 0.1 * g, lambda g: torch.randn_like(g) * g.norm()])
-def test_a_verified_peer_forging_its_gradient_with_the_honest_loss_is_banned_by_the_fifth_audit(forge):
-    """Through the driver's comparison (`NextHop._compare_later`, real router and ledger): each audit alone passes
-    the per-audit tolerances, their median does not."""
+def _driver_hop() -> tuple[Router, NextHop]:
+    """A driver's next hop to the tiny preset's stage 1, with a real router and ledger; it fetches nothing (the
+    tests hand it replies), and its stage holds only what a reply's check reads: its codec."""
     manifest = preset("tiny", stages=2)
     router = Router(manifest.t_fixed_sha256, "me")
 
@@ -301,7 +300,14 @@ def test_a_verified_peer_forging_its_gradient_with_the_honest_loss_is_banned_by_
         raise AssertionError("the comparison fetches nothing")
 
     head = SimpleNamespace(codec=BoundaryCodec(manifest, PipelineStage(manifest, 0).subspace))
-    next_hop = NextHop(manifest, 0, head, router, None, nobody, Stats(), "[driver]", 30.0)
+    return router, NextHop(manifest, 0, head, router, None, nobody, Stats(), "[driver]", 30.0)
+
+
+@pytest.mark.parametrize("forge", [lambda g: 10 * g, lambda g: 0.1 * g, lambda g: torch.randn_like(g) * g.norm()])
+def test_a_verified_peer_forging_its_gradient_with_the_honest_loss_is_banned_by_the_fifth_audit(forge):
+    """Through the driver's comparison (`NextHop._compare_later`, real router and ledger): each audit alone passes
+    the per-audit tolerances, their median does not."""
+    router, next_hop = _driver_hop()
     for peer, t in (("honest", 1.0), ("honest", 2.0), ("honest", 3.0)):
         router.ledger.clean_trip(peer, now=t, tofu=True)
     for t in (4.0, 5.0, 6.0):
@@ -326,3 +332,32 @@ def test_a_verified_peer_forging_its_gradient_with_the_honest_loss_is_banned_by_
 
     assert asyncio.run(run()) == DRIFT_WINDOW
     assert "honest" not in router.liars()
+
+
+def test_comparisons_in_flight_when_a_verdict_lands_on_the_pair_are_not_judged_again():
+    """A burst of lane forks, each disagreeing on the loss (as in an all-honest lane run where one episode banned an
+    honest peer 9 times within 2 s, each ban doubling): the first comparison to come back bans the peer with the
+    shorter verified history once; the others, sent before that verdict, are not judged. A comparison sent after
+    it is judged again."""
+    router, next_hop = _driver_hop()
+    for t in (1.0, 2.0, 3.0):
+        router.ledger.clean_trip("older", now=t, tofu=True)
+    for t in (4.0, 5.0, 6.0):
+        router.ledger.clean_trip("newer", now=t, tofu=False)
+    grad = torch.randn(4, 16, 32)
+
+    async def run() -> None:
+        replies = [asyncio.get_running_loop().create_future() for _ in range(5)]
+        for reply in replies:
+            next_hop._compare_later("older", Reply(grad, 2.7, [0], [20], 100), "newer", reply, lane_fork=True)
+        for reply in replies:
+            reply.set_result((Reply(grad, 1.7, [0], [20], 100), 0.1))
+            await asyncio.sleep(0.01)
+        assert router.bans["newer"].strikes == 1 and "older" not in router.liars()
+        later = asyncio.get_running_loop().create_future()
+        next_hop._compare_later("older", Reply(grad, 2.7, [0], [21], 100), "newer", later, lane_fork=True)
+        later.set_result((Reply(grad, 1.7, [0], [21], 100), 0.1))
+        await asyncio.sleep(0.01)
+        assert router.bans["newer"].strikes == 2
+
+    asyncio.run(run())

@@ -124,6 +124,7 @@ class Stage:
             moved = sum(float((averages[k] - pieces[k][receiver]).norm()) ** 2 for k in own)
             norm = sum(float(pieces[k][receiver].norm()) ** 2 for k in own)
             honest = (moved / max(norm, 1e-30)) ** 0.5
+            typical = (norm / max(sum(pieces[k][receiver].numel() for k in own), 1)) ** 0.5  # per-value RMS
             memory = self.memory[receiver]
             for key in own:
                 x = pieces[key][receiver]
@@ -136,14 +137,15 @@ class Stage:
                 self.judged["reducer"] += 1
                 region = check_reduced(x, averages[key] - x, honest, RULE)
                 self.findings["reducer region"][self.names[key[0]]] += region is not None
-                finding = check_reduced(x, averages[key] - x, honest, RULE, memory.reference(key))
+                finding = check_reduced(x, averages[key] - x, honest, RULE, memory.reference(key), typical)
                 self.findings["reducer part"][self.names[key[0]]] += finding is not None
                 attacked = {attack: finding for attack in ATTACKS}
                 returned = {attack: averages[key] for attack in ATTACKS}
                 if reducer == hostile_part:
                     for attack in ("reducer noise", "reducer sign"):
                         returned[attack] = hostile(attack, averages[key], gen)
-                        attacked[attack] = check_reduced(x, returned[attack] - x, honest, RULE, memory.reference(key))
+                        attacked[attack] = check_reduced(x, returned[attack] - x, honest, RULE, memory.reference(key),
+                                                         typical)
                 self._judge(step, receiver, reducer, "reducer", finding, attacked)
                 for name, used in (("honest", finding), *attacked.items()):
                     if used is None:  # a refused part is not applied, so not judged for its direction

@@ -149,9 +149,10 @@ class Stage1Averaging:
     def _checked(self, reduced: list[torch.Tensor], own: torch.Tensor, bounds: list[int], step: int):
         """Peer 0 reduced part 0 itself: the others are checked against how far that moved its own part."""
         honest_change = relative_change(own[bounds[0] : bounds[1]], reduced[0])
+        typical_rms = float(own[bounds[0] : bounds[1]].float().pow(2).mean().sqrt())
         for j in range(1, PEERS):
             mine = own[bounds[j] : bounds[j + 1]]
-            finding = check_reduced(mine, reduced[j] - mine, honest_change, self.robust)
+            finding = check_reduced(mine, reduced[j] - mine, honest_change, self.robust, typical_rms=typical_rms)
             if finding is not None:
                 reduced[j] = mine
             if j == HOSTILE and self.banned:

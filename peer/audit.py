@@ -93,6 +93,12 @@ before). Limits: audits more than `DRIFT_LAG` epochs apart do not count, so a li
 from the verified reply's escapes this check (not its loss's); a liar that forges on fewer than half of its audited
 replies keeps the medians honest.
 
+Lane forks compare the cosine over a pair's last `LANE_FLIP_WINDOW` comparisons (`Ledger.lane_flip`): honest lane
+replies (a lane's chunk, 64 tokens) fell below `COSINE_MIN` once in every two or three lane runs (−0.83 to −0.99,
+each a ban of an honest peer; benchmarks/results/audit-pairs-lanes*.json, 7 runs, 3,355 comparisons), but the
+median of a pair's 3 consecutive cosines never below −0.60. A lane peer that negates its gradient is refused once
+2 of its 3 last cosines are past the floor: with honest lane cosines' median at 0.69–0.94, within a few audits.
+
 One verdict a pair at a time: audits are in flight together (a lane trip forks every lane, a driver sends a trip
 before the last one's duplicate is back), and once a verdict lands on one of the two peers, the comparisons sent
 before it are not judged (`Ledger.verdicts_on`). Without this one episode banned an honest lane peer 9 times within
@@ -125,6 +131,7 @@ AUDIT_RATE = 0.02  # share of a verified peer's trips duplicated to another veri
 # share of lane trips a driver forks for an audit (`peer/lane_claim.py`): every slot's peers are checked only
 # through forks, so newcomers need them; each costs the forked stage and those after it one more lane trip
 LANE_AUDIT_RATE = 0.1
+LANE_FLIP_WINDOW = 3  # a lane pair's last this many cosines: their median is checked against `COSINE_MIN`
 
 
 @dataclass(frozen=True)
@@ -233,6 +240,8 @@ class Ledger:
     lagging_since: dict[str, float] = field(default_factory=dict)
     # a pair of peers -> (cosine, |log norm ratio|) of its last compared audits within `DRIFT_LAG` epochs
     drifts: dict[frozenset[str], deque[tuple[float, float]]] = field(default_factory=dict)
+    # a pair of lane peers -> its last `LANE_FLIP_WINDOW` gradient cosines
+    lane_cosines: dict[frozenset[str], deque[float]] = field(default_factory=dict)
     # peer -> how many times it lost its standing (`distrust`): a comparison sent before the last is not judged
     verdicts: dict[str, int] = field(default_factory=dict)
     rng: random.Random = field(default_factory=random.Random)
@@ -323,6 +332,21 @@ class Ledger:
             return None
         del self.drifts[pair]
         return why
+
+    def lane_flip(self, peer_a: str, peer_b: str, seen: Agreement) -> str | None:
+        """Weigh one lane comparison's cosine: why the pair's last `LANE_FLIP_WINDOW` are a sign flip (their median
+        below `COSINE_MIN`), or None (module docstring). A verdict starts the pair afresh."""
+        if seen.cosine is None:
+            return None
+        pair = frozenset((peer_a, peer_b))
+        window = self.lane_cosines.setdefault(pair, deque(maxlen=LANE_FLIP_WINDOW))
+        window.append(seen.cosine)
+        cosine = statistics.median(window)
+        if len(window) < LANE_FLIP_WINDOW or cosine >= COSINE_MIN:
+            return None
+        del self.lane_cosines[pair]
+        return (f"the median gradient cosine of their last {LANE_FLIP_WINDOW} lane audits is {cosine:.3f}, below "
+                f"{COSINE_MIN}")
 
     def distrust(self, peer_id: str) -> None:
         self.standings.pop(peer_id, None)

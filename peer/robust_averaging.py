@@ -141,7 +141,7 @@ class CheckedPartContainer(TensorPartContainer):
         self.alignments: dict[int, Alignment] = {}
         self.refused: set[int] = set()
         self._pending: list[tuple[int, int, torch.Tensor]] = []
-        self._own_change_sq, self._own_norm_sq, self._own_done = 0.0, 0.0, 0
+        self._own_change_sq, self._own_norm_sq, self._own_done, self._own_size = 0.0, 0.0, 0, 0
         # None until this peer's own reduction is done; a peer that reduces nothing has no reference
         self.reduces_nothing = self.num_parts_by_peer[own_index] == 0
         self.honest_change: float | None = None
@@ -171,6 +171,7 @@ class CheckedPartContainer(TensorPartContainer):
                 self.changes.record(self._part_key(peer_index, part_index), (change_sq / norm_sq) ** 0.5)
             self._own_change_sq += change_sq
             self._own_norm_sq += norm_sq
+            self._own_size += part.numel()
             self._own_done += 1
             super().register_processed_part(peer_index, part_index, part)
             if self._own_done == self.num_parts_by_peer[self.own_index]:
@@ -214,7 +215,8 @@ class CheckedPartContainer(TensorPartContainer):
             if delta.shape != own.shape or not torch.isfinite(delta).all():
                 return Finding("a reduced part of the wrong shape or with NaN or inf", math.inf)
             return None
-        return check_reduced(own, delta, self.honest_change, self.rule, self.changes.reference(key))
+        typical_rms = (self._own_norm_sq / max(self._own_size, 1)) ** 0.5
+        return check_reduced(own, delta, self.honest_change, self.rule, self.changes.reference(key), typical_rms)
 
     def register_failed_reducer(self, peer_index: int):
         """This peer keeps its own values for every part of `peer_index` not yet applied (hivemind does the same

@@ -78,6 +78,7 @@ class RobustRule:
     reduced_floor: float = 1e-2  # ...and always by this share of its norm (honest parts that already agree)
     reduced_memory: int = 8  # a part's own reference is the largest change of this peer's last reductions of it
     aligned_floor: float = 0.1  # a reducer's averages of a round hold at least this share of this peer's parts
+    typical_floor: float = 0.1  # a part's norm counts as at least this share of a typical part's of the same size
 
 
 @dataclass(frozen=True)
@@ -196,17 +197,29 @@ class PartChanges:
 
 
 def check_reduced(
-    own_part: torch.Tensor, delta: torch.Tensor, honest_change: float, rule: RobustRule, reference: float | None = None
+    own_part: torch.Tensor,
+    delta: torch.Tensor,
+    honest_change: float,
+    rule: RobustRule,
+    reference: float | None = None,
+    typical_rms: float | None = None,
 ) -> Finding | None:
     """Why a reduced part from another peer is refused (None if it is used). `delta` is what it says to add to
     `own_part`; `honest_change` the relative change this peer's own reduction made to the part it reduced this round,
     `reference` the largest it made to this very part in earlier rounds (`PartChanges`), if it ever reduced it.
-    The bound is `reduced_factor` times the larger of the two."""
+    The bound is `reduced_factor` times the larger of the two. `typical_rms`, the per-value RMS of the parts this peer
+    reduced this round, floors the part's norm at `typical_floor` of a typical part of its size: a part of this
+    peer's that is nearly zero (an embedding's rows it saw none of this round, which other replicas did) is moved
+    "thousands of times its norm" by an honest average (found on real peers: 2.4e3, which accused an honest reducer
+    at once as past any honest bound)."""
     if delta.shape != own_part.shape:
         return Finding(f"a reduced part of shape {tuple(delta.shape)}, expected {tuple(own_part.shape)}", math.inf)
     if not torch.isfinite(delta).all():
         return Finding("a reduced part with NaN or inf", math.inf)
     change = relative_change(own_part, own_part + delta)
+    if typical_rms:
+        norm = max(float(own_part.float().norm()), rule.typical_floor * typical_rms * own_part.numel() ** 0.5)
+        change = float(delta.float().norm()) / norm
     bound = max(rule.reduced_factor * max(honest_change, reference or 0.0), rule.reduced_floor)
     if change > bound:
         return Finding(f"a reduced part that moves this peer's part by {change:.3g} of its norm (bound {bound:.3g})",

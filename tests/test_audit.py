@@ -302,16 +302,22 @@ def _driver_hop() -> tuple[Router, NextHop]:
     head = SimpleNamespace(codec=BoundaryCodec(manifest, PipelineStage(manifest, 0).subspace))
     return router, NextHop(manifest, 0, head, router, None, nobody, Stats(), "[driver]", 30.0)
 
+def _verified_pair(older: str, newer: str) -> tuple[Router, NextHop]:
+    """`_driver_hop` with two verified peers: `older` by trust on first use, `newer` after it by three audits."""
+    router, next_hop = _driver_hop()
+    for t in (1.0, 2.0, 3.0):
+        router.ledger.clean_trip(older, now=t, tofu=True)
+    for t in (4.0, 5.0, 6.0):
+        router.ledger.clean_trip(newer, now=t, tofu=False)
+    return router, next_hop
+
+
 
 @pytest.mark.parametrize("forge", [lambda g: 10 * g, lambda g: 0.1 * g, lambda g: torch.randn_like(g) * g.norm()])
 def test_a_verified_peer_forging_its_gradient_with_the_honest_loss_is_banned_by_the_fifth_audit(forge):
     """Through the driver's comparison (`NextHop._compare_later`, real router and ledger): each audit alone passes
     the per-audit tolerances, their median does not."""
-    router, next_hop = _driver_hop()
-    for peer, t in (("honest", 1.0), ("honest", 2.0), ("honest", 3.0)):
-        router.ledger.clean_trip(peer, now=t, tofu=True)
-    for t in (4.0, 5.0, 6.0):
-        router.ledger.clean_trip("liar", now=t, tofu=False)
+    router, next_hop = _verified_pair("honest", "liar")
     assert router.ledger.verified("liar")
     torch.manual_seed(0)
 
@@ -339,11 +345,7 @@ def test_comparisons_in_flight_when_a_verdict_lands_on_the_pair_are_not_judged_a
     honest peer 9 times within 2 s, each ban doubling): the first comparison to come back bans the peer with the
     shorter verified history once; the others, sent before that verdict, are not judged. A comparison sent after
     it is judged again."""
-    router, next_hop = _driver_hop()
-    for t in (1.0, 2.0, 3.0):
-        router.ledger.clean_trip("older", now=t, tofu=True)
-    for t in (4.0, 5.0, 6.0):
-        router.ledger.clean_trip("newer", now=t, tofu=False)
+    router, next_hop = _verified_pair("older", "newer")
     grad = torch.randn(4, 16, 32)
 
     async def run() -> None:
@@ -361,3 +363,28 @@ def test_comparisons_in_flight_when_a_verdict_lands_on_the_pair_are_not_judged_a
         assert router.bans["newer"].strikes == 2
 
     asyncio.run(run())
+
+
+def test_a_lane_pair_is_refused_for_a_sign_flip_over_its_last_three_cosines_not_one():
+    """Honest lane replies fell below the cosine floor once in every two or three lane runs; a negating lane peer
+    does so on most audits. Through the driver's comparison of lane forks (real router and ledger)."""
+    router, next_hop = _verified_pair("honest", "other")
+    grad = torch.randn(4, 16, 32)
+
+    async def compare(shadow: str, sent: torch.Tensor) -> None:
+        reply = asyncio.get_running_loop().create_future()
+        next_hop._compare_later("honest", Reply(grad, 3.0, [0], [20], 100), shadow, reply, lane_fork=True)
+        reply.set_result((Reply(sent, 3.0, [0], [20], 100), 0.1))
+        await asyncio.sleep(0.01)
+
+    async def run() -> int:
+        for sent in (grad, -grad, grad, 0.9 * grad - 0.1 * torch.randn_like(grad), grad):  # honest, one odd cosine
+            await compare("other", sent)
+        assert not router.liars() and router.ledger.verified("other")
+        for audit in range(1, 4):  # turns liar: negates every gradient
+            await compare("other", -grad)
+            if "other" in router.liars():
+                return audit
+        return 0
+
+    assert asyncio.run(run()) == 2 and "honest" not in router.liars()

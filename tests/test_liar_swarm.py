@@ -4,8 +4,8 @@ A 2-stage swarm (driver, an honest tail, then tests/liar_peer.py as a second tai
 (`--audit-rate 1`). The liar serves honestly until the driver has verified it and the two tails' replies agree
 closely (gradient cosine above 0.9 three audits in a row: the replicas averaged into step), then forges every
 reply's input gradient while keeping the honest loss, so only the gradient checks can catch it: a negated one
-is refused by a single audit (peer/audit.py `COSINE_MIN`), one scaled by 10 or a random direction of the honest
-norm by the median of the pair's last `DRIFT_WINDOW` audits at nearly the same weights (`Ledger.drift`)."""
+is refused by a single audit (peer/audit.py `COSINE_MIN`), one scaled by 10 or 0.1 or a random direction of the
+honest norm by the median of the pair's last `DRIFT_WINDOW` audits at nearly the same weights (`Ledger.drift`)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.mark.parametrize("lie, why", [("negate", "gradient cosine"), ("scale10", "median gradient"),
-                                      ("random", "median gradient")])
+                                      ("scale0.1", "median gradient"), ("random", "median gradient")])
 def test_a_verified_peer_that_turns_liar_is_banned_within_10_audits(tmp_path: Path, lie: str, why: str):
     manifest = preset("tiny", stages=2)
     turn = tmp_path / "turn"

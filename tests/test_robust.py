@@ -144,3 +144,21 @@ def test_an_honest_average_holds_this_peers_parts_and_a_negated_zero_or_random_o
     nothing = Alignment()
     nothing.add(torch.zeros(SHAPE), torch.ones(SHAPE))  # nothing of this peer's to hold: not judged
     assert not nothing.judged and nothing.finding(rule) is None
+
+
+def test_a_part_of_this_peers_that_is_nearly_zero_is_measured_against_a_typical_part():
+    """An embedding's rows this peer saw none of: its part is nearly zero, and an honest average of the replicas that
+    did see them moves it thousands of times its norm, which read as past any honest bound. Against a tenth of a
+    typical part of its size (this peer's reductions' per-value RMS) it is a finding of a few times the bound at
+    most, not a flagrant one; a huge part is still flagrant, and a part of normal size is judged as before."""
+    rule = RobustRule()
+    nearly_zero, rows = 1e-6 * torch.ones(SHAPE), 0.5 * torch.ones(SHAPE)
+    untyped = check_reduced(nearly_zero, rows, 0.5, rule)
+    assert untyped.excess > 100
+    typed = check_reduced(nearly_zero, rows, 0.5, rule, typical_rms=1.0)
+    assert typed is not None and typed.excess < 2
+    assert check_reduced(nearly_zero, 1e4 * torch.ones(SHAPE), 0.5, rule, typical_rms=1.0).excess > 100
+    own = torch.ones(SHAPE)
+    assert check_reduced(own, 0.5 * own, 0.1, rule, typical_rms=1.0) is None
+    far = check_reduced(own, 5 * own, 0.1, rule, typical_rms=1.0)
+    assert far.excess == check_reduced(own, 5 * own, 0.1, rule).excess

@@ -158,9 +158,11 @@ class Stage1Averaging:
             if j == HOSTILE and self.banned:
                 continue
             self._judge(j, step, finding)
+            if finding is not None:  # a refused part is not applied, so not judged for its direction
+                continue
             alignment = Alignment()
             alignment.add(mine, reduced[j])
-            if finding is None and alignment.judged:  # a refused part is not applied, so not judged for its direction
+            if alignment.judged:
                 self._judge(j, step, alignment.finding(self.robust), self.alignment_evidence)
         return reduced
 

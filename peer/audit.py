@@ -225,6 +225,13 @@ class Plan:
     shadow: str | None
 
 
+def _full_window(store: dict[frozenset[str], deque], pair: frozenset[str], value: object, size: int) -> deque | None:
+    """Append `value` to `pair`'s last `size` values in `store`: them once there are `size`, else None."""
+    window = store.setdefault(pair, deque(maxlen=size))
+    window.append(value)
+    return window if len(window) == size else None
+
+
 @dataclass
 class Ledger:
     """Which peers of the next stage this hop has verified. Pure: the caller passes the clock and the
@@ -317,9 +324,9 @@ class Ledger:
         if lag is None or lag > DRIFT_LAG or seen.cosine is None:
             return None
         pair = frozenset((peer_a, peer_b))
-        window = self.drifts.setdefault(pair, deque(maxlen=DRIFT_WINDOW))
-        window.append((seen.cosine, abs(math.log(seen.norms[0]) - math.log(seen.norms[1]))))
-        if len(window) < DRIFT_WINDOW:
+        log_ratio = abs(math.log(seen.norms[0]) - math.log(seen.norms[1]))
+        window = _full_window(self.drifts, pair, (seen.cosine, log_ratio), DRIFT_WINDOW)
+        if window is None:
             return None
         cosine = statistics.median(c for c, _ in window)
         ratio = math.exp(statistics.median(r for _, r in window))
@@ -339,10 +346,9 @@ class Ledger:
         if seen.cosine is None:
             return None
         pair = frozenset((peer_a, peer_b))
-        window = self.lane_cosines.setdefault(pair, deque(maxlen=LANE_FLIP_WINDOW))
-        window.append(seen.cosine)
-        cosine = statistics.median(window)
-        if len(window) < LANE_FLIP_WINDOW or cosine >= COSINE_MIN:
+        window = _full_window(self.lane_cosines, pair, seen.cosine, LANE_FLIP_WINDOW)
+        cosine = statistics.median(window) if window else math.inf
+        if cosine >= COSINE_MIN:
             return None
         del self.lane_cosines[pair]
         return (f"the median gradient cosine of their last {LANE_FLIP_WINDOW} lane audits is {cosine:.3f}, below "

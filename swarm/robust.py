@@ -216,10 +216,11 @@ def check_reduced(
         return Finding(f"a reduced part of shape {tuple(delta.shape)}, expected {tuple(own_part.shape)}", math.inf)
     if not torch.isfinite(delta).all():
         return Finding("a reduced part with NaN or inf", math.inf)
-    change = relative_change(own_part, own_part + delta)
+    norm = float(own_part.float().norm())
     if typical_rms:
-        norm = max(float(own_part.float().norm()), rule.typical_floor * typical_rms * own_part.numel() ** 0.5)
-        change = float(delta.float().norm()) / norm
+        norm = max(norm, rule.typical_floor * typical_rms * own_part.numel() ** 0.5)
+    moved = float(delta.float().norm())
+    change = moved / norm if norm > 0 else moved
     bound = max(rule.reduced_factor * max(honest_change, reference or 0.0), rule.reduced_floor)
     if change > bound:
         return Finding(f"a reduced part that moves this peer's part by {change:.3g} of its norm (bound {bound:.3g})",

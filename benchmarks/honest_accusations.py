@@ -12,9 +12,11 @@ rounds see a model that learns. Every accusation is a false positive. The reduce
 27 Nov 2026), and `part`, against the larger of that and the change it made to the same part when it last reduced
 it (`PartChanges`). Each receiver also judges the direction of each reducer's round (`Alignment`, over the parts
 it used) with its own `Evidence(ALIGNMENT)`; the report gives how many rounds fell below the floor and the most of
-any 8 consecutive rounds of one receiver and reducer. The same rounds also score a hostile reducer (the last
-replica, on the parts it reduced honestly) returning noise of 10× the average's norm, or the negated average: how
-many the receivers refuse, and when they accuse it.
+any 8 consecutive rounds of one receiver and reducer. Each reducer also judges the direction of each sender's
+parts of the round (`SenderDirection`, the lowest of a round below the floor: `direction_findings`), weighed the same
+way. The same rounds also score a hostile replica (the last, on the parts it reduced or sent honestly): a reducer
+returning noise of 10× the average's norm, or the negated average; a sender of 10× its gradient, or of −1×: how many
+parts the others refuse, and when they accuse it.
 
     OMP_NUM_THREADS=1 python benchmarks/honest_accusations.py --rounds 40
 """
@@ -35,14 +37,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from peer.stage_averagers import GradientWire  # noqa: E402
 from swarm.data import load_splits  # noqa: E402
-from swarm.evidence import ALIGNMENT, Evidence  # noqa: E402
+from swarm.evidence import ALIGNMENT, Evidence, EvidenceRule  # noqa: E402
 from swarm.model import PipelineStage, next_token_loss  # noqa: E402
 from swarm.presets import preset  # noqa: E402
-from swarm.robust import Alignment, PartChanges, RobustRule, check_reduced, robust_average  # noqa: E402
+from swarm.robust import (  # noqa: E402
+    Alignment,
+    PartChanges,
+    RobustRule,
+    SenderDirection,
+    check_reduced,
+    direction_findings,
+    robust_average,
+)
 
 RULE = RobustRule()
 RULE_PART = GradientWire.FP16.averager_options()["part_size_bytes"] // 2  # fp16 values per part
-ATTACKS = ("reducer noise", "reducer sign", "sender ×10")
+ATTACKS = ("reducer noise", "reducer sign", "sender ×10", "sender sign")
+SENDER_ATTACKS = {"sender ×10": 10.0, "sender sign": -1.0}  # what the hostile sender multiplies its part by
+DIRECTIONS = ("direction", "sender direction")  # roles judged once per round, by `Evidence(ALIGNMENT)`
 
 
 def regions(tensors: list[torch.Tensor], peers: int) -> list[list[tuple[int, int]]]:
@@ -71,31 +83,34 @@ class Stage:
         self.memory = [PartChanges(RULE.reduced_memory) for _ in range(peers)]
         self.judged = Counter()  # parts judged, by role
         self.findings = {"sender": Counter(), "reducer region": Counter(), "reducer part": Counter()}
-        self.honest = [Evidence() for _ in range(peers)]  # each replica's, all replicas honest
-        self.honest_alignment = [Evidence(ALIGNMENT) for _ in range(peers)]
+        roles = ("part", *DIRECTIONS)
+        self.honest = {role: [Evidence(ALIGNMENT if role in DIRECTIONS else EvidenceRule()) for _ in range(peers)]
+                       for role in roles}  # each replica's, all replicas honest
         self.accusations: list[dict] = []
-        self.attacked = {attack: [Evidence() for _ in range(peers)] for attack in ATTACKS}
-        self.attacked_alignment = {attack: [Evidence(ALIGNMENT) for _ in range(peers)] for attack in ATTACKS}
+        self.attacked = {(role, attack): [Evidence(ALIGNMENT if role in DIRECTIONS else EvidenceRule())
+                                          for _ in range(peers)] for role in roles for attack in ATTACKS}
         self.away: dict[tuple[int, int], list[bool]] = defaultdict(list)  # (receiver, reducer): rounds below the floor
+        self.sender_away: dict[tuple[int, int], list[bool]] = defaultdict(list)  # (reducer, sender): rounds lowest
+        self.sender_cosines: list[float] = []  # honest senders' cosines of a round to the others' clipped average
         self.attack_findings = Counter()
         self.attack_judged = Counter()
         self.caught: dict[str, dict[int, int]] = {attack: {} for attack in ATTACKS}  # observer -> round
 
     def _judge(self, step: int, observer: int, suspect: int, role: str, honest, attacked: dict) -> None:
-        """One judged part of `suspect` by `observer` (or, for the role "direction", one round's `Alignment`):
-        `honest` its finding in the all-honest round, `attacked` what it is under each attack (the honest finding
-        where the attack does not touch this part)."""
-        direction = role == "direction"
-        why = (self.honest_alignment if direction else self.honest)[observer].judge(suspect, step, honest)
+        """One judged part of `suspect` by `observer` (or, for the roles of `DIRECTIONS`, one round's direction of a
+        reducer or a sender): `honest` its finding in the all-honest round, `attacked` what it is under each attack
+        (the honest finding where the attack does not touch this part)."""
+        kind = role if role in DIRECTIONS else "part"
+        why = self.honest[kind][observer].judge(suspect, step, honest)
         if why:
             self.accusations.append(dict(round=step, observer=observer, suspect=suspect, role=role, why=why))
         if suspect != self.peers - 1 or observer == suspect:
             return
         for attack, finding in attacked.items():
-            if not direction:
+            if kind == "part":
                 self.attack_judged[attack] += 1
                 self.attack_findings[attack] += finding is not None
-            evidence = (self.attacked_alignment if direction else self.attacked)[attack][observer]
+            evidence = self.attacked[kind, attack][observer]
             if evidence.judge(suspect, step, finding) and observer not in self.caught[attack]:
                 self.caught[attack][observer] = step
 
@@ -107,18 +122,36 @@ class Stage:
         pieces = {key: [g[key[0]].reshape(-1).split(RULE_PART)[key[1]] for g in grads] for key in reducer_of}
         averages = {}
         hostile_part = self.peers - 1
+        # (reducer, "honest" or a sender attack) -> sender -> its direction over the parts of the round
+        directions: dict[tuple[int, str], dict[int, SenderDirection]] = defaultdict(
+            lambda: defaultdict(SenderDirection))
         for key, contributions in pieces.items():
             weights, shape = [1.0] * self.peers, contributions[0].shape
             aggregate = robust_average(contributions, weights, shape, RULE)
-            scaled = robust_average([*contributions[:-1], 10 * contributions[-1]], weights, shape, RULE)
+            sent = {attack: robust_average([*contributions[:-1], factor * contributions[-1]], weights, shape, RULE)
+                    for attack, factor in SENDER_ATTACKS.items()}
             averages[key] = aggregate.average
+            for name, reduced in (("honest", aggregate), *sent.items()):
+                for sender, direction in reduced.directions.items():
+                    directions[reducer_of[key], name][sender].merge(direction)
             for sender, finding in aggregate.judged.items():
                 self.judged["sender"] += 1
                 self.findings["sender"][self.names[key[0]]] += finding is not None
                 attacked = {attack: finding for attack in ATTACKS}
                 if sender == hostile_part:
-                    attacked["sender ×10"] = scaled.judged.get(sender)
+                    attacked |= {attack: reduced.judged.get(sender) for attack, reduced in sent.items()}
                 self._judge(step, reducer_of[key], sender, "sender", finding, attacked)
+        for reducer in range(self.peers):
+            verdicts = {name: direction_findings(directions[reducer, name], RULE)
+                        for name in ("honest", *SENDER_ATTACKS)}
+            self.sender_cosines += [d.cosine for d in directions[reducer, "honest"].values() if d.cosine is not None]
+            for sender, finding in verdicts["honest"].items():
+                self.sender_away[reducer, sender].append(finding is not None)
+                attacked = {attack: finding for attack in ATTACKS}
+                if sender == hostile_part:
+                    attacked |= {attack: verdicts[attack].get(sender) for attack in SENDER_ATTACKS}
+                if sender != reducer:  # a peer does not judge itself
+                    self._judge(step, reducer, sender, "sender direction", finding, attacked)
         for receiver in range(self.peers):
             own = [key for key, reducer in reducer_of.items() if reducer == receiver]
             moved = sum(float((averages[k] - pieces[k][receiver]).norm()) ** 2 for k in own)
@@ -172,6 +205,15 @@ class Stage:
                 below_the_floor=sum(sum(flags) for flags in self.away.values()),
                 most_in_8_consecutive=max((sum(flags[i : i + 8]) for flags in self.away.values()
                                            for i in range(len(flags))), default=0)),
+            senders_pointing_away=dict(
+                judged=sum(len(flags) for flags in self.sender_away.values()),
+                lowest_below_the_floor=sum(sum(flags) for flags in self.sender_away.values()),
+                most_in_8_consecutive=max((sum(flags[i : i + 8]) for flags in self.sender_away.values()
+                                           for i in range(len(flags))), default=0),
+                by_round=[sum(flags[step] for flags in self.sender_away.values() if step < len(flags))
+                          for step in range(max(map(len, self.sender_away.values()), default=0))],
+                cosine_quantiles=[round(q, 3) for q in torch.tensor(self.sender_cosines).quantile(
+                    torch.tensor([0.0, 0.01, 0.1, 0.5])).tolist()] if self.sender_cosines else []),
             honest_accusations=self.accusations,
             attacks={attack: dict(parts_judged=self.attack_judged[attack], findings=self.attack_findings[attack],
                                   accused_by={str(o): step for o, step in sorted(self.caught[attack].items())})

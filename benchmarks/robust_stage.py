@@ -17,8 +17,9 @@ Peer 3 of stage 1 is hostile in one way per run:
 The rule is `robust` (swarm/robust.py, what the peers run: CenteredClip per part, reduced parts checked by
 each honest peer, findings weighed into accusations by swarm/evidence.py (but not `PartChanges`: here each
 peer reduces the same part every step, so its own change is the reference), the direction of each reducer's
-used part judged each step (`Alignment`, weighed by its own `Evidence(ALIGNMENT)`), an accused peer left out of every
-later group, so its share of the parts is reduced by the honest peers) or `mean` (hivemind's plain weighted
+used part judged each step (`Alignment`, weighed by its own `Evidence(ALIGNMENT)`) and of each sender's part
+(`SenderDirection`, `direction_findings`, the same), an accused peer left out of every later group, so its share of
+the parts is reduced by the honest peers) or `mean` (hivemind's plain weighted
 mean, for contrast). An honest peer's view is applied (peer 0's: where it refuses a reduced part it keeps its own
 gradient for that slice). What it does not model: the network (the wiring is tested on real hivemind
 averagers in tests/test_robust_averaging.py), state averaging (all peers hold the same weights here), and
@@ -60,6 +61,7 @@ from swarm.robust import (  # noqa: E402
     Finding,
     RobustRule,
     check_reduced,
+    direction_findings,
     relative_change,
     robust_average,
 )
@@ -111,6 +113,7 @@ class Stage1Averaging:
         self.accused_at: int | None = None
         self.evidence = Evidence()  # peer 0's: when findings against a peer add up to an accusation
         self.alignment_evidence = Evidence(ALIGNMENT)  # peer 0's, for the direction of each reducer's part
+        self.direction_evidence = Evidence(ALIGNMENT)  # peer 0's, for the direction of each sender's part
         self.honest_accused = 0  # accusations of an honest peer by peer 0 (counted, not acted on)
         self.generator = torch.Generator().manual_seed(10_000 + seed)
 
@@ -137,6 +140,9 @@ class Stage1Averaging:
                     refused = {n: Finding(why, math.inf) for n, why in aggregate.refused.items()}
                     for n, finding in (refused | aggregate.judged).items():
                         self._judge(keep[n], step, finding)
+                    for n, finding in direction_findings(aggregate.directions, self.robust).items():
+                        if keep[n] != 0:  # a peer does not judge itself
+                            self._judge(keep[n], step, finding, self.direction_evidence)
             # a banned peer is in no later group (`peer/robust_averaging.py` `ExcludingMatchmaking`): the honest
             # peers split its share of the parts among themselves, so every part is theirs to reduce
             if j == HOSTILE and self.attack in REDUCER_ATTACKS and not (self.rule == "robust" and self.banned):
@@ -225,9 +231,10 @@ def run(point: dict) -> dict:
 
 
 GROUPS = "excluded"  # how a banned peer is treated: left out of later groups; runs before this kept it in ("kept")
-# findings weighed by swarm/evidence.py and reducers' directions by `ALIGNMENT`; runs before accused on findings
-# alone ("evidence") or at the first finding ("at-once")
-ACCUSATION = "evidence+alignment"
+# findings weighed by swarm/evidence.py, reducers' and senders' directions by `ALIGNMENT`; runs before judged no
+# sender's direction ("evidence+alignment"), no direction at all ("evidence") or accused at the first finding
+# ("at-once")
+ACCUSATION = "evidence+alignment+direction"
 
 
 def counts_now(run: dict) -> bool:

@@ -6,7 +6,8 @@ averager builds in `_run_allreduce_inplace_`. Here:
 
 - `RobustPartReducer` collects the parts of the current part index (the running sum becomes a list, through
   the `add_` hivemind calls on its accumulator) and, once every sender is in, returns `robust_average` instead
-  of the mean; each sender's part is judged, and an accused sender's later parts of the round are ignored;
+  of the mean; each sender's part is judged, and an accused sender's later parts of the round are ignored; after
+  the last part, the direction of each sender's parts of the round (`SenderDirection`, `direction_findings`);
 - `CheckedPartContainer` holds the parts other reducers return until this peer's own reduction is done (that
   gives the honest relative change), then applies `check_reduced` to each, with the change this peer's own
   reductions made to that same part in earlier rounds (`PartChanges`) as a second reference: a refused part is
@@ -15,7 +16,8 @@ averager builds in `_run_allreduce_inplace_`. Here:
   used averages pointed along this peer's parts (`Alignment`) is judged too, once for the round;
 - `RobustAveraging`, mixed into an averager, weighs every judged part with `swarm/evidence.py` (`Evidence`:
   one part past its bound accuses nobody unless flagrant, findings on a share of a peer's parts over its
-  recent rounds do; the alignments by their own `Evidence`, `ALIGNMENT`) and bans the accused peers
+  recent rounds do; the reducers' alignments and the senders' directions each by their own `Evidence`,
+  `ALIGNMENT`) and bans the accused peers
   (`AveragingBans`): their contributions and reduced parts are ignored in every round until the ban ends;
 - `peer/averaging_matchmaking.py` `ExcludingMatchmaking` keeps them out of later groups: as a leader this peer
   refuses their requests to join, as a follower it does not ask them to lead. Inside a group a banned reducer's
@@ -45,7 +47,16 @@ from hivemind.utils.timed_storage import get_dht_time
 
 from peer.averaging_matchmaking import ExcludingMatchmaking, pace_lookups
 from swarm.evidence import ALIGNMENT, AveragingBans, Evidence
-from swarm.robust import Alignment, Finding, PartChanges, RobustRule, check_reduced, robust_average
+from swarm.robust import (
+    Alignment,
+    Finding,
+    PartChanges,
+    RobustRule,
+    SenderDirection,
+    check_reduced,
+    direction_findings,
+    robust_average,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -75,10 +86,12 @@ class RobustPartReducer(TensorPartReducer):
         rule: RobustRule,
         judge: Judge,
         ignored: set[int],
+        judge_direction: Judge,
     ):
-        self.rule, self.judge, self.ignored = rule, judge, ignored
+        self.rule, self.judge, self.ignored, self.judge_direction = rule, judge, ignored, judge_direction
         self._sender_of: dict[int, int] = {}  # id(part) -> sender index, for the part being collected
         self._collected_senders: list[int] = []
+        self.directions: dict[int, SenderDirection] = {}  # sender index -> its parts of the round so far
         super().__init__(part_shapes, num_senders)
 
     def reset_accumulators(self):
@@ -116,8 +129,20 @@ class RobustPartReducer(TensorPartReducer):
             for n, finding in findings.items():
                 if self.judge(senders[keep[n]], finding):
                     self.ignored.add(senders[keep[n]])
+            for n, direction in aggregate.directions.items():
+                self.directions.setdefault(senders[keep[n]], SenderDirection()).merge(direction)
             future.set_result(aggregate.average)
+        if self.current_part_index == self.num_parts - 1:
+            self._judge_directions()
         self.reset_accumulators()
+
+    def _judge_directions(self) -> None:
+        """After the round's last part: the direction of each sender's parts that were judged (`direction_findings`;
+        a sender accused or ignored meanwhile is left out)."""
+        directions = {n: d for n, d in self.directions.items() if n not in self.ignored}
+        for sender, finding in direction_findings(directions, self.rule).items():
+            if self.judge_direction(sender, finding):
+                self.ignored.add(sender)
 
 
 class CheckedPartContainer(TensorPartContainer):
@@ -216,7 +241,8 @@ class CheckedPartContainer(TensorPartContainer):
                 return Finding("a reduced part of the wrong shape or with NaN or inf", math.inf)
             return None
         typical_rms = (self._own_norm_sq / max(self._own_size, 1)) ** 0.5
-        return check_reduced(own, delta, self.honest_change, self.rule, self.changes.reference(key), typical_rms)
+        finding = check_reduced(own, delta, self.honest_change, self.rule, self.changes.reference(key), typical_rms)
+        return None if finding is None else Finding(f"{finding.why} (tensor {key[0]}, part {key[1]})", finding.excess)
 
     def register_failed_reducer(self, peer_index: int):
         """This peer keeps its own values for every part of `peer_index` not yet applied (hivemind does the same
@@ -241,17 +267,19 @@ class RobustAllReduceRunner(AllReduceRunner):
         changes: PartChanges,
         evidence: Evidence,
         alignment_evidence: Evidence,
+        direction_evidence: Evidence,
         round_number: int,
         **kwargs,
     ):
         super().__init__(*args, **kwargs)
         self.rule, self._accuse, self._evidence, self._round = rule, accuse, evidence, round_number
-        self._alignment_evidence = alignment_evidence
+        self._alignment_evidence, self._direction_evidence = alignment_evidence, direction_evidence
         ignored = {i for i, peer in enumerate(self.sender_peer_ids) if peer in banned}
         hivemind_reducer = self.tensor_part_reducer
         hivemind_reducer.finished.set()  # never used: quiet its "received 0%" warning when it is collected
         self.tensor_part_reducer = RobustPartReducer(
-            hivemind_reducer.part_shapes, hivemind_reducer.num_senders, rule, self._judge_sender, ignored
+            hivemind_reducer.part_shapes, hivemind_reducer.num_senders, rule, self._judge_sender, ignored,
+            self._judge_direction,
         )
         banned_reducers = {i for i, peer in enumerate(self.ordered_peer_ids) if peer in banned and peer != self.peer_id}
         CheckedPartContainer.adopt(
@@ -276,7 +304,14 @@ class RobustAllReduceRunner(AllReduceRunner):
         return why is not None
 
     def _judge_sender(self, sender_index: int, finding: Finding | None) -> bool:
+        if finding is not None:  # which slice, so that a log line says where an accused sender's part lay
+            container = self.tensor_part_container
+            key = container._part_key(container.own_index, self.tensor_part_reducer.current_part_index)
+            finding = Finding(f"{finding.why} (tensor {key[0]}, part {key[1]})", finding.excess)
         return self._judge(self.sender_peer_ids[sender_index], "sender", finding)
+
+    def _judge_direction(self, sender_index: int, finding: Finding | None) -> bool:
+        return self._judge(self.sender_peer_ids[sender_index], "sender", finding, self._direction_evidence)
 
     def _judge_reducer(self, peer_index: int, finding: Finding | None) -> bool:
         return self._judge(self.ordered_peer_ids[peer_index], "reducer", finding)
@@ -301,6 +336,7 @@ class RobustAveraging:
         self.part_changes = PartChanges(self.robust_rule.reduced_memory)
         self.evidence = Evidence()
         self.alignment_evidence = Evidence(ALIGNMENT)
+        self.direction_evidence = Evidence(ALIGNMENT)  # the senders' directions, one judgement per round
         self.rounds_run = 0
         super().__init__(*args, **kwargs)
 
@@ -350,6 +386,7 @@ class RobustAveraging:
             changes=self.part_changes,
             evidence=self.evidence,
             alignment_evidence=self.alignment_evidence,
+            direction_evidence=self.direction_evidence,
             round_number=self.rounds_run,
             **kwargs,
         )

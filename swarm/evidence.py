@@ -21,7 +21,10 @@ The direction of a reducer's averages (`swarm/robust.py` `Alignment`) is judged 
 and by its own evidence (`ALIGNMENT`): a reducer is accused when its averages pointed away from this peer's parts
 in `flags` = 5 of its last 8 rounds with it. Honest reducers did so in at most 3 of any 8 consecutive rounds over
 2 seeds × 2 stages × 60 rounds of benchmarks/honest_accusations.py; a reducer that negates its averages does so
-in nearly every round, and was accused after its 5th.
+in nearly every round, and was accused after its 5th. A sender's direction (`direction_findings`) is weighed the
+same way, by its own `Evidence(ALIGNMENT)` at each reducer: over 2 seeds × 2 stages × 60 rounds of the same benchmark
+an honest sender was a round's lowest-and-apart at most 3 times in any 8 consecutive rounds with one reducer
+(28 Nov 2026), while a sender of −g was one in each of its first rounds and accused after its 5th at the latest.
 
 An accusation bans the peer from that averager (`AveragingBans`) for `BAN_SECONDS`, doubling with each new
 accusation of the same peer up to `MAX_BAN_SECONDS`, so that an honest peer accused by chance rejoins its stage's

@@ -40,6 +40,18 @@ of honest parts pointed away, benchmarks/honest_accusations.py, 27 Nov 2026); a 
 the floor in 111 of 2,880 honest cases there, never in more than 3 of a pair's 8 consecutive rounds, and a
 negating reducer in nearly all of them, so `swarm/evidence.py` weighs rounds of alignment, not parts.
 
+A sender of −g (its gradient negated) lies as near the others as their own noise does, so CenteredClip averages it
+in, and the average of a group of four holds half the expected gradient (×1.07 in loss, benchmarks/robust_stage.py).
+Its direction gives it away too: the reducer judges each sender's parts of a round, concatenated, against the others'
+parts clipped as CenteredClip clips them (`others_clipped`, `SenderDirection`): an honest gradient shares the
+expected gradient with them, −g points away. A round's lowest cosine is a finding when it is below `sender_floor`
+and `sender_apart` below the next lowest (`direction_findings`): only the lowest, so that a hostile sender bending
+the others' reference within its clipped pull cannot make honest senders findings (it bends them all alike); apart
+from the next, because where the gradients of other microbatches share little, some honest sender is lowest and
+below zero by chance (benchmarks/honest_accusations.py, 28 Nov 2026: honest rounds like that come in bursts of a few
+rounds in which every reducer sees one). The cosine does not see scale (−g/10 is judged as −g is); zeros point
+nowhere and are not judged.
+
 A refusal is something no honest peer sends; a finding is a part past a statistical bound, which honest peers
 also reach now and then (benchmarks/honest_accusations.py), so `swarm/evidence.py` decides when findings add
 up to an accusation.
@@ -51,7 +63,8 @@ a hostile reducer moves no honest peer's tensors by more than `reduced_factor` �
 for the part (its own reductions, in groups of three or more, where a hostile sender's pull on them is clipped).
 Limits: with N = 2 there is no majority (the median of two is their mean) and nobody is judged; a hostile reducer
 can bend its parts within that bound and along this peer's parts (shrink them, say); a contribution inside the clip
-radius (a plausible but wrong gradient) is averaged in with its weight.
+radius (a plausible but wrong gradient) is averaged in with its weight, and is judged for its direction only where
+honest gradients share one (a sender of −g late in training, where they share little, is found in fewer rounds).
 """
 
 from __future__ import annotations
@@ -79,6 +92,8 @@ class RobustRule:
     reduced_memory: int = 8  # a part's own reference is the largest change of this peer's last reductions of it
     aligned_floor: float = 0.1  # a reducer's averages of a round hold at least this share of this peer's parts
     typical_floor: float = 0.1  # a part's norm counts as at least this share of a typical part's of the same size
+    sender_floor: float = 0.0  # the lowest cosine of a round's senders to the others' clipped average below this...
+    sender_apart: float = 0.2  # ...and this far below the next lowest is a finding
 
 
 @dataclass(frozen=True)
@@ -91,13 +106,14 @@ class Finding:
 
 @dataclass
 class Aggregate:
-    """The robust average of one part, its clip radius, the senders (by index) refused with why, and each sender
-    the radius judged: its `Finding` if it lay too far, else None."""
+    """The robust average of one part, its clip radius, the senders (by index) refused with why, each sender the
+    radius judged: its `Finding` if it lay too far, else None, and how each of those pointed along the others."""
 
     average: torch.Tensor
     tau: float
     refused: dict[int, str] = field(default_factory=dict)
     judged: dict[int, Finding | None] = field(default_factory=dict)
+    directions: dict[int, SenderDirection] = field(default_factory=dict)
 
 
 def refusal(part: torch.Tensor, weight: float, shape: torch.Size) -> str | None:
@@ -159,12 +175,28 @@ def robust_average(
     distances = (stacked - centre).norm(dim=1)
     judged: dict[int, Finding | None] = {}
     # a floor's radius judges nobody (module docstring), nor does the centre of two parts (their mean)
-    for row, (index, _) in enumerate(kept if spread and len(kept) > 2 else ()):
+    directions: dict[int, SenderDirection] = {}
+    judging = spread and len(kept) > 2
+    toward = others_clipped(stacked, centre, tau, torch.tensor([w for _, w in kept])) if judging else None
+    for row, (index, _) in enumerate(kept if judging else ()):
         radii = float(distances[row]) / tau
         far = radii > rule.accuse_factor
         why = f"a part {radii:.1f} clip radii from the robust average"
         judged[index] = Finding(why, radii / rule.accuse_factor) if far else None
-    return Aggregate(average=centre.reshape(shape), tau=tau, refused=refused, judged=judged)
+        directions[index] = SenderDirection()
+        directions[index].add(stacked[row], toward[row])
+    return Aggregate(average=centre.reshape(shape), tau=tau, refused=refused, judged=judged, directions=directions)
+
+
+def others_clipped(parts: torch.Tensor, centre: torch.Tensor, tau: float, weights: torch.Tensor) -> torch.Tensor:
+    """Row i: the weighted mean of the other rows of `parts`, each first clipped to within `tau` of `centre` (what
+    CenteredClip lets each of them pull): the reference sender i's part is judged against for its direction, one a
+    hostile sender moves by no more than its clipped pull."""
+    diffs = parts - centre
+    clipped = centre + diffs * (tau / diffs.norm(dim=1, keepdim=True).clamp_min(1e-30)).clamp(max=1.0)
+    total = weights.float() @ clipped
+    rest = (weights.sum() - weights).float().clamp_min(1e-30)
+    return (total - weights.float()[:, None] * clipped) / rest[:, None]
 
 
 def relative_change(before: torch.Tensor, after: torch.Tensor) -> float:
@@ -254,3 +286,50 @@ class Alignment:
     @property
     def judged(self) -> bool:
         return self.norm_sq > 0 and math.isfinite(self.dot)
+
+
+@dataclass
+class SenderDirection:
+    """How far the parts one sender sent a reducer in a round point along the others' (`others_clipped`): the
+    cosine of its parts, concatenated, with theirs. An honest gradient shares with the others' average the
+    direction of the expected gradient; a sender of −g points away from it."""
+
+    dot: float = 0.0
+    own_sq: float = 0.0
+    others_sq: float = 0.0
+
+    def add(self, own: torch.Tensor, others: torch.Tensor) -> None:
+        own, others = own.detach().reshape(-1).float(), others.detach().reshape(-1).float()
+        self.dot += float(own @ others)
+        self.own_sq += float(own @ own)
+        self.others_sq += float(others @ others)
+
+    def merge(self, other: SenderDirection) -> None:
+        self.dot += other.dot
+        self.own_sq += other.own_sq
+        self.others_sq += other.others_sq
+
+    @property
+    def cosine(self) -> float | None:
+        """None when there is nothing to judge (a zero part, or a sum that is not finite)."""
+        norm = math.sqrt(self.own_sq * self.others_sq)
+        return self.dot / norm if norm > 0 and math.isfinite(self.dot) and math.isfinite(norm) else None
+
+
+def direction_findings(directions: dict[Hashable, SenderDirection], rule: RobustRule) -> dict[Hashable, Finding | None]:
+    """Each sender's verdict on its round's direction: a `Finding` for the one with the lowest cosine if that is below
+    `sender_floor` and `sender_apart` below the next lowest, None for the other judged ones; nothing with fewer than
+    three senders to judge. Only the lowest, because a hostile sender can bend the others' clipped average against
+    every honest one a little (by its clipped pull); it cannot choose which honest sender's own noise points further
+    away, while its own −g stays furthest. Apart from the next, because in a round where the gradients of other
+    microbatches share little, some honest sender is lowest and below zero by chance, near the next one."""
+    cosines = {sender: d.cosine for sender, d in directions.items() if d.cosine is not None}
+    if len(cosines) < 3:
+        return {}
+    lowest, second = sorted(cosines, key=cosines.__getitem__)[:2]
+    findings: dict[Hashable, Finding | None] = dict.fromkeys(cosines)
+    if cosines[lowest] < min(rule.sender_floor, cosines[second] - rule.sender_apart):
+        why = (f"parts at cosine {cosines[lowest]:.2f} to the others' average (floor {rule.sender_floor}, next lowest "
+               f"{cosines[second]:.2f})")
+        findings[lowest] = Finding(why, 1.0)
+    return findings

@@ -11,8 +11,11 @@ from swarm.robust import (
     Alignment,
     PartChanges,
     RobustRule,
+    SenderDirection,
     capped_weights,
     check_reduced,
+    direction_findings,
+    others_clipped,
     refusal,
     robust_average,
 )
@@ -162,3 +165,68 @@ def test_a_part_of_this_peers_that_is_nearly_zero_is_measured_against_a_typical_
     assert check_reduced(own, 0.5 * own, 0.1, rule, typical_rms=1.0) is None
     far = check_reduced(own, 5 * own, 0.1, rule, typical_rms=1.0)
     assert far.excess == check_reduced(own, 5 * own, 0.1, rule).excess
+
+
+def signal_in_noise(n: int, seed: int = 0, signal: float = 0.5) -> list[torch.Tensor]:
+    """Parts that share a direction under noise larger than it (gradients of other microbatches)."""
+    generator = torch.Generator().manual_seed(seed)
+    common = torch.randn(SHAPE, generator=generator)
+    return [signal * common + torch.randn(SHAPE, generator=generator) for _ in range(n)]
+
+
+def test_each_part_is_judged_against_the_others_clipped_mean():
+    parts = torch.stack([torch.full((4,), 1.0), torch.full((4,), 2.0), torch.full((4,), 3.0), torch.full((4,), 100.0)])
+    # clipped to a distance of 2 from the centre: the first part to 2.5 - 1 in each of its four values, the last
+    # to 2.5 + 1; the two in the middle are nearer (a distance of 1) and stay
+    centre, tau = torch.full((4,), 2.5), 2.0
+    toward = others_clipped(parts, centre, tau, torch.ones(4))
+    assert torch.allclose(toward[0], torch.full((4,), (2.0 + 3.0 + 3.5) / 3))
+    assert torch.allclose(toward[3], torch.full((4,), (1.5 + 2.0 + 3.0) / 3))  # its own pull is not in it
+    weighted = others_clipped(parts[:3], centre, tau, torch.tensor([1.0, 1.0, 2.0]))
+    assert torch.allclose(weighted[0], torch.full((4,), (2.0 + 2 * 3.0) / 3))
+
+
+def test_a_sender_of_its_negated_gradient_is_the_lowest_direction_of_its_round():
+    """−g lies as near the others as their own noise (no radius finds it) but points away from their average:
+    the round's lowest cosine, below the floor. The honest senders' cosines stay positive, and a round of honest
+    senders has no finding."""
+    rule = RobustRule()
+    for seed in range(5):
+        parts = signal_in_noise(4, seed)
+        liar = [*parts[:3], -parts[3]]
+        aggregate = robust_average(liar, [1.0] * 4, SHAPE, rule)
+        assert not any(aggregate.judged.values())  # inside the clip radius
+        findings = direction_findings(aggregate.directions, rule)
+        assert findings[3] is not None and "cosine -" in findings[3].why
+        assert [findings[i] for i in range(3)] == [None] * 3
+        assert all(aggregate.directions[i].cosine > 0 for i in range(3))
+        honest_round = robust_average(parts, [1.0] * 4, SHAPE, rule)
+        assert not any(direction_findings(honest_round.directions, rule).values())
+
+
+def test_a_huge_sender_cannot_turn_honest_directions_into_findings():
+    """A part against the others, as large as it likes, is clipped before it enters their reference: the honest
+    senders' directions stay positive, and the lowest is its own. Even one aimed at their exact mean (which no
+    sender knows before it sends) makes no honest direction a finding: it bends every honest cosine alike, so none
+    stands apart as the lowest; its radius accuses it."""
+    rule = RobustRule()
+    parts = signal_in_noise(4, seed=1)
+    aggregate = robust_average([*parts[:3], -1e4 * parts[3]], [1.0] * 4, SHAPE, rule)
+    findings = direction_findings(aggregate.directions, rule)
+    assert findings[3] is not None and [findings[i] for i in range(3)] == [None] * 3
+    assert all(aggregate.directions[i].cosine > 0 for i in range(3))
+    aimed = robust_average([*parts[:3], -1e4 * sum(parts[:3])], [1.0] * 4, SHAPE, rule)
+    assert not any(direction_findings(aimed.directions, rule)[i] for i in range(3))
+    assert aimed.judged[3] is not None and aimed.judged[3].excess > 100
+
+
+def test_directions_add_up_over_a_round_and_need_three_senders():
+    a, b = SenderDirection(), SenderDirection()
+    a.add(torch.tensor([1.0, 0.0]), torch.tensor([1.0, 1.0]))
+    b.add(torch.tensor([0.0, 1.0]), torch.tensor([-1.0, 1.0]))
+    a.merge(b)
+    assert a.cosine == pytest.approx(2.0 / math.sqrt(2.0 * 4.0))
+    assert SenderDirection().cosine is None  # nothing to judge
+    two = {0: a, 1: SenderDirection(dot=-1.0, own_sq=1.0, others_sq=1.0)}
+    assert direction_findings(two, RobustRule()) == {}  # two senders: no majority to point along
+    assert robust_average(signal_in_noise(2), [1.0, 1.0], SHAPE).directions == {}

@@ -58,8 +58,8 @@ def lying_runner(reducer_cls: type[TensorPartReducer]) -> type[AllReduceRunner]:
     """hivemind's runner with `reducer_cls` reducing this peer's parts (and the robust runner's arguments unused)."""
 
     class LyingRunner(AllReduceRunner):
-        def __init__(self, *args, rule, banned, accuse, changes, evidence, alignment_evidence, round_number,
-                     **kwargs):
+        def __init__(self, *args, rule, banned, accuse, changes, evidence, alignment_evidence, direction_evidence,
+                     round_number, **kwargs):
             super().__init__(*args, **kwargs)
             honest = self.tensor_part_reducer
             honest.finished.set()
@@ -192,6 +192,7 @@ def test_one_hostile_contribution_of_four_neither_stops_nor_bends_the_average(na
             error = float((averaged - honest_mean).norm())
             assert error < spread(), (name, error, spread())
     assert all(list(banned) == [hostile] for banned in bans), (name, bans)
+    assert all("(tensor 0, part " in banned[hostile] for banned in bans), bans  # where its part lay
 
 
 def test_a_lying_reducer_is_refused_banned_and_left_out_of_the_next_group():
@@ -208,6 +209,7 @@ def test_a_lying_reducer_is_refused_banned_and_left_out_of_the_next_group():
             assert float((averaged - honest_mean).norm()) < 1.5 * spread()
             assert float((averaged - honest_mean).abs().max()) < 10.0
     assert all(list(banned) == [liar] and "as a reducer" in banned[liar] for banned in bans), bans
+    assert all("(tensor 0, part " in banned[liar] for banned in bans), bans
     first, second = results
     assert float((first[0] - first[1]).abs().max()) > 0.01  # the liar's slice: each peer's own after round 1
     for averaged in second[1:]:
@@ -224,6 +226,24 @@ def test_a_reducer_returning_the_negated_mean_is_banned_on_the_direction_of_its_
     assert all(torch.isfinite(averaged).all() for round_ in results for averaged in round_ if averaged is not None)
     assert all(list(banned) == [liar] for banned in bans), bans
     assert all("rounds past their bounds" in banned[liar] and "hold -" in banned[liar] for banned in bans), bans
+
+
+def signal_in_noise(seed: int) -> list[torch.Tensor]:
+    """A common direction under each peer's own noise of twice its size: gradients of other microbatches later in
+    training, whose mean still points along the expected gradient."""
+    common = torch.randn(SIZE, generator=torch.Generator().manual_seed(0))
+    return [common / 2 + torch.randn(SIZE, generator=torch.Generator().manual_seed(seed))]
+
+
+def test_a_sender_of_its_negated_gradient_is_banned_on_the_direction_of_its_rounds():
+    """A plain hivemind peer sends −g: no farther from the others than their own noise, so no part is clipped or
+    refused, but its parts point away from the others' average in every round (`SenderDirection`): every honest
+    peer bans it after 5 rounds, and no honest peer is banned."""
+    results, _, liar, bans = average_once(hostile_sender(torch.neg), signal_in_noise(4), rounds=6, min_group_size=3,
+                                          fresh=True, make_tensors=signal_in_noise)
+    assert all(torch.isfinite(averaged).all() for round_ in results for averaged in round_ if averaged is not None)
+    assert all(list(banned) == [liar] for banned in bans), bans
+    assert all("as a sender" in banned[liar] and "cosine -" in banned[liar] for banned in bans), bans
 
 
 def test_four_honest_peers_ban_nobody_and_get_about_their_mean():
@@ -312,6 +332,7 @@ def test_a_receiver_refuses_one_reduced_part_keeps_the_order_and_accuses_on_evid
     assert torch.equal(outputs[0], 0.05 * theirs[0]) and torch.equal(outputs[2], 0.05 * theirs[2])
     assert torch.equal(outputs[1], torch.zeros(100)) and container.failed_size == 100
     assert [why is not None for _, why in judged] == [False, True, False] and 1 not in container.refused
+    assert "(tensor 0, part " in judged[1][1]  # which slice it was
     container.register_processed_part(2, 10, torch.zeros(100))  # peer 2 reduces parts 0-9 only
     assert 2 in container.refused and container._outputs_registered_by_peer[2] == 10
     assert "from a reducer of 10" in judged[-1][1]

@@ -42,15 +42,15 @@ negating reducer in nearly all of them, so `swarm/evidence.py` weighs rounds of 
 
 A sender of −g (its gradient negated) lies as near the others as their own noise does, so CenteredClip averages it
 in, and the average of a group of four holds half the expected gradient (×1.07 in loss, benchmarks/robust_stage.py).
-Its direction gives it away too: the reducer judges each sender's parts of a round, concatenated, against the others'
-parts clipped as CenteredClip clips them (`others_clipped`, `SenderDirection`): an honest gradient shares the
-expected gradient with them, −g points away. A round's lowest cosine is a finding when it is below `sender_floor`
-and `sender_apart` below the next lowest (`direction_findings`): only the lowest, so that a hostile sender bending
-the others' reference within its clipped pull cannot make honest senders findings (it bends them all alike); apart
-from the next, because where the gradients of other microbatches share little, some honest sender is lowest and
-below zero by chance (benchmarks/honest_accusations.py, 28 Nov 2026: honest rounds like that come in bursts of a few
-rounds in which every reducer sees one). The cosine does not see scale (−g/10 is judged as −g is); zeros point
-nowhere and are not judged.
+Its direction gives it away too: the reducer judges each sender's parts of a round, concatenated, against the
+others' parts clipped as CenteredClip clips them (`others_clipped`, `SenderDirection`): an honest gradient shares
+the expected gradient with them, −g points away. A round's lowest cosine is a finding when it is below
+`sender_floor` and `sender_apart` below the next lowest (`direction_findings`): only the lowest, so that a hostile
+sender bending the others' reference within its clipped pull cannot make honest senders findings (it bends them
+alike on average); apart from the next, because where the gradients of other microbatches share little, some honest
+sender is lowest and below zero by chance (benchmarks/honest_accusations.py, 28 Nov 2026: honest rounds like that
+come in bursts of a few rounds in which every reducer sees one). The cosine does not see scale (−g/10 is judged as
+−g is); zeros point nowhere and are not judged.
 
 A refusal is something no honest peer sends; a finding is a part past a statistical bound, which honest peers
 also reach now and then (benchmarks/honest_accusations.py), so `swarm/evidence.py` decides when findings add
@@ -64,7 +64,9 @@ for the part (its own reductions, in groups of three or more, where a hostile se
 Limits: with N = 2 there is no majority (the median of two is their mean) and nobody is judged; a hostile reducer
 can bend its parts within that bound and along this peer's parts (shrink them, say); a contribution inside the clip
 radius (a plausible but wrong gradient) is averaged in with its weight, and is judged for its direction only where
-honest gradients share one (a sender of −g late in training, where they share little, is found in fewer rounds).
+honest gradients share one (a sender of −g late in training, where they share little, is found in fewer rounds),
+and over a round's parts joined end to end, so a sender that scales one part up along its gradient can hide −g on
+the others (docs/DESIGN.md §4; to mend: judge each part at a bounded size).
 """
 
 from __future__ import annotations

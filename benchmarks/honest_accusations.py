@@ -13,12 +13,19 @@ rounds see a model that learns. Every accusation is a false positive. The reduce
 it (`PartChanges`). Each receiver also judges the direction of each reducer's round (`Alignment`, over the parts
 it used) with its own `Evidence(ALIGNMENT)`; the report gives how many rounds fell below the floor and the most of
 any 8 consecutive rounds of one receiver and reducer. Each reducer also judges the direction of each sender's
-parts of the round (`SenderDirection`, the lowest of a round below the floor: `direction_findings`), weighed the same
-way. The same rounds also score a hostile replica (the last, on the parts it reduced or sent honestly): a reducer
-returning noise of 10× the average's norm, or the negated average; a sender of 10× its gradient, or of −1×: how many
-parts the others refuse, and when they accuse it.
+parts of the round (`SenderDirection`, each part's cosine weighted by its values; the lowest of a round, below the
+floor and apart from the next: `direction_findings`), weighed the same way. The same rounds also score a hostile
+replica (the last, on the parts it reduced or sent honestly): a reducer returning noise of 10× the average's norm,
+or the negated average; a sender of 10× its gradient, of −1×, or of −1× on every part but the first of each
+reducer's run, which it sends ×8 (inside the clip radius: it would outweigh the rest if a round's parts were judged
+joined end to end): how many parts the others refuse, and when they accuse it.
+
+`--peers 3` is a group of three (the hostile sender then half of each honest sender's reference); `--samples` gives
+each replica its own number of microbatches, which is its weight as well (honest peers of unequal sample counts: a
+replica of fewer samples sends a noisier gradient).
 
     OMP_NUM_THREADS=1 python benchmarks/honest_accusations.py --rounds 40
+    OMP_NUM_THREADS=1 python benchmarks/honest_accusations.py --rounds 40 --samples 1 4 4 4
 """
 
 from __future__ import annotations
@@ -52,8 +59,13 @@ from swarm.robust import (  # noqa: E402
 
 RULE = RobustRule()
 RULE_PART = GradientWire.FP16.averager_options()["part_size_bytes"] // 2  # fp16 values per part
-ATTACKS = ("reducer noise", "reducer sign", "sender ×10", "sender sign")
-SENDER_ATTACKS = {"sender ×10": 10.0, "sender sign": -1.0}  # what the hostile sender multiplies its part by
+# what the hostile sender multiplies a part by, given whether that part is the first of its reducer's run this round
+SENDER_ATTACKS = {
+    "sender ×10": lambda first: 10.0,
+    "sender sign": lambda first: -1.0,
+    "sender one part ×8, the rest sign": lambda first: 8.0 if first else -1.0,  # scaled, inside the clip radius
+}
+ATTACKS = ("reducer noise", "reducer sign", *SENDER_ATTACKS)
 DIRECTIONS = ("direction", "sender direction")  # roles judged once per round, by `Evidence(ALIGNMENT)`
 
 
@@ -61,6 +73,20 @@ def regions(tensors: list[torch.Tensor], peers: int) -> list[list[tuple[int, int
     """The parts (tensor index, part index) each position of a group reduces, as hivemind assigns them."""
     container = TensorPartContainer(tensors, [1.0] * peers, **GradientWire.FP16.averager_options())
     return [[(info.key, info.part_index) for _, info in parts] for parts in container._input_parts_by_peer]
+
+
+def evidences(role: str, peers: int) -> list[Evidence]:
+    """Each replica's `Evidence` for one role: by rounds for the roles of `DIRECTIONS`, by parts for the rest."""
+    return [Evidence(ALIGNMENT if role in DIRECTIONS else EvidenceRule()) for _ in range(peers)]
+
+
+def first_accusations(by_role) -> dict[str, int]:
+    """Each observer's first round of accusing, over the roles given (observer -> round, one dict per role)."""
+    first: dict[int, int] = {}
+    for rounds in by_role:
+        for observer, step in rounds.items():
+            first[observer] = min(step, first.get(observer, step))
+    return {str(o): step for o, step in sorted(first.items())}
 
 
 def hostile(attack: str, average: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
@@ -75,26 +101,26 @@ class Stage:
     """One stage's replicas for the whole run: each round's parts, each rule's findings, and the accusations each
     replica's `Evidence` makes, all honest and with the last replica hostile in each way of `ATTACKS`."""
 
-    def __init__(self, stage: PipelineStage, peers: int, lr: float):
+    def __init__(self, stage: PipelineStage, weights: list[float], lr: float):
         self.params = list(stage.parameters())
         self.names = [name for name, _ in stage.named_parameters()]
         self.optimizer = torch.optim.AdamW(self.params, lr=lr)
-        self.peers = peers
+        self.weights, self.peers = weights, len(weights)  # each replica's weight: the samples it averaged
+        peers = self.peers
         self.memory = [PartChanges(RULE.reduced_memory) for _ in range(peers)]
         self.judged = Counter()  # parts judged, by role
         self.findings = {"sender": Counter(), "reducer region": Counter(), "reducer part": Counter()}
         roles = ("part", *DIRECTIONS)
-        self.honest = {role: [Evidence(ALIGNMENT if role in DIRECTIONS else EvidenceRule()) for _ in range(peers)]
-                       for role in roles}  # each replica's, all replicas honest
+        self.honest = {role: evidences(role, peers) for role in roles}  # each replica's, all replicas honest
         self.accusations: list[dict] = []
-        self.attacked = {(role, attack): [Evidence(ALIGNMENT if role in DIRECTIONS else EvidenceRule())
-                                          for _ in range(peers)] for role in roles for attack in ATTACKS}
+        self.attacked = {(role, attack): evidences(role, peers) for role in roles for attack in ATTACKS}
         self.away: dict[tuple[int, int], list[bool]] = defaultdict(list)  # (receiver, reducer): rounds below the floor
         self.sender_away: dict[tuple[int, int], list[bool]] = defaultdict(list)  # (reducer, sender): rounds lowest
         self.sender_cosines: list[float] = []  # honest senders' cosines of a round to the others' clipped average
         self.attack_findings = Counter()
         self.attack_judged = Counter()
-        self.caught: dict[str, dict[int, int]] = {attack: {} for attack in ATTACKS}  # observer -> round
+        # attack -> role -> observer -> the round of its first accusation of the hostile replica in that role
+        self.caught: dict[str, dict[str, dict[int, int]]] = {attack: defaultdict(dict) for attack in ATTACKS}
 
     def _judge(self, step: int, observer: int, suspect: int, role: str, honest, attacked: dict) -> None:
         """One judged part of `suspect` by `observer` (or, for the roles of `DIRECTIONS`, one round's direction of a
@@ -111,14 +137,15 @@ class Stage:
                 self.attack_judged[attack] += 1
                 self.attack_findings[attack] += finding is not None
             evidence = self.attacked[kind, attack][observer]
-            if evidence.judge(suspect, step, finding) and observer not in self.caught[attack]:
-                self.caught[attack][observer] = step
+            if evidence.judge(suspect, step, finding) and observer not in self.caught[attack][role]:
+                self.caught[attack][role][observer] = step
 
     def round(self, step: int, grads: list[list[torch.Tensor]], rng: random.Random, gen: torch.Generator) -> None:
         order = list(range(self.peers))
         rng.shuffle(order)  # position -> replica, as the leader shuffles the group
-        reducer_of = {key: order[position] for position, parts in enumerate(regions(grads[0], self.peers))
-                      for key in parts}
+        runs = regions(grads[0], self.peers)
+        reducer_of = {key: order[position] for position, parts in enumerate(runs) for key in parts}
+        firsts = {parts[0] for parts in runs if parts}
         pieces = {key: [g[key[0]].reshape(-1).split(RULE_PART)[key[1]] for g in grads] for key in reducer_of}
         averages = {}
         hostile_part = self.peers - 1
@@ -126,10 +153,10 @@ class Stage:
         directions: dict[tuple[int, str], dict[int, SenderDirection]] = defaultdict(
             lambda: defaultdict(SenderDirection))
         for key, contributions in pieces.items():
-            weights, shape = [1.0] * self.peers, contributions[0].shape
+            weights, shape = self.weights, contributions[0].shape
             aggregate = robust_average(contributions, weights, shape, RULE)
-            sent = {attack: robust_average([*contributions[:-1], factor * contributions[-1]], weights, shape, RULE)
-                    for attack, factor in SENDER_ATTACKS.items()}
+            sent = {attack: robust_average([*contributions[:-1], factor(key in firsts) * contributions[-1]], weights,
+                                           shape, RULE) for attack, factor in SENDER_ATTACKS.items()}
             averages[key] = aggregate.average
             for name, reduced in (("honest", aggregate), *sent.items()):
                 for sender, direction in reduced.directions.items():
@@ -207,7 +234,7 @@ class Stage:
                                            for i in range(len(flags))), default=0)),
             senders_pointing_away=dict(
                 judged=sum(len(flags) for flags in self.sender_away.values()),
-                lowest_below_the_floor=sum(sum(flags) for flags in self.sender_away.values()),
+                lowest_and_apart=sum(sum(flags) for flags in self.sender_away.values()),
                 most_in_8_consecutive=max((sum(flags[i : i + 8]) for flags in self.sender_away.values()
                                            for i in range(len(flags))), default=0),
                 by_round=[sum(flags[step] for flags in self.sender_away.values() if step < len(flags))
@@ -216,7 +243,9 @@ class Stage:
                     torch.tensor([0.0, 0.01, 0.1, 0.5])).tolist()] if self.sender_cosines else []),
             honest_accusations=self.accusations,
             attacks={attack: dict(parts_judged=self.attack_judged[attack], findings=self.attack_findings[attack],
-                                  accused_by={str(o): step for o, step in sorted(self.caught[attack].items())})
+                                  accused_by=first_accusations(self.caught[attack].values()),
+                                  accused_by_role={role: first_accusations([by]) for role, by in
+                                                   sorted(self.caught[attack].items())})
                      for attack in ATTACKS},
         )
 
@@ -227,33 +256,42 @@ def main() -> None:
     parser.add_argument("--peers", type=int, default=4)
     parser.add_argument("--data", default="builtin:stdlib")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--samples", type=int, nargs="+",
+                        help="microbatches each replica's gradient averages, one number per replica (default 1 each); "
+                             "its weight in the average, capped at the median as the peers cap it")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
+    samples = args.samples or [1] * args.peers
+    if len(samples) != args.peers or min(samples) < 1:
+        parser.error(f"--samples needs {args.peers} positive numbers, one per replica")
     torch.manual_seed(args.seed)
     rng, generator = random.Random(args.seed), torch.Generator().manual_seed(args.seed)
     manifest = preset("tiny", stages=2)
     train, _ = load_splits(manifest, args.data, seed=args.seed)
     modules = [PipelineStage(manifest, index) for index in range(manifest.num_stages)]
-    stages = [Stage(module, args.peers, manifest.optimizer.lr) for module in modules]
+    stages = [Stage(module, [float(n) for n in samples], manifest.optimizer.lr) for module in modules]
     for step in range(args.rounds):
         grads: list[list[list[torch.Tensor]]] = [[] for _ in modules]
         losses = []
-        for _peer in range(args.peers):
-            tokens = train.batch(manifest.batch.microbatch_size)
-            hidden = None
+        for microbatches in samples:
             for module in modules:
                 module.zero_grad(set_to_none=True)
-                hidden, _ = module.forward_with_residual(hidden, tokens)
-            loss = next_token_loss(hidden, tokens)
-            loss.backward()
-            losses.append(float(loss))
+            for _ in range(microbatches):
+                tokens = train.batch(manifest.batch.microbatch_size)
+                hidden = None
+                for module in modules:
+                    hidden, _ = module.forward_with_residual(hidden, tokens)
+                loss = next_token_loss(hidden, tokens) / microbatches
+                loss.backward()
+                losses.append(float(loss) * microbatches)
             for index, module in enumerate(modules):
                 grads[index].append(
                     [torch.zeros_like(p) if p.grad is None else p.grad.detach().clone() for p in module.parameters()])
         for index, stage in enumerate(stages):
             stage.round(step, grads[index], rng, generator)
         print(f"round {step + 1}/{args.rounds}: loss {sum(losses) / len(losses):.3f}", file=sys.stderr, flush=True)
-    report = dict(rounds=args.rounds, peers=args.peers, data=args.data, seed=args.seed, values_per_part=RULE_PART,
+    report = dict(rounds=args.rounds, peers=args.peers, samples=samples, data=args.data, seed=args.seed,
+                  values_per_part=RULE_PART,
                   **{f"stage {index}": stage.report() for index, stage in enumerate(stages)})
     text = json.dumps(report, indent=1, ensure_ascii=False)
     print(text)

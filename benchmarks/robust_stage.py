@@ -7,8 +7,10 @@ four peers: each step every peer computes the gradient of its own microbatch on 
 four gradients are averaged by the rule under test, stage 0's by a plain mean, and the result is applied.
 Peer 3 of stage 1 is hostile in one way per run:
 
-- as a sender: `nan`, `huge` (1e4 × its gradient), `sign` (−g), `scale10`, `scale0.1`, `random` (a random
-  direction of the honest norm), `weight` (an honest gradient sent with weight 1e9);
+- as a sender: `nan`, `huge` (1e4 × its gradient), `sign` (−g), `half-sign` (−g on every other value: its cosine
+  to the others' is about zero), `sign40` (−g on two of every five values: its cosine stays above zero, where the
+  direction check does not look, so it measures what a sender of −g hidden that way costs), `scale10`, `scale0.1`,
+  `random` (a random direction of the honest norm), `weight` (an honest gradient sent with weight 1e9);
 - as a reducer of its part: `reducer-noise` (the mean plus noise of 10× its norm), `reducer-sign` (−mean);
 - `absent`, a reference, not an attack: peer 3 is not in the group (its microbatch is drawn and dropped, so the
   honest peers see the same data as in every other run): what training on three peers' gradients costs, the
@@ -68,7 +70,7 @@ from swarm.robust import (  # noqa: E402
 from swarm.simulate import evaluate, run_trip  # noqa: E402
 
 PEERS, HOSTILE = 4, 3
-SENDER_ATTACKS = ["nan", "huge", "sign", "scale10", "scale0.1", "random", "weight"]
+SENDER_ATTACKS = ["nan", "huge", "sign", "half-sign", "sign40", "scale10", "scale0.1", "random", "weight"]
 REDUCER_ATTACKS = ["reducer-noise", "reducer-sign"]
 ATTACKS = ["none", "absent", *SENDER_ATTACKS, *REDUCER_ATTACKS]
 TAIL_EVALS = 5  # evaluations averaged over the run's last steps
@@ -82,6 +84,10 @@ def hostile_contribution(attack: str, grad: torch.Tensor, generator: torch.Gener
         return 1e4 * grad, 1.0
     if attack == "sign":
         return -grad, 1.0
+    if attack in ("half-sign", "sign40"):
+        index = torch.arange(grad.numel())
+        negated = index % 2 == 1 if attack == "half-sign" else index % 5 >= 3
+        return torch.where(negated, -grad, grad), 1.0
     if attack == "scale10":
         return 10 * grad, 1.0
     if attack == "scale0.1":

@@ -14,11 +14,10 @@ averager builds in `_run_allreduce_inplace_`. Here:
   replaced by zeros (this peer keeps its own values for that slice, as hivemind does for a reducer that fails),
   and an accused reducer's every later part of the round too; once a reducer's last part is in, how far its
   used averages pointed along this peer's parts (`Alignment`) is judged too, once for the round;
-- `RobustAveraging`, mixed into an averager, weighs every judged part with `swarm/evidence.py` (`Evidence`:
-  one part past its bound accuses nobody unless flagrant, findings on a share of a peer's parts over its
-  recent rounds do; the reducers' alignments and the senders' directions each by their own `Evidence`,
-  `ALIGNMENT`) and bans the accused peers
-  (`AveragingBans`): their contributions and reduced parts are ignored in every round until the ban ends;
+- `RobustAveraging`, mixed into an averager, weighs every judged part with `swarm/evidence.py` (`Evidence`: one
+  part past its bound accuses nobody unless flagrant, findings on a share of a peer's parts over its recent rounds
+  do; the reducers' alignments and the senders' directions each by their own `Evidence(ALIGNMENT)`) and bans the
+  accused peers (`AveragingBans`): their contributions and reduced parts are ignored until the ban ends;
 - `peer/averaging_matchmaking.py` `ExcludingMatchmaking` keeps them out of later groups: as a leader this peer
   refuses their requests to join, as a follower it does not ask them to lead. Inside a group a banned reducer's
   share of the parts would stay each peer's own values (unaveraged, every round); out of it, the honest peers
@@ -62,6 +61,11 @@ logger = logging.getLogger(__name__)
 
 Accuse = Callable[[PeerID, str], None]
 Judge = Callable[[int, Finding | None], bool]  # one judged part of the peer at this index; True: it is accused
+
+
+def located(finding: Finding | None, key: tuple) -> Finding | None:
+    """`finding` naming the slice it is about, (tensor key, part index), so that a log line says where it lay."""
+    return None if finding is None else Finding(f"{finding.why} (tensor {key[0]}, part {key[1]})", finding.excess)
 
 
 class _PartCollector:
@@ -118,9 +122,8 @@ class RobustPartReducer(TensorPartReducer):
         senders = self._collected_senders
         keep = [n for n, sender in enumerate(senders) if sender not in self.ignored]
         shape = self.part_shapes[self.current_part_index]
-        aggregate = robust_average(
-            [collector.parts[n] for n in keep], [collector.weights[n] for n in keep], shape, self.rule
-        )
+        aggregate = robust_average([collector.parts[n] for n in keep], [collector.weights[n] for n in keep], shape,
+                                   self.rule)
         future = self.current_part_future
         if aggregate is None:
             future.set_exception(AllreduceException("no usable contribution to this part"))
@@ -132,17 +135,11 @@ class RobustPartReducer(TensorPartReducer):
             for n, direction in aggregate.directions.items():
                 self.directions.setdefault(senders[keep[n]], SenderDirection()).merge(direction)
             future.set_result(aggregate.average)
-        if self.current_part_index == self.num_parts - 1:
-            self._judge_directions()
+        if self.current_part_index == self.num_parts - 1:  # the round's directions; an accused sender is left out
+            directions = {n: d for n, d in self.directions.items() if n not in self.ignored}
+            for sender, finding in direction_findings(directions, self.rule).items():
+                self.judge_direction(sender, finding)
         self.reset_accumulators()
-
-    def _judge_directions(self) -> None:
-        """After the round's last part: the direction of each sender's parts that were judged (`direction_findings`;
-        a sender accused or ignored meanwhile is left out)."""
-        directions = {n: d for n, d in self.directions.items() if n not in self.ignored}
-        for sender, finding in direction_findings(directions, self.rule).items():
-            if self.judge_direction(sender, finding):
-                self.ignored.add(sender)
 
 
 class CheckedPartContainer(TensorPartContainer):
@@ -176,7 +173,7 @@ class CheckedPartContainer(TensorPartContainer):
     def _own_input(self, peer_index: int, part_index: int) -> torch.Tensor:
         return self._input_parts_by_peer[peer_index][part_index][0]
 
-    def _part_key(self, peer_index: int, part_index: int) -> tuple:
+    def part_key(self, peer_index: int, part_index: int) -> tuple:
         """The same slice in every round: its tensor's key and its index in that tensor."""
         info = self._input_parts_by_peer[peer_index][part_index][1]
         return info.key, info.part_index
@@ -193,7 +190,7 @@ class CheckedPartContainer(TensorPartContainer):
             change_sq = float(part.float().norm()) ** 2
             norm_sq = float(self._own_input(peer_index, part_index).float().norm()) ** 2
             if norm_sq > 0 and not self._shape_checks_only():  # a plain mean of two is no honest reference
-                self.changes.record(self._part_key(peer_index, part_index), (change_sq / norm_sq) ** 0.5)
+                self.changes.record(self.part_key(peer_index, part_index), (change_sq / norm_sq) ** 0.5)
             self._own_change_sq += change_sq
             self._own_norm_sq += norm_sq
             self._own_size += part.numel()
@@ -209,7 +206,7 @@ class CheckedPartContainer(TensorPartContainer):
             self._pending.append((peer_index, part_index, part))
             return
         own = self._own_input(peer_index, part_index)
-        finding = self._check(own, part, self._part_key(peer_index, part_index))
+        finding = self._check(own, part, self.part_key(peer_index, part_index))
         if finding is None and self._shape_checks_only():  # nothing was judged: no evidence either way
             super().register_processed_part(peer_index, part_index, part)
         elif self.judge(peer_index, finding):
@@ -241,8 +238,8 @@ class CheckedPartContainer(TensorPartContainer):
                 return Finding("a reduced part of the wrong shape or with NaN or inf", math.inf)
             return None
         typical_rms = (self._own_norm_sq / max(self._own_size, 1)) ** 0.5
-        finding = check_reduced(own, delta, self.honest_change, self.rule, self.changes.reference(key), typical_rms)
-        return None if finding is None else Finding(f"{finding.why} (tensor {key[0]}, part {key[1]})", finding.excess)
+        return located(check_reduced(own, delta, self.honest_change, self.rule, self.changes.reference(key),
+                                     typical_rms), key)
 
     def register_failed_reducer(self, peer_index: int):
         """This peer keeps its own values for every part of `peer_index` not yet applied (hivemind does the same
@@ -305,9 +302,8 @@ class RobustAllReduceRunner(AllReduceRunner):
 
     def _judge_sender(self, sender_index: int, finding: Finding | None) -> bool:
         if finding is not None:  # which slice, so that a log line says where an accused sender's part lay
-            container = self.tensor_part_container
-            key = container._part_key(container.own_index, self.tensor_part_reducer.current_part_index)
-            finding = Finding(f"{finding.why} (tensor {key[0]}, part {key[1]})", finding.excess)
+            container, reducer = self.tensor_part_container, self.tensor_part_reducer
+            finding = located(finding, container.part_key(container.own_index, reducer.current_part_index))
         return self._judge(self.sender_peer_ids[sender_index], "sender", finding)
 
     def _judge_direction(self, sender_index: int, finding: Finding | None) -> bool:

@@ -42,15 +42,16 @@ negating reducer in nearly all of them, so `swarm/evidence.py` weighs rounds of 
 
 A sender of −g (its gradient negated) lies as near the others as their own noise does, so CenteredClip averages it
 in, and the average of a group of four holds half the expected gradient (×1.07 in loss, benchmarks/robust_stage.py).
-Its direction gives it away too: the reducer judges each sender's parts of a round, concatenated, against the
-others' parts clipped as CenteredClip clips them (`others_clipped`, `SenderDirection`): an honest gradient shares
-the expected gradient with them, −g points away. A round's lowest cosine is a finding when it is below
-`sender_floor` and `sender_apart` below the next lowest (`direction_findings`): only the lowest, so that a hostile
-sender bending the others' reference within its clipped pull cannot make honest senders findings (it bends them
-alike on average); apart from the next, because where the gradients of other microbatches share little, some honest
-sender is lowest and below zero by chance (benchmarks/honest_accusations.py, 28 Nov 2026: honest rounds like that
-come in bursts of a few rounds in which every reducer sees one). The cosine does not see scale (−g/10 is judged as
-−g is); zeros point nowhere and are not judged.
+Its direction gives it away too: the reducer judges each sender's parts of a round against the others' parts
+clipped as CenteredClip clips them (`others_clipped`), by the cosine of each part averaged over the round's values
+(`SenderDirection`): an honest gradient shares the expected gradient with them, −g points away. A round's lowest
+cosine is a finding when it is below `sender_floor` and `sender_apart` below the next lowest (`direction_findings`):
+only the lowest, so that a hostile sender bending the others' reference within its clipped pull cannot make honest
+senders findings (it bends them alike on average); apart from the next, because where the gradients of other
+microbatches share little, some honest sender is lowest and below zero by chance (benchmarks/honest_accusations.py,
+28 Nov 2026: honest rounds like that come in bursts of a few rounds in which every reducer sees one). The cosine
+does not see scale (−g/10 is judged as −g is, and a part scaled up counts no more than its values); zeros point
+nowhere and are not judged.
 
 A refusal is something no honest peer sends; a finding is a part past a statistical bound, which honest peers
 also reach now and then (benchmarks/honest_accusations.py), so `swarm/evidence.py` decides when findings add
@@ -65,8 +66,8 @@ Limits: with N = 2 there is no majority (the median of two is their mean) and no
 can bend its parts within that bound and along this peer's parts (shrink them, say); a contribution inside the clip
 radius (a plausible but wrong gradient) is averaged in with its weight, and is judged for its direction only where
 honest gradients share one (a sender of −g late in training, where they share little, is found in fewer rounds),
-and over a round's parts joined end to end, so a sender that scales one part up along its gradient can hide −g on
-the others (docs/DESIGN.md §4; to mend: judge each part at a bounded size).
+and over the round's values as a whole: a sender that negates a share of its values small enough to keep its mean
+cosine above zero is not found (−g on two values of every five cost ×1.016 in loss, benchmarks/robust_stage.py).
 """
 
 from __future__ import annotations
@@ -173,13 +174,14 @@ def robust_average(
     if not kept:
         return None
     stacked = torch.stack([parts[i].detach().reshape(-1).float() for i, _ in kept])
-    centre, tau, spread = centered_clip(stacked, torch.tensor([w for _, w in kept], dtype=torch.float32), rule)
+    kept_weights = torch.tensor([w for _, w in kept], dtype=torch.float32)
+    centre, tau, spread = centered_clip(stacked, kept_weights, rule)
     distances = (stacked - centre).norm(dim=1)
     judged: dict[int, Finding | None] = {}
     # a floor's radius judges nobody (module docstring), nor does the centre of two parts (their mean)
     directions: dict[int, SenderDirection] = {}
     judging = spread and len(kept) > 2
-    toward = others_clipped(stacked, centre, tau, torch.tensor([w for _, w in kept])) if judging else None
+    toward = others_clipped(stacked, centre, tau, kept_weights) if judging else None
     for row, (index, _) in enumerate(kept if judging else ()):
         radii = float(distances[row]) / tau
         far = radii > rule.accuse_factor
@@ -191,14 +193,15 @@ def robust_average(
 
 
 def others_clipped(parts: torch.Tensor, centre: torch.Tensor, tau: float, weights: torch.Tensor) -> torch.Tensor:
-    """Row i: the weighted mean of the other rows of `parts`, each first clipped to within `tau` of `centre` (what
-    CenteredClip lets each of them pull): the reference sender i's part is judged against for its direction, one a
-    hostile sender moves by no more than its clipped pull."""
+    """Row i: the `weights`-weighted (float32) mean of the other rows of `parts`, each first clipped to within
+    `tau` of `centre` (about what CenteredClip, which clips around each step's centre, lets each of them pull): the
+    reference sender i's part is judged against for its direction, one a hostile sender moves by no more than its
+    clipped pull."""
     diffs = parts - centre
     clipped = centre + diffs * (tau / diffs.norm(dim=1, keepdim=True).clamp_min(1e-30)).clamp(max=1.0)
-    total = weights.float() @ clipped
-    rest = (weights.sum() - weights).float().clamp_min(1e-30)
-    return (total - weights.float()[:, None] * clipped) / rest[:, None]
+    total = weights @ clipped
+    rest = (weights.sum() - weights).clamp_min(1e-30)
+    return (total - weights[:, None] * clipped) / rest[:, None]
 
 
 def relative_change(before: torch.Tensor, after: torch.Tensor) -> float:
@@ -290,32 +293,41 @@ class Alignment:
         return self.norm_sq > 0 and math.isfinite(self.dot)
 
 
+def _cosine(a: torch.Tensor, b: torch.Tensor) -> float | None:
+    """cos(a, b) of two parts, flattened; None when either is zero or the result is not finite."""
+    a, b = a.detach().reshape(-1).float(), b.detach().reshape(-1).float()
+    norm = float(a.norm()) * float(b.norm())
+    cosine = float(a @ b) / norm if norm > 0 else math.nan
+    return cosine if math.isfinite(cosine) else None
+
+
 @dataclass
 class SenderDirection:
-    """How far the parts one sender sent a reducer in a round point along the others' (`others_clipped`): the
-    cosine of its parts, concatenated, with theirs. An honest gradient shares with the others' average the
-    direction of the expected gradient; a sender of −g points away from it."""
+    """How far the parts one sender sent a reducer in a round point along the others' (`others_clipped`): each
+    part's cosine with theirs, averaged over the round's parts weighted by their number of values. An honest
+    gradient shares with the others' average the direction of the expected gradient; a sender of −g points away
+    from it. Per part, so that every value counts alike, as Adam's update counts each value alike whatever its
+    gradient's size: over the parts joined end to end, a part counted by its squared size, and a sender that
+    scaled one part up along its gradient (inside the clip radius, so harmless itself) hid −g on the others."""
 
-    dot: float = 0.0
-    own_sq: float = 0.0
-    others_sq: float = 0.0
+    weighted: float = 0.0  # Σ values × cosine over the parts judged
+    values: int = 0  # Σ values of those parts
 
     def add(self, own: torch.Tensor, others: torch.Tensor) -> None:
-        own, others = own.detach().reshape(-1).float(), others.detach().reshape(-1).float()
-        self.dot += float(own @ others)
-        self.own_sq += float(own @ own)
-        self.others_sq += float(others @ others)
+        """One part and the others' reference for it; a part with nothing to judge (zeros) does not count."""
+        cosine = _cosine(own, others)
+        if cosine is not None:
+            self.weighted += own.numel() * cosine
+            self.values += own.numel()
 
     def merge(self, other: SenderDirection) -> None:
-        self.dot += other.dot
-        self.own_sq += other.own_sq
-        self.others_sq += other.others_sq
+        self.weighted += other.weighted
+        self.values += other.values
 
     @property
     def cosine(self) -> float | None:
-        """None when there is nothing to judge (a zero part, or a sum that is not finite)."""
-        norm = math.sqrt(self.own_sq * self.others_sq)
-        return self.dot / norm if norm > 0 and math.isfinite(self.dot) and math.isfinite(norm) else None
+        """None when no part had anything to judge."""
+        return self.weighted / self.values if self.values else None
 
 
 def direction_findings(directions: dict[Hashable, SenderDirection], rule: RobustRule) -> dict[Hashable, Finding | None]:

@@ -220,13 +220,40 @@ def test_a_huge_sender_cannot_turn_honest_directions_into_findings():
     assert aimed.judged[3] is not None and aimed.judged[3].excess > 100
 
 
-def test_directions_add_up_over_a_round_and_need_three_senders():
+def test_a_sender_cannot_hide_negated_parts_behind_one_part_scaled_up():
+    """Four parts of one round: the hostile sender sends its gradient ×8 on the first (inside the clip radius, so
+    no radius finds it) and −g on the other three. Joined end to end, the scaled part would outweigh the rest (the
+    round's cosine positive); per part, each value counts alike and the round points away: its finding."""
+    rule = RobustRule()
+    for seed in range(5):
+        directions: dict[int, SenderDirection] = {i: SenderDirection() for i in range(4)}
+        joined = {"dot": 0.0, "own": 0.0, "others": 0.0}  # the hostile sender's round, its parts end to end
+        for p in range(4):
+            parts = signal_in_noise(4, seed * 10 + p)
+            sent = [*parts[:3], 8.0 * parts[3] if p == 0 else -parts[3]]
+            aggregate = robust_average(sent, [1.0] * 4, SHAPE, rule)
+            assert not any(aggregate.judged.values())
+            for sender, direction in aggregate.directions.items():
+                directions[sender].merge(direction)
+            centre, tau = aggregate.average.reshape(-1), aggregate.tau
+            toward = others_clipped(torch.stack(sent), centre, tau, torch.ones(4))[3]
+            joined["dot"] += float(sent[3] @ toward)
+            joined["own"] += float(sent[3] @ sent[3])
+            joined["others"] += float(toward @ toward)
+        assert joined["dot"] / math.sqrt(joined["own"] * joined["others"]) > 0  # not below the floor
+        findings = direction_findings(directions, rule)
+        assert findings[3] is not None and [findings[i] for i in range(3)] == [None] * 3
+
+
+def test_directions_average_each_part_by_its_values_and_need_three_senders():
     a, b = SenderDirection(), SenderDirection()
-    a.add(torch.tensor([1.0, 0.0]), torch.tensor([1.0, 1.0]))
-    b.add(torch.tensor([0.0, 1.0]), torch.tensor([-1.0, 1.0]))
+    a.add(torch.tensor([10.0, 0.0]), torch.tensor([1.0, 1.0]))  # cosine 1/√2 over 2 values, however large
+    b.add(torch.tensor([0.0, -1.0, 0.0, 0.0]), torch.tensor([0.0, 1.0, 0.0, 0.0]))  # cosine -1 over 4 values
+    b.add(torch.zeros(3), torch.ones(3))  # nothing to judge: counts for nothing
     a.merge(b)
-    assert a.cosine == pytest.approx(2.0 / math.sqrt(2.0 * 4.0))
+    assert a.cosine == pytest.approx((2 / math.sqrt(2.0) - 4) / 6)
     assert SenderDirection().cosine is None  # nothing to judge
-    two = {0: a, 1: SenderDirection(dot=-1.0, own_sq=1.0, others_sq=1.0)}
-    assert direction_findings(two, RobustRule()) == {}  # two senders: no majority to point along
+    away = SenderDirection()
+    away.add(torch.ones(2), -torch.ones(2))
+    assert direction_findings({0: a, 1: away}, RobustRule()) == {}  # two senders: no majority to point along
     assert robust_average(signal_in_noise(2), [1.0, 1.0], SHAPE).directions == {}

@@ -4,6 +4,7 @@ hostile one a plain hivemind averager sending bad parts or a reducer returning b
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -228,19 +229,33 @@ def test_a_reducer_returning_the_negated_mean_is_banned_on_the_direction_of_its_
     assert all("rounds past their bounds" in banned[liar] and "hold -" in banned[liar] for banned in bans), bans
 
 
-def signal_in_noise(seed: int) -> list[torch.Tensor]:
+def signal_in_noise(seed: int, size: int = SIZE) -> list[torch.Tensor]:
     """A common direction under each peer's own noise of twice its size: gradients of other microbatches later in
     training, whose mean still points along the expected gradient."""
-    common = torch.randn(SIZE, generator=torch.Generator().manual_seed(0))
-    return [common / 2 + torch.randn(SIZE, generator=torch.Generator().manual_seed(seed))]
+    common = torch.randn(size, generator=torch.Generator().manual_seed(0))
+    return [common / 2 + torch.randn(size, generator=torch.Generator().manual_seed(seed))]
 
 
-def test_a_sender_of_its_negated_gradient_is_banned_on_the_direction_of_its_rounds():
-    """A plain hivemind peer sends −g: no farther from the others than their own noise, so no part is clipped or
-    refused, but its parts point away from the others' average in every round (`SenderDirection`): every honest
-    peer bans it after 5 rounds, and no honest peer is banned."""
-    results, _, liar, bans = average_once(hostile_sender(torch.neg), signal_in_noise(4), rounds=6, min_group_size=3,
-                                          fresh=True, make_tensors=signal_in_noise)
+PART_VALUES = 2**19 // 4  # the float32 values of one of hivemind's 512 kB parts
+
+
+def one_part_up_the_rest_negated(tensor: torch.Tensor) -> torch.Tensor:
+    """Every fourth part ×8 (inside the clip radius), −g on the other three: 16 parts cut among four reducers give
+    each one scaled part and three negated ones, which the scaled part would outweigh if a round's parts were judged
+    joined end to end."""
+    parts = tensor.reshape(-1).split(PART_VALUES)
+    return torch.cat([8 * part if i % 4 == 0 else -part for i, part in enumerate(parts)]).reshape(tensor.shape)
+
+
+@pytest.mark.parametrize("send, size", [(torch.neg, SIZE), (one_part_up_the_rest_negated, 16 * PART_VALUES)],
+                         ids=["negated", "one part up, the rest negated"])
+def test_a_sender_of_its_negated_gradient_is_banned_on_the_direction_of_its_rounds(send, size):
+    """A plain hivemind peer sends −g (or −g on most parts, and one part per reducer scaled up): no farther from the
+    others than their own noise, so no part is clipped or refused, but its parts point away from the others' average
+    in every round (`SenderDirection`): every honest peer bans it after 5 rounds, and no honest peer is banned."""
+    make_tensors = functools.partial(signal_in_noise, size=size)
+    results, _, liar, bans = average_once(hostile_sender(send), make_tensors(4), rounds=6, min_group_size=3,
+                                          fresh=True, make_tensors=make_tensors)
     assert all(torch.isfinite(averaged).all() for round_ in results for averaged in round_ if averaged is not None)
     assert all(list(banned) == [liar] for banned in bans), bans
     assert all("as a sender" in banned[liar] and "cosine -" in banned[liar] for banned in bans), bans

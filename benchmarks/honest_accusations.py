@@ -16,9 +16,12 @@ any 8 consecutive rounds of one receiver and reducer. Each reducer also judges t
 parts of the round (`SenderDirection`, each part's cosine weighted by its values; the lowest of a round, below the
 floor and apart from the next: `direction_findings`), weighed the same way. The same rounds also score a hostile
 replica (the last, on the parts it reduced or sent honestly): a reducer returning noise of 10× the average's norm,
-or the negated average; a sender of 10× its gradient, of −1×, or of −1× on every part but the first of each
-reducer's run, which it sends ×8 (inside the clip radius: it would outweigh the rest if a round's parts were judged
-joined end to end): how many parts the others refuse, and when they accuse it.
+or the negated average; a sender of 10× its gradient, of −1×, of −1× on every part but the first of each reducer's
+run, which it sends ×8 (clipped, inside the accusation bound: it would outweigh the rest if a round's parts were
+judged joined end to end), or of −2× on two parts of every five and 1× on the rest (twice −g's pull, inside the clip
+radius: by values alone it would count as −g and the honest parts would hide it): how many parts the others refuse,
+and when they accuse it; and what the honest replicas then make of each other (a hostile part moves every sender's
+clip radius and direction reference): their direction findings and accusations under each attack.
 
 `--peers 3` is a group of three (the hostile sender then half of each honest sender's reference); `--samples` gives
 each replica its own number of microbatches, which is its weight as well (honest peers of unequal sample counts: a
@@ -59,11 +62,13 @@ from swarm.robust import (  # noqa: E402
 
 RULE = RobustRule()
 RULE_PART = GradientWire.FP16.averager_options()["part_size_bytes"] // 2  # fp16 values per part
-# what the hostile sender multiplies a part by, given whether that part is the first of its reducer's run this round
+# what the hostile sender multiplies a part by, given the part's index in its tensor and whether it is the first of
+# its reducer's run this round
 SENDER_ATTACKS = {
-    "sender ×10": lambda first: 10.0,
-    "sender sign": lambda first: -1.0,
-    "sender one part ×8, the rest sign": lambda first: 8.0 if first else -1.0,  # scaled, inside the clip radius
+    "sender ×10": lambda part, first: 10.0,
+    "sender sign": lambda part, first: -1.0,
+    "sender one part ×8, the rest sign": lambda part, first: 8.0 if first else -1.0,  # clipped, not accused
+    "sender 2 parts of 5 ×(−2)": lambda part, first: -2.0 if part % 5 < 2 else 1.0,  # inside the clip radius
 }
 ATTACKS = ("reducer noise", "reducer sign", *SENDER_ATTACKS)
 DIRECTIONS = ("direction", "sender direction")  # roles judged once per round, by `Evidence(ALIGNMENT)`
@@ -119,8 +124,13 @@ class Stage:
         self.sender_cosines: list[float] = []  # honest senders' cosines of a round to the others' clipped average
         self.attack_findings = Counter()
         self.attack_judged = Counter()
-        # attack -> role -> observer -> the round of its first accusation of the hostile replica in that role
+        # attack -> evidence ("part" or a role of `DIRECTIONS`) -> observer -> the round of its first accusation of the
+        # hostile replica on that evidence
         self.caught: dict[str, dict[str, dict[int, int]]] = {attack: defaultdict(dict) for attack in ATTACKS}
+        # the honest replicas' verdicts on each other while the last one attacks: evidence, findings, accusations
+        self.attacked_honest = {(role, attack): evidences(role, peers) for role in roles for attack in ATTACKS}
+        self.honest_direction_findings = Counter()  # attack -> honest senders' direction findings under it
+        self.accused_under_attack: dict[str, list[dict]] = defaultdict(list)
 
     def _judge(self, step: int, observer: int, suspect: int, role: str, honest, attacked: dict) -> None:
         """One judged part of `suspect` by `observer` (or, for the roles of `DIRECTIONS`, one round's direction of a
@@ -130,15 +140,23 @@ class Stage:
         why = self.honest[kind][observer].judge(suspect, step, honest)
         if why:
             self.accusations.append(dict(round=step, observer=observer, suspect=suspect, role=role, why=why))
-        if suspect != self.peers - 1 or observer == suspect:
+        hostile = self.peers - 1
+        if observer in (suspect, hostile):  # nobody judges itself; the hostile replica's verdicts do not count
             return
         for attack, finding in attacked.items():
+            if suspect != hostile:
+                self.honest_direction_findings[attack] += role == "sender direction" and finding is not None
+                why = self.attacked_honest[kind, attack][observer].judge(suspect, step, finding)
+                if why:
+                    self.accused_under_attack[attack].append(
+                        dict(round=step, observer=observer, suspect=suspect, role=role, why=why))
+                continue
             if kind == "part":
                 self.attack_judged[attack] += 1
                 self.attack_findings[attack] += finding is not None
             evidence = self.attacked[kind, attack][observer]
-            if evidence.judge(suspect, step, finding) and observer not in self.caught[attack][role]:
-                self.caught[attack][role][observer] = step
+            if evidence.judge(suspect, step, finding) and observer not in self.caught[attack][kind]:
+                self.caught[attack][kind][observer] = step
 
     def round(self, step: int, grads: list[list[torch.Tensor]], rng: random.Random, gen: torch.Generator) -> None:
         order = list(range(self.peers))
@@ -155,8 +173,8 @@ class Stage:
         for key, contributions in pieces.items():
             weights, shape = self.weights, contributions[0].shape
             aggregate = robust_average(contributions, weights, shape, RULE)
-            sent = {attack: robust_average([*contributions[:-1], factor(key in firsts) * contributions[-1]], weights,
-                                           shape, RULE) for attack, factor in SENDER_ATTACKS.items()}
+            sent = {attack: robust_average([*contributions[:-1], factor(key[1], key in firsts) * contributions[-1]],
+                                           weights, shape, RULE) for attack, factor in SENDER_ATTACKS.items()}
             averages[key] = aggregate.average
             for name, reduced in (("honest", aggregate), *sent.items()):
                 for sender, direction in reduced.directions.items():
@@ -164,9 +182,11 @@ class Stage:
             for sender, finding in aggregate.judged.items():
                 self.judged["sender"] += 1
                 self.findings["sender"][self.names[key[0]]] += finding is not None
-                attacked = {attack: finding for attack in ATTACKS}
-                if sender == hostile_part:
-                    attacked |= {attack: reduced.judged.get(sender) for attack, reduced in sent.items()}
+                attacked = {attack: finding for attack in ATTACKS}  # the hostile part moves every sender's radius
+                for attack, reduced in sent.items():  # judged there too, or not judged at all under that attack
+                    attacked[attack] = reduced.judged.get(sender)
+                    if sender not in reduced.judged:
+                        del attacked[attack]
                 self._judge(step, reducer_of[key], sender, "sender", finding, attacked)
         for reducer in range(self.peers):
             verdicts = {name: direction_findings(directions[reducer, name], RULE)
@@ -174,9 +194,11 @@ class Stage:
             self.sender_cosines += [d.cosine for d in directions[reducer, "honest"].values() if d.cosine is not None]
             for sender, finding in verdicts["honest"].items():
                 self.sender_away[reducer, sender].append(finding is not None)
-                attacked = {attack: finding for attack in ATTACKS}
-                if sender == hostile_part:
-                    attacked |= {attack: verdicts[attack].get(sender) for attack in SENDER_ATTACKS}
+                attacked = {attack: finding for attack in ATTACKS}  # and every sender's reference
+                for attack in SENDER_ATTACKS:
+                    attacked[attack] = verdicts[attack].get(sender)
+                    if sender not in verdicts[attack]:
+                        del attacked[attack]
                 if sender != reducer:  # a peer does not judge itself
                     self._judge(step, reducer, sender, "sender direction", finding, attacked)
         for receiver in range(self.peers):
@@ -244,8 +266,10 @@ class Stage:
             honest_accusations=self.accusations,
             attacks={attack: dict(parts_judged=self.attack_judged[attack], findings=self.attack_findings[attack],
                                   accused_by=first_accusations(self.caught[attack].values()),
-                                  accused_by_role={role: first_accusations([by]) for role, by in
-                                                   sorted(self.caught[attack].items())})
+                                  accused_by_evidence={kind: first_accusations([by]) for kind, by in
+                                                       sorted(self.caught[attack].items())},
+                                  honest_direction_findings=self.honest_direction_findings[attack],
+                                  honest_accused=self.accused_under_attack[attack])
                      for attack in ATTACKS},
         )
 

@@ -43,14 +43,16 @@ negating reducer in nearly all of them, so `swarm/evidence.py` weighs rounds of 
 A sender of −g (its gradient negated) lies as near the others as their own noise does, so CenteredClip averages it
 in, and the average of a group of four holds half the expected gradient (×1.07 in loss, benchmarks/robust_stage.py).
 Its direction gives it away too: the reducer judges each sender's parts of a round against the others' parts
-clipped as CenteredClip clips them (`others_clipped`), by the cosine of each part averaged over the round's values
+clipped as CenteredClip clips them (`clip_rows`, `others_mean`), by each part's cosine averaged over the round,
+weighted by the part's values and its pull, in full against them, at most a typical sender's along them
 (`SenderDirection`): an honest gradient shares the expected gradient with them, −g points away. A round's lowest
 cosine is a finding when it is below `sender_floor` and `sender_apart` below the next lowest (`direction_findings`):
-only the lowest, so that a hostile sender bending the others' reference within its clipped pull cannot make honest
-senders findings (it bends them alike on average); apart from the next, because where the gradients of other
-microbatches share little, some honest sender is lowest and below zero by chance (benchmarks/honest_accusations.py,
-28 Nov 2026: honest rounds like that come in bursts of a few rounds in which every reducer sees one). The cosine
-does not see scale (−g/10 is judged as −g is, and a part scaled up counts no more than its values); zeros point
+only the lowest, so that a hostile sender bending the others' reference within its clipped pull cannot make
+honest senders findings (it bends them alike on average); apart from the next, because where the gradients of
+other microbatches share little, some honest sender is lowest and below zero by chance
+(benchmarks/honest_accusations.py, 28 Nov 2026: honest rounds like that come in bursts of a few rounds in which
+every reducer sees one). Scale buys a sender nothing (a part scaled up along its gradient counts as an honest one;
+one scaled up against it counts by the size CenteredClip lets it pull with); −g/10 is judged as −g is; zeros point
 nowhere and are not judged.
 
 A refusal is something no honest peer sends; a finding is a part past a statistical bound, which honest peers
@@ -66,8 +68,10 @@ Limits: with N = 2 there is no majority (the median of two is their mean) and no
 can bend its parts within that bound and along this peer's parts (shrink them, say); a contribution inside the clip
 radius (a plausible but wrong gradient) is averaged in with its weight, and is judged for its direction only where
 honest gradients share one (a sender of −g late in training, where they share little, is found in fewer rounds),
-and over the round's values as a whole: a sender that negates a share of its values small enough to keep its mean
-cosine above zero is not found (−g on two values of every five cost ×1.016 in loss, benchmarks/robust_stage.py).
+and over the round as a whole: a sender that negates a share of its parts small enough to keep its round's cosine
+above zero (or within `sender_apart` of the next lowest) is not found; its pull along the others' average is then
+not negative, but the negated parts are still pulled the wrong way, by at most the clip radius each (docs/DESIGN.md
+§4).
 """
 
 from __future__ import annotations
@@ -181,27 +185,33 @@ def robust_average(
     # a floor's radius judges nobody (module docstring), nor does the centre of two parts (their mean)
     directions: dict[int, SenderDirection] = {}
     judging = spread and len(kept) > 2
-    toward = others_clipped(stacked, centre, tau, kept_weights) if judging else None
+    if judging:  # each sender against the others' clipped rows (`SenderDirection`)
+        clipped = clip_rows(stacked, centre, tau)
+        toward, sizes = others_mean(clipped, kept_weights), clipped.norm(dim=1)
+        typical = float(sizes.median())
     for row, (index, _) in enumerate(kept if judging else ()):
         radii = float(distances[row]) / tau
         far = radii > rule.accuse_factor
         why = f"a part {radii:.1f} clip radii from the robust average"
         judged[index] = Finding(why, radii / rule.accuse_factor) if far else None
         directions[index] = SenderDirection()
-        directions[index].add(stacked[row], toward[row])
+        directions[index].add(stacked[row], toward[row], float(sizes[row]) / typical if typical > 0 else 1.0)
     return Aggregate(average=centre.reshape(shape), tau=tau, refused=refused, judged=judged, directions=directions)
 
 
-def others_clipped(parts: torch.Tensor, centre: torch.Tensor, tau: float, weights: torch.Tensor) -> torch.Tensor:
-    """Row i: the `weights`-weighted (float32) mean of the other rows of `parts`, each first clipped to within
-    `tau` of `centre` (about what CenteredClip, which clips around each step's centre, lets each of them pull): the
-    reference sender i's part is judged against for its direction, one a hostile sender moves by no more than its
-    clipped pull."""
+def clip_rows(parts: torch.Tensor, centre: torch.Tensor, tau: float) -> torch.Tensor:
+    """Each row of `parts` clipped to within `tau` of `centre`: about what CenteredClip (which clips around each
+    step's centre) lets each of them pull."""
     diffs = parts - centre
-    clipped = centre + diffs * (tau / diffs.norm(dim=1, keepdim=True).clamp_min(1e-30)).clamp(max=1.0)
-    total = weights @ clipped
+    return centre + diffs * (tau / diffs.norm(dim=1, keepdim=True).clamp_min(1e-30)).clamp(max=1.0)
+
+
+def others_mean(rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Row i: the `weights`-weighted (float32) mean of the other rows; of `clip_rows`, the reference sender i's part
+    is judged against for its direction, one a hostile sender moves by no more than its clipped pull."""
+    total = weights @ rows
     rest = (weights.sum() - weights).clamp_min(1e-30)
-    return (total - weights[:, None] * clipped) / rest[:, None]
+    return (total - weights[:, None] * rows) / rest[:, None]
 
 
 def relative_change(before: torch.Tensor, after: torch.Tensor) -> float:
@@ -303,31 +313,37 @@ def _cosine(a: torch.Tensor, b: torch.Tensor) -> float | None:
 
 @dataclass
 class SenderDirection:
-    """How far the parts one sender sent a reducer in a round point along the others' (`others_clipped`): each
-    part's cosine with theirs, averaged over the round's parts weighted by their number of values. An honest
-    gradient shares with the others' average the direction of the expected gradient; a sender of −g points away
-    from it. Per part, so that every value counts alike, as Adam's update counts each value alike whatever its
-    gradient's size: over the parts joined end to end, a part counted by its squared size, and a sender that
-    scaled one part up along its gradient (inside the clip radius, so harmless itself) hid −g on the others."""
+    """How far the parts one sender sent a reducer in a round point along the others' (`others_mean` of `clip_rows`):
+    each part's cosine with theirs, averaged over the round's parts, each weighted by its number of values times its
+    *pull*: the size of its clipped row over the median of the senders' clipped rows of that part, counted in full
+    for a part pointing away and at most 1 for a part pointing along. An honest gradient shares with the others'
+    average the direction of the expected gradient; a sender of −g points away from it. Weighted so, scale buys a
+    sender nothing: a part scaled up along its gradient cannot outweigh parts that point away (joined end to end, a
+    part counted by its squared size, and one part ×8 hid −g on three), and a part of −2g (inside the radius, twice
+    −g's pull) counts twice (by values alone it counted as −g, and a cleaner gradient on the other parts hid −2g on
+    six of ten); both found by reviews, 28 Nov 2026."""
 
-    weighted: float = 0.0  # Σ values × cosine over the parts judged
-    values: int = 0  # Σ values of those parts
+    weighted: float = 0.0  # Σ values × weight × cosine over the parts judged
+    weight: float = 0.0  # Σ values × weight of those parts
 
-    def add(self, own: torch.Tensor, others: torch.Tensor) -> None:
-        """One part and the others' reference for it; a part with nothing to judge (zeros) does not count."""
+    def add(self, own: torch.Tensor, others: torch.Tensor, pull: float = 1.0) -> None:
+        """One part, the others' reference for it, and its pull; a part with nothing to judge (zeros) does not
+        count."""
         cosine = _cosine(own, others)
-        if cosine is not None:
-            self.weighted += own.numel() * cosine
-            self.values += own.numel()
+        if cosine is None or not math.isfinite(pull) or pull <= 0:
+            return
+        weight = own.numel() * (pull if cosine < 0 else min(pull, 1.0))
+        self.weighted += weight * cosine
+        self.weight += weight
 
     def merge(self, other: SenderDirection) -> None:
         self.weighted += other.weighted
-        self.values += other.values
+        self.weight += other.weight
 
     @property
     def cosine(self) -> float | None:
         """None when no part had anything to judge."""
-        return self.weighted / self.values if self.values else None
+        return self.weighted / self.weight if self.weight > 0 else None
 
 
 def direction_findings(directions: dict[Hashable, SenderDirection], rule: RobustRule) -> dict[Hashable, Finding | None]:

@@ -14,8 +14,9 @@ from swarm.robust import (
     SenderDirection,
     capped_weights,
     check_reduced,
+    clip_rows,
     direction_findings,
-    others_clipped,
+    others_mean,
     refusal,
     robust_average,
 )
@@ -179,10 +180,12 @@ def test_each_part_is_judged_against_the_others_clipped_mean():
     # clipped to a distance of 2 from the centre: the first part to 2.5 - 1 in each of its four values, the last
     # to 2.5 + 1; the two in the middle are nearer (a distance of 1) and stay
     centre, tau = torch.full((4,), 2.5), 2.0
-    toward = others_clipped(parts, centre, tau, torch.ones(4))
+    clipped = clip_rows(parts, centre, tau)
+    assert torch.allclose(clipped[:, 0], torch.tensor([1.5, 2.0, 3.0, 3.5]))
+    toward = others_mean(clipped, torch.ones(4))
     assert torch.allclose(toward[0], torch.full((4,), (2.0 + 3.0 + 3.5) / 3))
     assert torch.allclose(toward[3], torch.full((4,), (1.5 + 2.0 + 3.0) / 3))  # its own pull is not in it
-    weighted = others_clipped(parts[:3], centre, tau, torch.tensor([1.0, 1.0, 2.0]))
+    weighted = others_mean(clipped[:3], torch.tensor([1.0, 1.0, 2.0]))
     assert torch.allclose(weighted[0], torch.full((4,), (2.0 + 2 * 3.0) / 3))
 
 
@@ -220,38 +223,65 @@ def test_a_huge_sender_cannot_turn_honest_directions_into_findings():
     assert aimed.judged[3] is not None and aimed.judged[3].excess > 100
 
 
-def test_a_sender_cannot_hide_negated_parts_behind_one_part_scaled_up():
-    """Four parts of one round: the hostile sender sends its gradient ×8 on the first (inside the clip radius, so
-    no radius finds it) and −g on the other three. Joined end to end, the scaled part would outweigh the rest (the
-    round's cosine positive); per part, each value counts alike and the round points away: its finding."""
+def one_round(send, seed: int, parts: int = 10) -> tuple[dict, dict, dict]:
+    """A round of `parts` parts of four senders (`signal_in_noise`), the last sending `send(own, common, part)`:
+    each sender's direction as judged (`SenderDirection`), by values alone (every pull 1), and the last sender's
+    cosine over its parts joined end to end."""
     rule = RobustRule()
+    judged: dict[int, SenderDirection] = {i: SenderDirection() for i in range(4)}
+    by_values: dict[int, SenderDirection] = {i: SenderDirection() for i in range(4)}
+    joined = {"dot": 0.0, "own": 0.0, "others": 0.0}
+    for p in range(parts):
+        honest = signal_in_noise(4, seed * 100 + p)
+        common = torch.randn(SHAPE, generator=torch.Generator().manual_seed(seed * 100 + p))  # signal_in_noise's
+        sent = [*honest[:3], send(honest[3], common, p)]
+        aggregate = robust_average(sent, [1.0] * 4, SHAPE, rule)
+        assert not any(aggregate.judged.values())  # inside the accusation bound: no radius finds it
+        for sender, direction in aggregate.directions.items():
+            judged[sender].merge(direction)
+        clipped = clip_rows(torch.stack(sent), aggregate.average.reshape(-1), aggregate.tau)
+        toward = others_mean(clipped, torch.ones(4))
+        for sender in range(4):
+            by_values[sender].add(clipped[sender], toward[sender])
+        joined["dot"] += float(sent[3] @ toward[3])
+        joined["own"] += float(sent[3] @ sent[3])
+        joined["others"] += float(toward[3] @ toward[3])
+    return judged, by_values, joined
+
+
+def test_a_sender_cannot_hide_negated_parts_behind_one_part_scaled_up():
+    """The hostile sender sends its gradient ×8 on the first of four parts (clipped, inside the accusation bound)
+    and −g on the other three. Joined end to end, the scaled part would outweigh the rest (the round's cosine
+    positive); judged per part, a part counts at most by its clipped pull, and the round points away: its finding."""
     for seed in range(5):
-        directions: dict[int, SenderDirection] = {i: SenderDirection() for i in range(4)}
-        joined = {"dot": 0.0, "own": 0.0, "others": 0.0}  # the hostile sender's round, its parts end to end
-        for p in range(4):
-            parts = signal_in_noise(4, seed * 10 + p)
-            sent = [*parts[:3], 8.0 * parts[3] if p == 0 else -parts[3]]
-            aggregate = robust_average(sent, [1.0] * 4, SHAPE, rule)
-            assert not any(aggregate.judged.values())
-            for sender, direction in aggregate.directions.items():
-                directions[sender].merge(direction)
-            centre, tau = aggregate.average.reshape(-1), aggregate.tau
-            toward = others_clipped(torch.stack(sent), centre, tau, torch.ones(4))[3]
-            joined["dot"] += float(sent[3] @ toward)
-            joined["own"] += float(sent[3] @ sent[3])
-            joined["others"] += float(toward @ toward)
+        judged, _, joined = one_round(lambda own, common, p: 8.0 * own if p == 0 else -own, seed, parts=4)
         assert joined["dot"] / math.sqrt(joined["own"] * joined["others"]) > 0  # not below the floor
-        findings = direction_findings(directions, rule)
+        findings = direction_findings(judged, RobustRule())
         assert findings[3] is not None and [findings[i] for i in range(3)] == [None] * 3
 
 
-def test_directions_average_each_part_by_its_values_and_need_three_senders():
+def test_a_sender_cannot_hide_twice_its_negated_gradient_behind_a_cleaner_one():
+    """−2g on six parts of ten (twice −g's pull, still inside the clip radius) and, on the other four, a gradient
+    cleaner than any honest one (as from four microbatches). By values alone each −2g part would count as −g, and
+    the cleaner parts' high cosine would hide them; weighted by its pull, −2g counts twice: its finding."""
+    def send(own, common, p):
+        noise = torch.randn(SHAPE, generator=torch.Generator().manual_seed(7 + p))
+        return -2.0 * own if p < 6 else 0.5 * common + 0.5 * noise
+
+    for seed in range(5):
+        judged, by_values, _ = one_round(send, seed)
+        assert direction_findings(by_values, RobustRule())[3] is None
+        findings = direction_findings(judged, RobustRule())
+        assert findings[3] is not None and [findings[i] for i in range(3)] == [None] * 3
+
+
+def test_directions_average_each_part_by_its_values_and_pull_and_need_three_senders():
     a, b = SenderDirection(), SenderDirection()
-    a.add(torch.tensor([10.0, 0.0]), torch.tensor([1.0, 1.0]))  # cosine 1/√2 over 2 values, however large
-    b.add(torch.tensor([0.0, -1.0, 0.0, 0.0]), torch.tensor([0.0, 1.0, 0.0, 0.0]))  # cosine -1 over 4 values
+    a.add(torch.tensor([10.0, 0.0]), torch.tensor([1.0, 1.0]))  # cosine 1/√2 over 2 values, whatever its size
+    b.add(torch.tensor([0.0, -1.0, 0.0, 0.0]), torch.tensor([0.0, 1.0, 0.0, 0.0]), 2.0)  # cosine -1, 4 values, pull 2
     b.add(torch.zeros(3), torch.ones(3))  # nothing to judge: counts for nothing
     a.merge(b)
-    assert a.cosine == pytest.approx((2 / math.sqrt(2.0) - 4) / 6)
+    assert a.cosine == pytest.approx((2 / math.sqrt(2.0) - 8) / 10)
     assert SenderDirection().cosine is None  # nothing to judge
     away = SenderDirection()
     away.add(torch.ones(2), -torch.ones(2))

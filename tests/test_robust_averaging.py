@@ -13,7 +13,12 @@ import pytest
 import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AllReduceRunner
-from hivemind.averaging.partition import AllreduceException, TensorPartContainer, TensorPartReducer
+from hivemind.averaging.partition import (
+    DEFAULT_PART_SIZE_BYTES,
+    AllreduceException,
+    TensorPartContainer,
+    TensorPartReducer,
+)
 from hivemind.dht import DHT
 
 from peer.averaging_matchmaking import pace_lookups
@@ -236,13 +241,13 @@ def signal_in_noise(seed: int, size: int = SIZE) -> list[torch.Tensor]:
     return [common / 2 + torch.randn(size, generator=torch.Generator().manual_seed(seed))]
 
 
-PART_VALUES = 2**19 // 4  # the float32 values of one of hivemind's 512 kB parts
+PART_VALUES = DEFAULT_PART_SIZE_BYTES // 4  # the float32 values of one of hivemind's parts
 
 
 def one_part_up_the_rest_negated(tensor: torch.Tensor) -> torch.Tensor:
-    """Every fourth part ×8 (inside the clip radius), −g on the other three: 16 parts cut among four reducers give
-    each one scaled part and three negated ones, which the scaled part would outweigh if a round's parts were judged
-    joined end to end."""
+    """Every fourth part ×8 (clipped, inside the accusation bound), −g on the other three: 16 parts cut among four
+    reducers give each one scaled part and three negated ones, which the scaled part would outweigh if a round's
+    parts were judged joined end to end."""
     parts = tensor.reshape(-1).split(PART_VALUES)
     return torch.cat([8 * part if i % 4 == 0 else -part for i, part in enumerate(parts)]).reshape(tensor.shape)
 

@@ -1,27 +1,27 @@
 """Does the robust rule accuse honest peers? Replicas' real gradients, cut and reduced as hivemind does (issue 26).
 
-A stage's peers average their gradients part by part (hivemind's butterfly all-reduce: each tensor is cut into
-parts of the bytes `GradientWire.FP16` sets, 131,072 fp16 values; the leader shuffles the group's order and the
-parts go to the peers in that order, a run of them each). Each part's reducer runs `swarm/robust.py`
-`robust_average`, which finds a sender whose part lies far from the others; each receiver checks what the other
-reducers return with `check_reduced`. Here `--peers` honest replicas of the tiny preset's two stages (the same
-weights, each its own microbatch of real text, the backward of the whole pipeline in one process) give their
-gradients for `--rounds` rounds; the replicas train on the robust average (AdamW at the preset's rate) so the
-rounds see a model that learns. Every accusation is a false positive. The reduced-part check is scored two ways:
-`region`, against the change this receiver's reduction made to its own parts this round (the rule until
-27 Nov 2026), and `part`, against the larger of that and the change it made to the same part when it last reduced
-it (`PartChanges`). Each receiver also judges the direction of each reducer's round (`Alignment`, over the parts
-it used) with its own `Evidence(ALIGNMENT)`; the report gives how many rounds fell below the floor and the most of
-any 8 consecutive rounds of one receiver and reducer. Each reducer also judges the direction of each sender's
-parts of the round (`SenderDirection`, each part's cosine weighted by its values; the lowest of a round, below the
-floor and apart from the next: `direction_findings`), weighed the same way. The same rounds also score a hostile
-replica (the last, on the parts it reduced or sent honestly): a reducer returning noise of 10× the average's norm,
-or the negated average; a sender of 10× its gradient, of −1×, of −1× on every part but the first of each reducer's
-run, which it sends ×8 (clipped, inside the accusation bound: it would outweigh the rest if a round's parts were
-judged joined end to end), or of −2× on two parts of every five and 1× on the rest (twice −g's pull, inside the clip
-radius: by values alone it would count as −g and the honest parts would hide it): how many parts the others refuse,
-and when they accuse it; and what the honest replicas then make of each other (a hostile part moves every sender's
-clip radius and direction reference): their direction findings and accusations under each attack.
+A stage's peers average their gradients part by part (hivemind's butterfly all-reduce: each tensor is cut into parts
+of the bytes `GradientWire.FP16` sets, 131,072 fp16 values; the leader shuffles the group's order and the parts go
+to the peers in that order, a run of them each). Each part's reducer runs `swarm/robust.py` `robust_average`, which
+finds a sender whose part lies far from the others; each receiver checks what the other reducers return with
+`check_reduced`. Here `--peers` honest replicas of the tiny preset's two stages (the same weights, each its own
+microbatch of real text, the backward of the whole pipeline in one process) give their gradients for `--rounds`
+rounds; the replicas train on the robust average (AdamW at the preset's rate) so the rounds see a model that learns.
+Every accusation is a false positive. The reduced-part check is scored two ways: `region`, against the change this
+receiver's reduction made to its own parts this round (the rule until 27 Nov 2026), and `part`, against the larger
+of that and the change it made to the same part when it last reduced it (`PartChanges`). Each receiver also judges
+the direction of each reducer's round (`Alignment`, over the parts it used) with its own `Evidence(ALIGNMENT)`; the
+report gives how many rounds fell below the floor and the most of any 8 consecutive rounds of one receiver and
+reducer. Each reducer also judges the direction of each sender's parts of the round (`SenderDirection`, each part's
+cosine weighted by its values and its clipped pull; the lowest of a round, below the floor and apart from the next:
+`direction_findings`), weighed the same way. The same rounds also score a hostile replica (the last, on the parts it
+reduced or sent honestly): a reducer returning noise of 10× the average's norm, or the negated average; a sender of
+10× its gradient, of −1×, of −1× on every part but the first of each reducer's run, which it sends ×8 (clipped,
+inside the accusation bound: it would outweigh the rest if a round's parts were judged joined end to end), or of −2×
+on two parts of every five and 1× on the rest (twice −g's pull, inside the clip radius: by values alone it would
+count as −g and the honest parts would hide it): how many parts the others refuse, and when they accuse it; and what
+the honest replicas then make of each other (a hostile part moves every sender's clip radius and direction
+reference): their direction findings and accusations under each attack.
 
 `--peers 3` is a group of three (the hostile sender then half of each honest sender's reference); `--samples` gives
 each replica its own number of microbatches, which is its weight as well (honest peers of unequal sample counts: a

@@ -255,9 +255,10 @@ def one_part_up_the_rest_negated(tensor: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("send, size", [(torch.neg, SIZE), (one_part_up_the_rest_negated, 16 * PART_VALUES)],
                          ids=["negated", "one part up, the rest negated"])
 def test_a_sender_of_its_negated_gradient_is_banned_on_the_direction_of_its_rounds(send, size):
-    """A plain hivemind peer sends −g (or −g on most parts, and one part per reducer scaled up): no farther from the
-    others than their own noise, so no part is clipped or refused, but its parts point away from the others' average
-    in every round (`SenderDirection`): every honest peer bans it after 5 rounds, and no honest peer is banned."""
+    """A plain hivemind peer sends −g (or −g on most parts, and one part per reducer scaled up ×8, which is clipped
+    but inside the accusation bound): no part is refused or far enough to accuse, but its parts point away from the
+    others' average in every round (`SenderDirection`): every honest peer bans it after 5 rounds, and no honest peer
+    is banned."""
     make_tensors = functools.partial(signal_in_noise, size=size)
     results, _, liar, bans = average_once(hostile_sender(send), make_tensors(4), rounds=6, min_group_size=3,
                                           fresh=True, make_tensors=make_tensors)

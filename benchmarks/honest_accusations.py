@@ -55,6 +55,7 @@ from swarm.robust import (  # noqa: E402
     PartChanges,
     RobustRule,
     SenderDirection,
+    capped_weights,
     check_reduced,
     direction_findings,
     robust_average,
@@ -111,6 +112,8 @@ class Stage:
         self.names = [name for name, _ in stage.named_parameters()]
         self.optimizer = torch.optim.AdamW(self.params, lr=lr)
         self.weights, self.peers = weights, len(weights)  # each replica's weight: the samples it averaged
+        capped = capped_weights(weights, RULE.weight_cap)
+        self.weight_shares = [len(capped) * w / sum(capped) for w in capped]  # against an equal share, as peers see
         peers = self.peers
         self.memory = [PartChanges(RULE.reduced_memory) for _ in range(peers)]
         self.judged = Counter()  # parts judged, by role
@@ -234,7 +237,8 @@ class Stage:
                         alignments[reducer, name].add(x, averages[key] if name == "honest" else returned[name])
             for reducer in {r for r, _ in alignments}:
                 verdict = {name: alignments[reducer, name] for name in ("honest", *ATTACKS)}
-                findings = {name: a.finding(RULE) for name, a in verdict.items() if a.judged}
+                share = self.weight_shares[receiver]
+                findings = {name: a.finding(RULE, share) for name, a in verdict.items() if a.judged}
                 if "honest" in findings:
                     self.away[receiver, reducer].append(findings["honest"] is not None)
                     attacked = {attack: findings[attack] for attack in ATTACKS if attack in findings}

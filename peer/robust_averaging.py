@@ -91,8 +91,11 @@ class RobustPartReducer(TensorPartReducer):
         judge: Judge,
         ignored: set[int],
         judge_direction: Judge,
+        own_sender: int | None,
     ):
         self.rule, self.judge, self.ignored, self.judge_direction = rule, judge, ignored, judge_direction
+        self.own_sender = own_sender
+        self.weight_share = 1.0  # this peer's capped weight against an equal share, in the last part it reduced
         self._sender_of: dict[int, int] = {}  # id(part) -> sender index, for the part being collected
         self._collected_senders: list[int] = []
         self.directions: dict[int, SenderDirection] = {}  # sender index -> its parts of the round so far
@@ -134,6 +137,9 @@ class RobustPartReducer(TensorPartReducer):
                     self.ignored.add(senders[keep[n]])
             for n, direction in aggregate.directions.items():
                 self.directions.setdefault(senders[keep[n]], SenderDirection()).merge(direction)
+            own = [n for n in aggregate.weights if senders[keep[n]] == self.own_sender]
+            if own and sum(aggregate.weights.values()) > 0:
+                self.weight_share = len(aggregate.weights) * aggregate.weights[own[0]] / sum(aggregate.weights.values())
             future.set_result(aggregate.average)
         if self.current_part_index == self.num_parts - 1:  # the round's directions; an accused sender is left out
             directions = {n: d for n, d in self.directions.items() if n not in self.ignored}
@@ -153,13 +159,14 @@ class CheckedPartContainer(TensorPartContainer):
         banned: set[int],
         changes: PartChanges,
         judge_alignment: Judge,
+        weight_share: Callable[[], float] = lambda: 1.0,
     ):
         """Turn hivemind's container into this one after `AllReduceRunner.__init__` built it (it builds it inline,
         with no hook for another class). `judge_alignment` weighs each reducer's `Alignment` once its last part of
         the round is in."""
         self.__class__ = CheckedPartContainer
         self.own_index, self.rule, self.judge, self.changes = own_index, rule, judge, changes
-        self.judge_alignment = judge_alignment
+        self.judge_alignment, self.weight_share = judge_alignment, weight_share
         self.alignments: dict[int, Alignment] = {}
         self.refused: set[int] = set()
         self._pending: list[tuple[int, int, torch.Tensor]] = []
@@ -225,7 +232,7 @@ class CheckedPartContainer(TensorPartContainer):
         alignment.add(own, own + delta)
         super().register_processed_part(peer_index, part_index, delta)
         if self._outputs_registered_by_peer[peer_index] == self.num_parts_by_peer[peer_index] and alignment.judged:
-            self.judge_alignment(peer_index, alignment.finding(self.rule))
+            self.judge_alignment(peer_index, alignment.finding(self.rule, self.weight_share()))
 
     def _shape_checks_only(self) -> bool:
         """No honest change to compare with, or (a group of two) nothing that can judge the other: returned parts
@@ -276,7 +283,8 @@ class RobustAllReduceRunner(AllReduceRunner):
         hivemind_reducer.finished.set()  # never used: quiet its "received 0%" warning when it is collected
         self.tensor_part_reducer = RobustPartReducer(
             hivemind_reducer.part_shapes, hivemind_reducer.num_senders, rule, self._judge_sender, ignored,
-            self._judge_direction,
+            self._judge_direction, self.sender_peer_ids.index(self.peer_id) if self.peer_id in self.sender_peer_ids
+            else None,
         )
         banned_reducers = {i for i, peer in enumerate(self.ordered_peer_ids) if peer in banned and peer != self.peer_id}
         CheckedPartContainer.adopt(
@@ -287,6 +295,7 @@ class RobustAllReduceRunner(AllReduceRunner):
             banned_reducers,
             changes,
             self._judge_alignment,
+            lambda: self.tensor_part_reducer.weight_share,
         )
 
     def _judge(self, peer_id: PeerID, role: str, finding: Finding | None, evidence: Evidence | None = None) -> bool:

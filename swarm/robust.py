@@ -114,13 +114,15 @@ class Finding:
 @dataclass
 class Aggregate:
     """The robust average of one part, its clip radius, the senders (by index) refused with why, each sender the
-    radius judged: its `Finding` if it lay too far, else None, and how each of those pointed along the others."""
+    radius judged: its `Finding` if it lay too far, else None, how each of those pointed along the others, and the
+    capped weight of each sender averaged."""
 
     average: torch.Tensor
     tau: float
     refused: dict[int, str] = field(default_factory=dict)
     judged: dict[int, Finding | None] = field(default_factory=dict)
     directions: dict[int, SenderDirection] = field(default_factory=dict)
+    weights: dict[int, float] = field(default_factory=dict)  # each averaged sender's weight, capped
 
 
 def refusal(part: torch.Tensor, weight: float, shape: torch.Size) -> str | None:
@@ -196,7 +198,8 @@ def robust_average(
         judged[index] = Finding(why, radii / rule.accuse_factor) if far else None
         directions[index] = SenderDirection()
         directions[index].add(stacked[row], toward[row], float(sizes[row]) / typical if typical > 0 else 1.0)
-    return Aggregate(average=centre.reshape(shape), tau=tau, refused=refused, judged=judged, directions=directions)
+    return Aggregate(average=centre.reshape(shape), tau=tau, refused=refused, judged=judged, directions=directions,
+                     weights=dict(kept))
 
 
 def clip_rows(parts: torch.Tensor, centre: torch.Tensor, tau: float) -> torch.Tensor:
@@ -288,15 +291,20 @@ class Alignment:
         self.dot += float(own @ average)
         self.norm_sq += float(own @ own)
 
-    def finding(self, rule: RobustRule) -> Finding | None:
-        """A `Finding` if the averages held less than `aligned_floor` of this peer's parts (None if they held
-        enough, or there was nothing of this peer's to hold: then nothing was judged, see `judged`)."""
+    def finding(self, rule: RobustRule, weight_share: float = 1.0) -> Finding | None:
+        """A `Finding` if the averages held less than `aligned_floor` of this peer's parts, times `weight_share`
+        where that is below 1 (None if they held enough, or there was nothing of this peer's to hold: then nothing
+        was judged, see `judged`). `weight_share` is this peer's capped weight against an equal share, N × w / W:
+        an honest average holds about w / W of this peer's own parts, so a peer of fewer samples than the others
+        (weight 1 among peers of 4: 1/13 of the average) finds honest averages under the floor whenever the others'
+        gradients share little with its own (benchmarks/honest_accusations.py `--samples 1 4 4 4`)."""
         if not self.judged:
             return None
         share = self.dot / self.norm_sq
-        if share >= rule.aligned_floor:
+        floor = rule.aligned_floor * min(1.0, max(weight_share, 0.0))
+        if share >= floor:
             return None
-        return Finding(f"averages that hold {share:.2f} of this peer's parts (floor {rule.aligned_floor})", 1.0)
+        return Finding(f"averages that hold {share:.2f} of this peer's parts (floor {floor:.3g})", 1.0)
 
     @property
     def judged(self) -> bool:

@@ -287,3 +287,13 @@ def test_directions_average_each_part_by_its_values_and_pull_and_need_three_send
     away.add(torch.ones(2), -torch.ones(2))
     assert direction_findings({0: a, 1: away}, RobustRule()) == {}  # two senders: no majority to point along
     assert robust_average(signal_in_noise(2), [1.0, 1.0], SHAPE).directions == {}
+
+
+def test_a_peer_of_a_small_weight_asks_an_average_to_hold_its_share_of_its_parts():
+    """An honest average holds about a peer's weight share of its own parts: a peer of weight 1 among peers of 4 (a
+    share of 4/13 against an equal one) lowers the floor by that much; a larger share never raises it."""
+    alignment = Alignment()
+    alignment.add(torch.ones(4), torch.full((4,), 0.05))  # holds 0.05 of this peer's parts
+    assert alignment.finding(RobustRule()) is not None
+    assert alignment.finding(RobustRule(), weight_share=4 / 13) is None
+    assert "floor 0.1)" in alignment.finding(RobustRule(), weight_share=2.0).why

@@ -103,6 +103,15 @@ def hostile(attack: str, average: torch.Tensor, generator: torch.Generator) -> t
     return -average
 
 
+def under_attack(finding, verdicts: dict[str, dict], sender: int) -> dict:
+    """`sender`'s finding under each attack of `ATTACKS`: the all-honest `finding` where the attack leaves the round
+    alone, the attacked round's verdict (`verdicts[attack]`, by sender) where it changes it, and no entry where that
+    round did not judge the sender at all."""
+    attacked = {attack: finding for attack in ATTACKS if attack not in verdicts}
+    attacked |= {attack: judged[sender] for attack, judged in verdicts.items() if sender in judged}
+    return attacked
+
+
 class Stage:
     """One stage's replicas for the whole run: each round's parts, each rule's findings, and the accusations each
     replica's `Evidence` makes, all honest and with the last replica hostile in each way of `ATTACKS`."""
@@ -114,14 +123,13 @@ class Stage:
         self.weights, self.peers = weights, len(weights)  # each replica's weight: the samples it averaged
         capped = capped_weights(weights, RULE.weight_cap)
         self.weight_shares = [len(capped) * w / sum(capped) for w in capped]  # against an equal share, as peers see
-        peers = self.peers
-        self.memory = [PartChanges(RULE.reduced_memory) for _ in range(peers)]
+        self.memory = [PartChanges(RULE.reduced_memory) for _ in range(self.peers)]
         self.judged = Counter()  # parts judged, by role
         self.findings = {"sender": Counter(), "reducer region": Counter(), "reducer part": Counter()}
         roles = ("part", *DIRECTIONS)
-        self.honest = {role: evidences(role, peers) for role in roles}  # each replica's, all replicas honest
+        self.honest = {role: evidences(role, self.peers) for role in roles}  # each replica's, all replicas honest
         self.accusations: list[dict] = []
-        self.attacked = {(role, attack): evidences(role, peers) for role in roles for attack in ATTACKS}
+        self.attacked = {(role, attack): evidences(role, self.peers) for role in roles for attack in ATTACKS}
         self.away: dict[tuple[int, int], list[bool]] = defaultdict(list)  # (receiver, reducer): rounds below the floor
         self.sender_away: dict[tuple[int, int], list[bool]] = defaultdict(list)  # (reducer, sender): rounds lowest
         self.sender_cosines: list[float] = []  # honest senders' cosines of a round to the others' clipped average
@@ -131,7 +139,7 @@ class Stage:
         # hostile replica on that evidence
         self.caught: dict[str, dict[str, dict[int, int]]] = {attack: defaultdict(dict) for attack in ATTACKS}
         # the honest replicas' verdicts on each other while the last one attacks: evidence, findings, accusations
-        self.attacked_honest = {(role, attack): evidences(role, peers) for role in roles for attack in ATTACKS}
+        self.attacked_honest = {(role, attack): evidences(role, self.peers) for role in roles for attack in ATTACKS}
         self.honest_direction_findings = Counter()  # attack -> honest senders' direction findings under it
         self.accused_under_attack: dict[str, list[dict]] = defaultdict(list)
 
@@ -185,11 +193,8 @@ class Stage:
             for sender, finding in aggregate.judged.items():
                 self.judged["sender"] += 1
                 self.findings["sender"][self.names[key[0]]] += finding is not None
-                attacked = {attack: finding for attack in ATTACKS}  # the hostile part moves every sender's radius
-                for attack, reduced in sent.items():  # judged there too, or not judged at all under that attack
-                    attacked[attack] = reduced.judged.get(sender)
-                    if sender not in reduced.judged:
-                        del attacked[attack]
+                # the hostile part moves every sender's radius: judged there too, or not judged at all under that attack
+                attacked = under_attack(finding, {attack: reduced.judged for attack, reduced in sent.items()}, sender)
                 self._judge(step, reducer_of[key], sender, "sender", finding, attacked)
         for reducer in range(self.peers):
             verdicts = {name: direction_findings(directions[reducer, name], RULE)
@@ -197,11 +202,7 @@ class Stage:
             self.sender_cosines += [d.cosine for d in directions[reducer, "honest"].values() if d.cosine is not None]
             for sender, finding in verdicts["honest"].items():
                 self.sender_away[reducer, sender].append(finding is not None)
-                attacked = {attack: finding for attack in ATTACKS}  # and every sender's reference
-                for attack in SENDER_ATTACKS:
-                    attacked[attack] = verdicts[attack].get(sender)
-                    if sender not in verdicts[attack]:
-                        del attacked[attack]
+                attacked = under_attack(finding, {attack: verdicts[attack] for attack in SENDER_ATTACKS}, sender)
                 if sender != reducer:  # a peer does not judge itself
                     self._judge(step, reducer, sender, "sender direction", finding, attacked)
         for receiver in range(self.peers):

@@ -22,7 +22,8 @@ from hivemind.averaging.partition import (
 from hivemind.dht import DHT
 
 from peer.averaging_matchmaking import pace_lookups
-from peer.robust_averaging import CheckedPartContainer, RobustAveraging
+from peer.robust_averaging import RobustAveraging
+from peer.robust_parts import CheckedPartContainer
 from peer.stage_averagers import GradientWire
 from swarm.evidence import Evidence
 from swarm.robust import PartChanges, RobustRule

@@ -9,6 +9,10 @@ median), the relative loss difference (max, 99th percentile, median), the ratio 
 refusals with the reason each gave, and every ban from a stage's averaging the peers logged (each one also of an
 honest peer). With `--context-parallel 2` every stage has 2 lanes of 2 peers each and
 every lane trip is forked for an audit (`peer/lane_claim.py`): the lane peers' comparisons, measured the same way.
+Each run also reports how far a stage's replicas' weights were apart at the same epoch (`replica_drift`, from the
+weights fingerprints each peer logs after every update, `swarm/fingerprint.py`) with the sizes of the gradient
+groups that formed, and, with lanes, how many of the tail's lane forwards ran across a change of its weights
+(`lane_forwards`).
 
     OMP_NUM_THREADS=1 python benchmarks/audit_pairs.py --steps 150 --runs 2 --json benchmarks/results/audit-pairs.json
     OMP_NUM_THREADS=1 python benchmarks/audit_pairs.py --context-parallel 2 --steps 60 \
@@ -18,6 +22,7 @@ every lane trip is forked for an audit (`peer/lane_claim.py`): the lane peers' c
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -26,12 +31,14 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections import Counter, defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from peer.audit import AUDIT_MAX_LAG, COSINE_MIN, LOSS_RTOL, LOSS_RTOL_PER_EPOCH  # noqa: E402
 from peer.next_hop import NOT_JUDGED  # noqa: E402
+from swarm.fingerprint import relative_distance  # noqa: E402
 from swarm.manifest import save_manifest  # noqa: E402
 from swarm.presets import preset  # noqa: E402
 
@@ -75,6 +82,49 @@ def averaging_bans(log_text: str) -> list[dict]:
     prefix: gradients or state), as a sender or a reducer, and why. Every peer is honest: each is a false one."""
     return [dict(averager=m["averager"], role=m["role"], why=m["why"])
             for m in map(AVERAGING_BAN.search, log_text.splitlines()) if m]
+
+
+FINGERPRINT = re.compile(
+    r"(?P<peer>\[\S+ stage (?P<stage>\d+)\]) epoch (?P<epoch>\d+) weights fingerprint: (?P<values>.*)$")
+LANDED = re.compile(
+    r"\[\S+ stage (?P<stage>\d+)\] epoch \d+ update landed: gradients (?P<group>\d+ peers|alone|failed)")
+
+
+LANE_FORWARD = re.compile(r"lane trip \S+ lane \d+: loss \S+, weights changed (?P<changes>\d+) times in its forward")
+
+
+def lane_forwards(log_text: str) -> dict:
+    """The tail's lane forwards (peer/lane_trip.py logs each with its loss): how many, and how many ran while an
+    update, a state average or a download changed the weights (their layers then used two versions)."""
+    changes = [int(m["changes"]) for m in map(LANE_FORWARD.search, log_text.splitlines()) if m]
+    return dict(forwards=len(changes), across_a_weights_change=sum(c > 0 for c in changes))
+
+
+def replica_drift(log_text: str) -> dict:
+    """How far each stage's replicas' weights were apart at the same epoch, from the fingerprints each peer logged
+    after every update (`swarm/fingerprint.py`, peer/stage_optimizer.py): per stage, the relative distance of each
+    pair of peers at every epoch both logged (quantiles, and the pair that drifted furthest), and how many peers
+    each epoch's gradient round held, as each peer saw it."""
+    prints: dict[str, dict[str, dict[int, list[float]]]] = defaultdict(lambda: defaultdict(dict))
+    groups: dict[str, Counter] = defaultdict(Counter)
+    for line in log_text.splitlines():
+        if match := FINGERPRINT.search(line):
+            prints[match["stage"]][match["peer"]][int(match["epoch"])] = [float(x) for x in match["values"].split()]
+        elif match := LANDED.search(line):
+            groups[match["stage"]][match["group"]] += 1
+    stages = {}
+    for stage, peers in sorted(prints.items()):
+        distances, furthest = [], {}
+        for a, b in itertools.combinations(sorted(peers), 2):
+            pair = [relative_distance(peers[a][e], peers[b][e]) for e in sorted(peers[a].keys() & peers[b].keys())]
+            pair = [d for d in pair if d is not None]
+            distances += pair
+            if pair:
+                furthest[f"{a} {b}"] = dict(epochs=len(pair), median=quantile(pair, 0.5), max=max(pair))
+        stages[stage] = dict(pairs_at_equal_epochs=len(distances), median=quantile(distances, 0.5),
+                             p90=quantile(distances, 0.9), max=max(distances, default=None), by_pair=furthest,
+                             gradient_groups=dict(groups[stage]))
+    return stages
 
 
 def unjudged(pair: dict) -> bool:
@@ -168,7 +218,8 @@ def main() -> None:
         runs.append(dict(target_batch_size=args.target_batch_size,
                          steps=run["steps"], loss_first=run.get("loss_first"), loss_last=run.get("loss_last"),
                          honest_peers_banned=bans, bans=[line.split("audit: ", 1)[1] for line in ban_lines],
-                         averaging_bans=averaging, lags_excused=excused,
+                         averaging_bans=averaging, lags_excused=excused, replica_drift=replica_drift(logs),
+                         lane_forwards=lane_forwards(logs),
                          summary=summary(pairs), pairs=pairs))
         everything = [pair for r in runs for pair in r["pairs"]]
         result = dict(summary=summary(everything), honest_peers_banned=sum(r["honest_peers_banned"] for r in runs),
@@ -176,6 +227,9 @@ def main() -> None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=1))
         print(json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=1), flush=True)
+        drift = {stage: {k: v for k, v in d.items() if k != "by_pair"}
+                 for stage, d in runs[-1]["replica_drift"].items()}
+        print(f"replicas' drift by stage: {json.dumps(drift)}", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

@@ -44,6 +44,7 @@ from swarm.context_parallel import CPBasis
 from swarm.cp_lane import LaneTrip
 from swarm.cp_modes import DENSE_KV
 from swarm.cp_wire import CPCodec
+from swarm.fingerprint import weights_version
 from swarm.manifest import Manifest
 from swarm.wire import ErrorCode, Header, WireError
 
@@ -203,14 +204,18 @@ class LaneHop:
         exchange = await self.kv.open(trip_id, claim.group[self.index], link=self.kv_link)
         sends = _Sends()
         try:
-            lane = await runtime.run(self._start, claim.lane, tokens, hidden, version)
+            lane, weights = await runtime.run(self._start, claim.lane, tokens, hidden, version)
             epoch = runtime.optimizer.weights_epoch  # the weights the lane's forward uses
             await _own(self._forward(lane, exchange, sends))
             sent = received = 0
             residual = out_grad = None
             if runtime.stage.is_tail:
                 nxt = None if claim.next_tokens is None else torch.tensor(claim.next_tokens)
-                loss = await runtime.run(lane.loss, nxt, claim.seq_len)
+                loss, weights_after = await runtime.run(self._loss, lane, nxt, claim.seq_len)
+                logger.debug("%s lane trip %s lane %d: loss %.4f, weights changed %d times in its forward (epoch %d "
+                             "to %d), K/V with %s", self.label, trip_id[-8:], claim.lane, loss, weights_after - weights,
+                             epoch, runtime.optimizer.weights_epoch,
+                             " ".join(p[-6:] for p in claim.group[self.index]))
                 versions, epochs = [version], [epoch]
             else:
                 output, residual = await runtime.run(lane.output)
@@ -240,10 +245,16 @@ class LaneHop:
             finally:
                 exchange.close()
 
-    def _start(self, lane: int, tokens: torch.Tensor, hidden: torch.Tensor | None, version: int) -> LaneTrip:
+    def _start(self, lane: int, tokens: torch.Tensor, hidden: torch.Tensor | None, version: int
+               ) -> tuple[LaneTrip, int]:
+        """The lane's trip, and the weights' version it starts from (`weights_version`)."""
         self.runtime.check_version(version)
-        device = self.runtime.device
-        return LaneTrip(self.runtime.stage, lane, tokens.to(device), None if hidden is None else hidden.to(device))
+        device, stage = self.runtime.device, self.runtime.stage
+        trip = LaneTrip(stage, lane, tokens.to(device), None if hidden is None else hidden.to(device))
+        return trip, weights_version(list(stage.parameters()))
+
+    def _loss(self, lane: LaneTrip, next_tokens: torch.Tensor | None, seq_len: int) -> tuple[float, int]:
+        return lane.loss(next_tokens, seq_len), weights_version(list(self.runtime.stage.parameters()))
 
     async def _forward(self, lane: LaneTrip, exchange: LaneExchange, sends: _Sends) -> None:
         run = self.runtime.run

@@ -16,6 +16,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 
 from peer.progress import PROGRESS_INTERVAL, PacedProgressTracker
 from peer.stage_averagers import GradientWire, PoisonedStateDonor, RobustGradientAverager, SnapshotStateAverager
+from swarm.fingerprint import weights_fingerprint
 from swarm.manifest import Manifest
 from swarm.model import PipelineStage
 from swarm.optim import lr_at, make_optimizer, parameter_groups
@@ -197,6 +198,10 @@ class StageOptimizer(Optimizer):
                    "%s epoch %d update landed: gradients %s, %.2f s after the epoch ended; step %.3f s%s", self.label,
                    self.local_epoch, group, waited, time.perf_counter() - began,
                    "; state round started" if round_ is not None else "")
+        if logger.isEnabledFor(logging.DEBUG):  # how far the stage's replicas drift apart (benchmarks/audit_pairs.py)
+            fingerprint = weights_fingerprint(self.state_averager.main_parameters)
+            logger.debug("%s epoch %d weights fingerprint: %s", self.label, self.local_epoch,
+                         " ".join(f"{x:.7g}" for x in fingerprint))
 
     def _start_state_round(self) -> StepControl | None:
         """A state round started here, as hivemind would in its step, to learn whether it found a peer."""

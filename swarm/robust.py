@@ -210,8 +210,9 @@ def clip_rows(parts: torch.Tensor, centre: torch.Tensor, tau: float) -> torch.Te
 
 
 def others_mean(rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """Row i: the `weights`-weighted (float32) mean of the other rows; of `clip_rows`, the reference sender i's part
-    is judged against for its direction, one a hostile sender moves by no more than its clipped pull."""
+    """Row i: the `weights`-weighted (float32) mean of the other rows. Applied to `clip_rows`, it is the reference
+    sender i's part is judged against for its direction, which a hostile sender moves by no more than its clipped
+    pull."""
     total = weights @ rows
     rest = (weights.sum() - weights).clamp_min(1e-30)
     return (total - weights[:, None] * rows) / rest[:, None]

@@ -19,10 +19,19 @@ the stage is seen by the old peer up to 10 s later, and sees the old peer's prog
 (its epoch comes with the state it downloads), so the first epochs' averaging may start without the
 old peer. Each read and store asks as few DHT nodes as the stage records' do (`dhtio.records`
 `READ_BEAM`, `STORE_BEAM`): every node asked answers with every peer's signed progress record.
+
+Which reports are stored. hivemind's reporter stores a record only from a peer "in step and reporting
+samples", judged at the moment it wakes: samples accumulated then, or at a wake within the last epoch.
+A paced wake often comes just after an optimizer step, with 0 samples, so a peer alone in its stage
+with sub-second epochs skipped store after store until its record expired, and readers saw the
+stage at epoch 0 or not at all (a CI failure: no fresh record for 60 s). Here the test is whether
+the peer accumulated samples in its current epoch or the one before, counted when the samples are
+reported: an auxiliary peer, which never accumulates any, still never stores a record.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import threading
 import time
@@ -111,6 +120,7 @@ class PacedProgressTracker(ProgressTracker):
     ):
         self._report_interval, self._alone_interval = report_interval, alone_interval
         self._alone = True  # until a read finds another peer
+        self._sample_epoch = -float("inf")  # the last local epoch in which this peer reported samples
         super().__init__(NarrowDHT(dht), *args, **kwargs)
 
     def _current_report_interval(self) -> float:
@@ -134,6 +144,32 @@ class PacedProgressTracker(ProgressTracker):
         if isinstance(event, PacedEvent):
             event.interval = self._current_report_interval()
         return progress
+
+    def report_local_progress(self, local_epoch: int, samples_accumulated: int, update_global_samples: bool = True):
+        if samples_accumulated > 0:
+            self._sample_epoch = local_epoch
+        super().report_local_progress(local_epoch, samples_accumulated, update_global_samples)
+
+    async def _progress_reporter(self) -> None:
+        """Store this peer's progress when asked (paced) or half an expiration after the last wake, if it
+        accumulated samples this epoch or the last (see the module docstring)."""
+        loop = asyncio.get_running_loop()
+        last_wake, store = -float("inf"), None
+        try:
+            while not self.shutdown_triggered.is_set():
+                timeout = max(0.0, last_wake + self.metadata_expiration / 2 - get_dht_time())
+                await loop.run_in_executor(None, self.should_report_progress.wait, timeout)
+                self.should_report_progress.clear()
+                progress, last_wake = self.local_progress, get_dht_time()
+                if self._sample_epoch >= progress.epoch - 1:
+                    store = asyncio.create_task(asyncio.wait_for(
+                        self.dht.store(key=self.training_progress_key, subkey=self._local_public_key,
+                                       value=progress.dict(), expiration_time=last_wake + self.metadata_expiration,
+                                       return_future=True),
+                        timeout=self.metadata_expiration))
+        finally:
+            if store is not None:
+                store.cancel()
 
     def shutdown(self, timeout: float | None = None):
         self.shutdown_triggered.set()

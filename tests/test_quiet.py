@@ -119,6 +119,38 @@ def test_paced_tracker_reports_through_a_paced_event_and_shuts_down_at_once():
         dht.shutdown()
 
 
+def test_a_lone_peer_with_short_epochs_keeps_its_progress_record_fresh_and_a_peer_without_samples_stores_none():
+    """A paced report wakes just after an optimizer step (0 samples) nearly every time when epochs are shorter
+    than the report interval: the record must still be stored (hivemind's own test skipped it, and a lone tail's
+    record went stale for a minute in CI). A peer that steps without ever accumulating samples stores nothing."""
+    from hivemind.dht import DHT
+
+    from peer.progress import PacedProgressTracker
+
+    dht = DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    trackers = []
+    try:
+        trainer, idle = (PacedProgressTracker(dht, prefix, target_batch_size=8, report_interval=0.3,
+                                              alone_interval=0.3, metadata_expiration=30.0, start=True)
+                         for prefix in ("trainer", "idle"))
+        trackers = [trainer, idle]
+        for epoch in range(30):  # 10 epochs a second, each ending in a step that reports 0 samples
+            trainer.report_local_progress(epoch, 8)
+            for tracker in trackers:
+                with tracker.pause_updates():
+                    tracker.update_epoch(epoch + 1)
+            time.sleep(0.1)
+        time.sleep(1.0)  # the last paced report, and its store
+        found = dht.get("trainer_progress", latest=True)
+        epochs = [entry.value["epoch"] for entry in found.value.values()] if found is not None else []
+        assert epochs and max(epochs) >= 27, epochs
+        assert dht.get("idle_progress", latest=True) is None
+    finally:
+        for tracker in trackers:
+            tracker.shutdown(timeout=10.0)
+        dht.shutdown()
+
+
 def test_a_progress_read_that_finds_no_other_peer_waits_the_alone_interval():
     from hivemind.optim.progress_tracker import GlobalTrainingProgress
 

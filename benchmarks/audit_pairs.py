@@ -103,7 +103,7 @@ def lane_forwards(log_text: str) -> dict:
 def replica_drift(log_text: str) -> dict:
     """How far each stage's replicas' weights were apart at the same epoch, from the fingerprints each peer logged
     after every update (`swarm/fingerprint.py`, peer/stage_optimizer.py): per stage, the relative distance of each
-    pair of peers at every epoch both logged (quantiles, and the pair that drifted furthest), and how many peers
+    pair of peers at every epoch both logged (quantiles, and each pair's median and largest), and how many peers
     each epoch's gradient round held, as each peer saw it."""
     prints: dict[str, dict[str, dict[int, list[float]]]] = defaultdict(lambda: defaultdict(dict))
     groups: dict[str, Counter] = defaultdict(Counter)
@@ -114,15 +114,15 @@ def replica_drift(log_text: str) -> dict:
             groups[match["stage"]][match["group"]] += 1
     stages = {}
     for stage, peers in sorted(prints.items()):
-        distances, furthest = [], {}
+        distances, by_pair = [], {}
         for a, b in itertools.combinations(sorted(peers), 2):
             pair = [relative_distance(peers[a][e], peers[b][e]) for e in sorted(peers[a].keys() & peers[b].keys())]
             pair = [d for d in pair if d is not None]
             distances += pair
             if pair:
-                furthest[f"{a} {b}"] = dict(epochs=len(pair), median=quantile(pair, 0.5), max=max(pair))
+                by_pair[f"{a} {b}"] = dict(epochs=len(pair), median=quantile(pair, 0.5), max=max(pair))
         stages[stage] = dict(pairs_at_equal_epochs=len(distances), median=quantile(distances, 0.5),
-                             p90=quantile(distances, 0.9), max=max(distances, default=None), by_pair=furthest,
+                             p90=quantile(distances, 0.9), max=max(distances, default=None), by_pair=by_pair,
                              gradient_groups=dict(groups[stage]))
     return stages
 

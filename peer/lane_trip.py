@@ -247,14 +247,21 @@ class LaneHop:
 
     def _start(self, lane: int, tokens: torch.Tensor, hidden: torch.Tensor | None, version: int
                ) -> tuple[LaneTrip, int]:
-        """The lane's trip, and the weights' version it starts from (`weights_version`)."""
+        """The lane's trip, and the weights' version it starts from (`_weights_version`)."""
         self.runtime.check_version(version)
         device, stage = self.runtime.device, self.runtime.stage
         trip = LaneTrip(stage, lane, tokens.to(device), None if hidden is None else hidden.to(device))
-        return trip, weights_version(list(stage.parameters()))
+        return trip, self._weights_version()
 
     def _loss(self, lane: LaneTrip, next_tokens: torch.Tensor | None, seq_len: int) -> tuple[float, int]:
-        return lane.loss(next_tokens, seq_len), weights_version(list(self.runtime.stage.parameters()))
+        return lane.loss(next_tokens, seq_len), self._weights_version()
+
+    def _weights_version(self) -> int:
+        """How many times the stage's weights changed in place (`weights_version`), read only for the tail's DEBUG
+        line on weights that change under a lane's forward (benchmarks/audit_pairs.py); 0 otherwise."""
+        if not logger.isEnabledFor(logging.DEBUG):
+            return 0
+        return weights_version(list(self.runtime.stage.parameters()))
 
     async def _forward(self, lane: LaneTrip, exchange: LaneExchange, sends: _Sends) -> None:
         run = self.runtime.run

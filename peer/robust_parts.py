@@ -120,8 +120,9 @@ class RobustPartReducer(TensorPartReducer):
             for n, direction in aggregate.directions.items():
                 self.directions.setdefault(senders[keep[n]], SenderDirection()).merge(direction)
             own = [n for n in aggregate.weights if senders[keep[n]] == self.own_sender]
-            if own and sum(aggregate.weights.values()) > 0:
-                self.weight_share = len(aggregate.weights) * aggregate.weights[own[0]] / sum(aggregate.weights.values())
+            total = sum(aggregate.weights.values())
+            if total > 0:  # 0 when this peer's own part was not averaged
+                self.weight_share = len(aggregate.weights) * aggregate.weights[own[0]] / total if own else 0.0
             future.set_result(aggregate.average)
         if self.current_part_index == self.num_parts - 1:  # the round's directions; an accused sender is left out
             directions = {n: d for n, d in self.directions.items() if n not in self.ignored}

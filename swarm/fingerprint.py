@@ -35,8 +35,8 @@ def weights_fingerprint(tensors: Sequence[torch.Tensor], seed: int = 0, dims: in
         end = start + tensor.numel()
         stop = int(torch.searchsorted(indices, end))
         if stop > taken:
-            flat = tensor.detach().reshape(-1).float().cpu()
-            values[taken:stop] = flat[indices[taken:stop] - start]
+            flat = tensor.detach().reshape(-1)  # only the sampled values leave the device
+            values[taken:stop] = flat[(indices[taken:stop] - start).to(flat.device)].float().cpu()
             taken = stop
         start = end
     return (directions @ values).tolist()

@@ -35,10 +35,12 @@ A reducer that returns the negated average (or zeros, or noise of the honest nor
 wherever honest averages move a part about as far as its own norm (gradients of other microbatches later in
 training). What it cannot hide is the direction: an honest average holds this peer's own part with its weight
 (clipped at most to the radius), so over all the parts one reducer returned in a round it points along them,
-⟨average, own⟩ ≥ `aligned_floor` × ‖own‖² (`Alignment`). One part alone is too noisy to judge that way (3 to 6 %
-of honest parts pointed away, benchmarks/honest_accusations.py, 27 Nov 2026); a reducer's whole round fell below
-the floor in 111 of 2,880 honest cases there, never in more than 3 of a pair's 8 consecutive rounds, and a
-negating reducer in nearly all of them, so `swarm/evidence.py` weighs rounds of alignment, not parts.
+⟨average, own⟩ ≥ `aligned_floor` × ‖own‖² (`Alignment`), the floor scaled down by this peer's weight share when
+its weight is below an equal share (an honest average holds its parts only that much). One part alone is too
+noisy to judge that way (3 to 6 % of honest parts pointed away, benchmarks/honest_accusations.py, 27 Nov 2026); a
+reducer's whole round fell below the floor in 111 of 2,880 honest cases there, never in more than 3 of a pair's 8
+consecutive rounds, and a negating reducer in nearly all of them, so `swarm/evidence.py` weighs rounds of
+alignment, not parts.
 
 A sender of −g (its gradient negated) lies as near the others as their own noise does, so CenteredClip averages it
 in, and the average of a group of four holds half the expected gradient (×1.07 in loss, benchmarks/robust_stage.py).

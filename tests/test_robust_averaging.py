@@ -23,7 +23,7 @@ from hivemind.dht import DHT
 
 from peer.averaging_matchmaking import pace_lookups
 from peer.robust_averaging import RobustAveraging
-from peer.robust_parts import CheckedPartContainer
+from peer.robust_parts import CheckedPartContainer, RobustPartReducer
 from peer.stage_averagers import GradientWire
 from swarm.evidence import Evidence
 from swarm.robust import PartChanges, RobustRule
@@ -359,6 +359,29 @@ def test_a_receiver_refuses_one_reduced_part_keeps_the_order_and_accuses_on_evid
     assert 2 in container.refused and container._outputs_registered_by_peer[2] == 10
     assert "from a reducer of 10" in judged[-1][1]
     assert aligned == []  # no reducer's round is complete and judged: 1 sent 3 parts of 10, 2 was refused
+
+
+def test_a_reducer_keeps_its_own_capped_weight_share_for_the_receivers_alignment_floor():
+    """`RobustPartReducer.weight_share`, which this peer's container reads for its alignment floor: its own weight
+    against an equal share of the part it reduced, weights capped at their median (one huge claim lifts the median,
+    so it lowers the share); 0 when this peer's own part was not among those averaged."""
+
+    def share(weights: list[float], own_sender: int | None) -> float:
+        async def reduce() -> float:  # hivemind's reducer makes its futures on the running loop
+            reducer = RobustPartReducer([torch.Size([100])], len(weights), RobustRule(), lambda *_: False, set(),
+                                        lambda *_: False, own_sender)
+            assert reducer.weight_share == 1.0  # before any part: the fixed floor
+            await asyncio.gather(*(reducer.accumulate_part(sender, 0, torch.randn(100), weight=weight)
+                                   for sender, weight in enumerate(weights)))
+            return reducer.weight_share
+
+        return asyncio.run(reduce())
+
+    assert share([1.0, 1.0, 1.0, 1.0], 2) == pytest.approx(1.0)
+    assert share([1.0, 4.0, 4.0, 4.0], 0) == pytest.approx(4 * 1.0 / 13)
+    assert share([1.0, 4.0, 4.0, 4.0], 1) == pytest.approx(4 * 4.0 / 13)
+    assert share([1.0, 1.0, 4.0, 1e9], 0) == pytest.approx(4 * 1.0 / 7)  # median 2.5 caps 4 and 1e9
+    assert share([1.0, 1.0, 1.0], None) == 0.0
 
 
 def test_a_receiver_judges_each_reducers_direction_once_its_round_is_in():

@@ -22,7 +22,7 @@ from swarm.model import PipelineStage
 from swarm.optim import lr_at, make_optimizer, parameter_groups
 
 # seconds a gradient round's leader waits at most for the stage's other peers at an epoch's end: it starts at once
-# when every replica in step has joined (`peers_in_step`). 1 s with no target held all replicas in 3-6 % of
+# when every replica in step has joined (`peers_in_step`). 1 s with no target held all replicas in 0-15 % of
 # rounds and let them drift one to four updates apart (benchmarks/RESULTS.md, "The lane replicas' drift")
 MATCHMAKING_TIME = 4.0
 # A state round starts where each replica's update lands (up to a microbatch or two apart) and runs in the

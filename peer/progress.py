@@ -91,18 +91,6 @@ def paced_read(progress: GlobalTrainingProgress, now: float, alone_interval: flo
     return dataclasses.replace(progress, next_fetch_time=max(progress.next_fetch_time, now + alone_interval))
 
 
-def peers_in_step(metadata, epoch: int) -> int:
-    """How many of a progress read's records (`metadata`: subkey -> value with expiration, as the DHT returns it)
-    are at most one epoch behind `epoch`: the peers that can join this epoch's gradient round. At least 1 (this
-    peer); records that are not progress dicts count for nothing."""
-    if not isinstance(metadata, dict):
-        return 1
-    epochs = [getattr(entry, "value", None) for entry in metadata.values()]
-    found = sum(isinstance(value, dict) and isinstance(value.get("epoch"), int) and value["epoch"] >= epoch - 1
-                for value in epochs)
-    return max(found, 1)
-
-
 class NarrowDHT:
     """The DHT as the progress tracker uses it, its reads and stores asking as few nodes as stage records do."""
 
@@ -133,7 +121,6 @@ class PacedProgressTracker(ProgressTracker):
         self._report_interval, self._alone_interval = report_interval, alone_interval
         self._alone = True  # until a read finds another peer
         self._sample_epoch = -float("inf")  # the last local epoch in which this peer reported samples
-        self.peers_in_step = 1  # peers whose last record was at most an epoch behind this peer's (itself included)
         super().__init__(NarrowDHT(dht), *args, **kwargs)
 
     def _current_report_interval(self) -> float:
@@ -151,7 +138,6 @@ class PacedProgressTracker(ProgressTracker):
         if isinstance(metadata, dict):
             own = ValueWithExpiration(self.local_progress.dict(), get_dht_time() + self.metadata_expiration)
             metadata = {**metadata, self._local_public_key: own}
-        self.peers_in_step = peers_in_step(metadata, self.local_progress.epoch)
         progress = paced_read(super()._parse_swarm_progress_data(metadata), get_dht_time(), self._alone_interval)
         self._alone = progress.num_peers <= 1
         event = self.__dict__.get("should_report_progress")  # absent during hivemind's __init__ (its first read)

@@ -151,15 +151,6 @@ class RobustAveraging:
     async def _banned_peers_for(self, future: MPFuture) -> None:
         future.set_result({peer.to_base58(): why for peer, why in self.banned_peers.current().items()})
 
-    def set_target_group_size(self, size: int | None) -> None:
-        """The group size at which this peer's matchmaking, as leader, starts the next round at once instead of
-        waiting out the matchmaking time (hivemind's `target_group_size`, held by the averager's process)."""
-        self._outer_pipe.send(("_set_target_group_size", [], dict(size=size)))
-
-    async def _set_target_group_size(self, size: int | None) -> None:
-        if self._matchmaking is not None:
-            self._matchmaking.target_group_size = size
-
     def _accuse(self, peer_id: PeerID, why: str) -> None:
         if peer_id == self.peer_id:
             return

@@ -21,10 +21,7 @@ from swarm.manifest import Manifest
 from swarm.model import PipelineStage
 from swarm.optim import lr_at, make_optimizer, parameter_groups
 
-# seconds a gradient round's leader waits at most for the stage's other peers at an epoch's end: it starts at once
-# when every replica in step has joined (`peers_in_step`). 1 s with no target held all replicas in 0-15 % of
-# rounds and let them drift one to four updates apart (benchmarks/RESULTS.md, "The lane replicas' drift")
-MATCHMAKING_TIME = 4.0
+MATCHMAKING_TIME = 1.0  # seconds a group's leader waits for the stage's other peers at an epoch's end
 # A state round starts where each replica's update lands (up to a microbatch or two apart) and runs in the
 # background. With groups of one allowed, the first replica to start formed a group alone at once (hivemind's
 # matchmaking assembles a group as soon as its first declaration times out the leader queue, measured: every
@@ -66,10 +63,8 @@ class StageOptimizer(Optimizer):
     drivers' trips that would have let it step. Measured in the failover test (tests/test_peer_swarm.py):
     a joiner booked into a round with the stage's other peer, every trip in flight held by that peer, both
     idle for the 30 s averaging timeout, epoch after epoch. Here a round starts at the step that ends the
-    epoch: its leader waits for whoever else of the stage also ended it, until as many peers joined as the
-    progress records show at most an epoch behind (`PacedProgressTracker.peers_in_step`, hivemind's
-    `target_group_size` set each round) or for `MATCHMAKING_TIME`, then averages with them (alone, when none
-    came: `min_group_size` 1). Booking nothing ahead also keeps the DHT quiet
+    epoch: its leader waits `MATCHMAKING_TIME` for whoever else of the stage also ended it, then averages
+    with them (alone, when none came: `min_group_size` 1). Booking nothing ahead also keeps the DHT quiet
     (booking polls it many times a second: ~100 lookups a second on a 3-stage local swarm).
 
     The round runs behind the stage's back. hivemind's step waits, on the stage's one thread, for the whole
@@ -151,8 +146,6 @@ class StageOptimizer(Optimizer):
             round_ = None
             if self.tracker.global_progress.num_peers > 1:
                 try:
-                    # the leader starts as soon as every replica in step has joined, else at MATCHMAKING_TIME
-                    self.grad_averager.set_target_group_size(max(self.tracker.peers_in_step, 2))
                     round_ = self.grad_averager.step(wait=False, timeout=self.averaging_timeout)
                 except Exception as exc:  # noqa: BLE001 - then the update is made of our own gradients
                     logger.warning("%s could not start a gradient round: %r", self.label, exc)
@@ -328,7 +321,7 @@ class StageOptimizer(Optimizer):
             offload_optimizer=self.offload_optimizer,
             custom_gradients=self.offload_optimizer,
             status_loglevel=self.status_loglevel,
-            next_chunk_timeout=MATCHMAKING_TIME,  # hivemind's default; 1 s until the gradient rounds' cap rose to 4
+            next_chunk_timeout=MATCHMAKING_TIME,
             client_mode=self.client_mode,
             auxiliary=self.auxiliary,
             start=True,

@@ -1,9 +1,8 @@
 """A real peer that turns liar: `protocol-peer` itself, except that once the file `--turn-file` exists every reply
 it serves carries a forged input gradient (`--lie`: negated, scaled by 10 or by 0.1, or a random direction of the
 honest norm), while its loss and epochs stay the honest ones. It trains on its own honest gradients, so it holds
-the stage's weights and answers at the speed of an honest peer: a verified peer that turns liar (issue 26). A
-pipeline peer forges its trips' replies, a lane peer (`--lane`) its lane trips' (the K/V gradients it sends its
-lane partners stay honest). Used by tests/test_liar_swarm.py and tests/test_lane_swarm.py.
+the stage's weights and answers at the speed of an honest peer: a verified peer that turns liar (issue 26). Used
+by tests/test_liar_swarm.py.
 
     python tests/liar_peer.py --turn-file F [--lie negate|scale10|scale0.1|random] <protocol-peer's arguments>
 """
@@ -17,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from peer import cli, lane_trip, trip
+from peer import cli, trip
 
 LIES = {
     "negate": lambda grad: -grad,
@@ -28,8 +27,7 @@ LIES = {
 
 
 def lying(turn, turn_file: Path, lie: str):
-    """`Hop.turn` (or `LaneHop.turn`), forging the input gradient of every reply with `LIES[lie]` once `turn_file`
-    exists."""
+    """`Hop.turn`, forging the input gradient of every reply with `LIES[lie]` once `turn_file` exists."""
     told = False
 
     async def forged(self, header, hidden, tokens, sender):
@@ -51,7 +49,6 @@ def main() -> None:
     parser.add_argument("--lie", choices=sorted(LIES), default="negate")
     args, peer_args = parser.parse_known_args()
     trip.Hop.turn = lying(trip.Hop.turn, args.turn_file, args.lie)
-    lane_trip.LaneHop.turn = lying(lane_trip.LaneHop.turn, args.turn_file, args.lie)
     sys.exit(cli.main(peer_args))
 
 

@@ -151,20 +151,6 @@ def test_a_lone_peer_with_short_epochs_keeps_its_progress_record_fresh_and_a_pee
         dht.shutdown()
 
 
-def test_the_peers_in_step_are_the_records_at_most_an_epoch_behind_and_at_least_this_one():
-    from hivemind.utils import ValueWithExpiration
-
-    from peer.progress import peers_in_step
-
-    def record(epoch) -> ValueWithExpiration:
-        return ValueWithExpiration({"epoch": epoch, "samples_accumulated": 0}, 0.0)
-
-    read = {b"a": record(10), b"b": record(9), b"c": record(8), b"d": record(12), b"e": ValueWithExpiration("x", 0.0),
-            b"f": record("10")}
-    assert peers_in_step(read, 10) == 3  # 10, 9 and 12; 8 is two behind; a string or a bad epoch counts nothing
-    assert peers_in_step({b"c": record(8)}, 10) == 1 and peers_in_step(None, 10) == 1
-
-
 def test_a_progress_read_that_finds_no_other_peer_waits_the_alone_interval():
     from hivemind.optim.progress_tracker import GlobalTrainingProgress
 

@@ -210,12 +210,15 @@ class CheckedPartContainer(TensorPartContainer):
             self._use(peer_index, part_index, own, part)
 
     def _use(self, peer_index: int, part_index: int, own: torch.Tensor, delta: torch.Tensor) -> None:
-        """Apply a part that passed its check; after the reducer's last part, judge the round's `Alignment`."""
+        """Apply a part that passed its check; after the reducer's last part, judge the round's `Alignment`, unless
+        this peer's own part was not averaged where it reduced (weight share 0): an honest average then need not
+        hold this peer's parts at all."""
         alignment = self.alignments.setdefault(peer_index, Alignment())
         alignment.add(own, own + delta)
         super().register_processed_part(peer_index, part_index, delta)
-        if self._outputs_registered_by_peer[peer_index] == self.num_parts_by_peer[peer_index] and alignment.judged:
-            self.judge_alignment(peer_index, alignment.finding(self.rule, self.weight_share()))
+        last = self._outputs_registered_by_peer[peer_index] == self.num_parts_by_peer[peer_index]
+        if last and alignment.judged and (share := self.weight_share()) > 0:
+            self.judge_alignment(peer_index, alignment.finding(self.rule, share))
 
     def _shape_checks_only(self) -> bool:
         """No honest change to compare with, or (a group of two) nothing that can judge the other: returned parts

@@ -14,13 +14,18 @@ rules bound both:
 - the rest are combined by CenteredClip (Karimireddy, He and Jaggi, 2021; the rule BTARD builds on): start
   at the coordinate-wise median, then repeatedly move by the weighted mean of every part's difference to the
   current centre, each difference clipped to norm `tau`. `tau` is twice the median distance of the parts to
-  that median (an honest majority sets it; honest parts of one scale are then not clipped, so with no hostile
-  part the result is their weighted mean), floored at `tau_floor` of the median's norm so that honest parts that
-  agree almost exactly (parameters right after an averaging round) do not make every other part an outlier;
+  that median, the upper one for an even count (an honest majority sets it; honest parts of one scale are then
+  not clipped, so with no hostile part the result is their weighted mean), floored at `tau_floor` of the
+  median's norm so that honest parts that agree almost exactly (parameters right after an averaging round) do
+  not make every other part an outlier. The upper median because a stage's lanes split a group of four into two
+  camps whose gradients differ (the θ head gets none on the last lane, whose K/V cross to nobody): the lower
+  median, the nearer camp's spread, put the other camp's parts hundreds of radii out (8 honest bans in 4 lane
+  runs, 28 Nov 2026);
 - a part further than `accuse_factor` × tau from the result is a `Finding` against its sender, but only where
   tau is the parts' own spread: where a floor set it, most parts agree exactly and a part apart from them may be
   honest (an embedding table's rows for bytes only one replica saw are zero in every other replica's gradient;
-  clipping still bounds such a part, to its weight's share of the floor).
+  clipping still bounds such a part, to its weight's share of the floor), and only for parts of at least
+  `judged_values` values (hivemind cuts a 2-value bias into a part of its own, whose distances are noise).
 
 **Reduced parts** (what comes back from another reducer, `check_reduced`): the result must be finite and its
 change to this peer's own part no larger than what honest reducers produce. This peer reduced parts itself, so
@@ -101,6 +106,7 @@ class RobustRule:
     reduced_memory: int = 8  # a part's own reference is the largest change of this peer's last reductions of it
     aligned_floor: float = 0.1  # a reducer's averages of a round hold at least this share of this peer's parts
     typical_floor: float = 0.1  # a part's norm counts as at least this share of a typical part's of the same size
+    judged_values: int = 16  # a part of fewer values (a bias of 2) is clipped, not judged: its distances are noise
     sender_floor: float = 0.0  # the lowest cosine of a round's senders to the others' clipped average below this...
     sender_apart: float = 0.2  # ...and this far below the next lowest is a finding
 
@@ -154,8 +160,11 @@ def centered_clip(
     coordinate-wise median; returns the centre, the clip radius used, and whether that radius is the parts'
     spread (`tau_scale` median distances) rather than a floor."""
     centre = parts.median(dim=0).values if parts.shape[0] > 2 else parts.mean(dim=0)
+    # the distance within which half the parts lie, counted from the far side for an even count (the upper median):
+    # f < N/2 hostile parts cannot set it either way, and where the parts fall in two camps of N/2 (a stage's lanes,
+    # whose gradients differ: module docstring) the nearer camp's spread does not make the other one outliers
     distances = (parts - centre).norm(dim=1)
-    spread = rule.tau_scale * float(distances.median())
+    spread = rule.tau_scale * float(distances.sort().values[parts.shape[0] // 2])
     tau = max(spread, rule.tau_floor * float(centre.norm()), 1e-12)
     total = weights.sum()
     for _ in range(rule.iterations):
@@ -186,9 +195,10 @@ def robust_average(
     centre, tau, spread = centered_clip(stacked, kept_weights, rule)
     distances = (stacked - centre).norm(dim=1)
     judged: dict[int, Finding | None] = {}
-    # a floor's radius judges nobody (module docstring), nor does the centre of two parts (their mean)
+    # a floor's radius judges nobody (module docstring), nor does the centre of two parts (their mean), nor a part of a
+    # handful of values
     directions: dict[int, SenderDirection] = {}
-    judging = spread and len(kept) > 2
+    judging = spread and len(kept) > 2 and stacked.shape[1] >= rule.judged_values
     if judging:  # each sender against the others' clipped rows (`SenderDirection`)
         clipped = clip_rows(stacked, centre, tau)
         toward, sizes = others_mean(clipped, kept_weights), clipped.norm(dim=1)

@@ -130,10 +130,10 @@ def test_a_lone_peer_with_short_epochs_keeps_its_progress_record_fresh_and_a_pee
     dht = DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     trackers = []
     try:
-        trainer, idle = (PacedProgressTracker(dht, prefix, target_batch_size=8, report_interval=0.3,
-                                              alone_interval=0.3, metadata_expiration=30.0, start=True)
-                         for prefix in ("trainer", "idle"))
-        trackers = [trainer, idle]
+        for prefix in ("trainer", "idle"):  # one by one, so that the first is shut down if the second fails
+            trackers.append(PacedProgressTracker(dht, prefix, target_batch_size=8, report_interval=0.3,
+                                                 alone_interval=0.3, metadata_expiration=30.0, start=True))
+        trainer = trackers[0]
         for epoch in range(30):  # 10 epochs a second, each ending in a step that reports 0 samples
             trainer.report_local_progress(epoch, 8)
             for tracker in trackers:

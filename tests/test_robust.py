@@ -86,6 +86,29 @@ def test_parts_most_peers_send_as_zeros_accuse_nobody_and_stay_clipped():
     assert two.refused == {} and not any(two.judged.values())
 
 
+def test_two_lanes_of_two_whose_gradients_differ_accuse_neither_camp():
+    """A stage's two lanes in one group of four: the last lane's θ head gets (nearly) no gradient, the other lane's
+    parts are apart from it and from each other. The clip radius from the nearer camp's spread (the lower median
+    distance) put the other camp hundreds of radii out on real peers; the upper median does not, and a hostile
+    part among three honest ones is still judged from an honest distance (the test above)."""
+    generator = torch.Generator().manual_seed(1)
+    last_lane = [1e-4 * torch.randn(SHAPE, generator=generator) for _ in range(2)]
+    first_lane = [torch.randn(SHAPE, generator=generator).abs() for _ in range(2)]
+    aggregate = robust_average([*last_lane, *first_lane], [1.0] * 4, SHAPE)
+    assert aggregate.refused == {} and set(aggregate.judged) == {0, 1, 2, 3}
+    assert not any(aggregate.judged.values())
+    assert direction_findings(aggregate.directions, RobustRule()) == dict.fromkeys(range(4))
+
+
+def test_a_part_of_a_handful_of_values_is_clipped_but_not_judged():
+    """hivemind cuts a 2-value bias into a part of its own: four distances of two values are noise, not evidence."""
+    small = torch.Size([2])
+    parts = [torch.ones(small) + 0.01 * k for k in range(3)] + [torch.tensor([1e6, -1e6])]
+    aggregate = robust_average(parts, [1.0] * 4, small)
+    assert aggregate.judged == {} and aggregate.directions == {}
+    assert float((aggregate.average - torch.ones(small)).norm()) <= aggregate.tau + 0.02
+
+
 def test_no_usable_contribution_gives_no_average():
     assert robust_average([torch.full(SHAPE, float("nan"))], [1.0], SHAPE) is None
 

@@ -406,3 +406,21 @@ def test_a_receiver_judges_each_reducers_direction_once_its_round_is_in():
         container.register_processed_part(2, i, mean[region] - inputs[0][region])
     assert [peer for peer, _ in aligned] == [1, 2] and aligned[1][1] is None
     assert aligned[0][1].startswith("averages that hold -0.") and container.failed_size == 0
+
+
+def test_a_receiver_whose_own_part_was_not_averaged_does_not_judge_the_reducers_direction():
+    """Weight share 0 (this peer's own part was refused or weighed 0 where it reduced): an honest average need not
+    hold this peer's parts, so even the negated mean is applied without an alignment judgement."""
+    generator = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(3000, generator=generator) for _ in range(3)]
+    mean = torch.stack(inputs).mean(0)
+    container = TensorPartContainer([inputs[0]], [1.0, 1.0, 1.0], part_size_bytes=400)
+    aligned: list[int] = []
+    CheckedPartContainer.adopt(container, 0, RobustRule(), lambda *_: False, set(), PartChanges(8),
+                               lambda peer_index, finding: aligned.append(peer_index), lambda: 0.0)
+    for i in range(10):
+        container.register_processed_part(0, i, mean[i * 100 : (i + 1) * 100] - inputs[0][i * 100 : (i + 1) * 100])
+    for i in range(10):
+        region = slice(1000 + i * 100, 1000 + (i + 1) * 100)
+        container.register_processed_part(1, i, -mean[region] - inputs[0][region])
+    assert aligned == [] and container._outputs_registered_by_peer[1] == 10

@@ -25,7 +25,10 @@ rules bound both:
   tau is the parts' own spread: where a floor set it, most parts agree exactly and a part apart from them may be
   honest (an embedding table's rows for bytes only one replica saw are zero in every other replica's gradient;
   clipping still bounds such a part, to its weight's share of the floor), and only for parts of at least
-  `judged_values` values (hivemind cuts a 2-value bias into a part of its own, whose distances are noise).
+  `judged_values` values (hivemind cuts a 2-value bias into a part of its own, whose distances are noise), and
+  among the senders whose part is not all zeros, at least three of them: a zero part is a sender whose graph never
+  reached the slice (the θ head on a stage's last lane), not a vote on where honest parts lie (two zero parts and a
+  near-zero one put a first-lane θ part 764,124 radii out on real peers).
 
 **Reduced parts** (what comes back from another reducer, `check_reduced`): the result must be finite and its
 change to this peer's own part no larger than what honest reducers produce. This peer reduced parts itself, so
@@ -193,25 +196,37 @@ def robust_average(
     stacked = torch.stack([parts[i].detach().reshape(-1).float() for i, _ in kept])
     kept_weights = torch.tensor([w for _, w in kept], dtype=torch.float32)
     centre, tau, spread = centered_clip(stacked, kept_weights, rule)
-    distances = (stacked - centre).norm(dim=1)
     judged: dict[int, Finding | None] = {}
-    # a floor's radius judges nobody (module docstring), nor does the centre of two parts (their mean), nor a part of a
-    # handful of values
     directions: dict[int, SenderDirection] = {}
-    judging = spread and len(kept) > 2 and stacked.shape[1] >= rule.judged_values
-    if judging:  # each sender against the others' clipped rows (`SenderDirection`)
-        clipped = clip_rows(stacked, centre, tau)
-        toward, sizes = others_mean(clipped, kept_weights), clipped.norm(dim=1)
-        typical = float(sizes.median())
-    for row, (index, _) in enumerate(kept if judging else ()):
-        radii = float(distances[row]) / tau
-        far = radii > rule.accuse_factor
-        why = f"a part {radii:.1f} clip radii from the robust average"
-        judged[index] = Finding(why, radii / rule.accuse_factor) if far else None
-        directions[index] = SenderDirection()
-        directions[index].add(stacked[row], toward[row], float(sizes[row]) / typical if typical > 0 else 1.0)
+    # a floor's radius judges nobody (module docstring), nor does the centre of two parts (their mean), nor a part of a
+    # handful of values; an all-zero part does not vote on where honest parts lie (a sender whose graph never reached
+    # the slice: the θ head on a stage's last lane), so the others are judged among themselves
+    voters = [row for row in range(len(kept)) if bool(stacked[row].any())]
+    if len(voters) < len(kept) and len(voters) > 2:
+        centre_v, tau_v, spread_v = centered_clip(stacked[voters], kept_weights[voters], rule)
+    else:
+        centre_v, tau_v, spread_v = centre, tau, spread
+    if spread_v and len(voters) > 2 and stacked.shape[1] >= rule.judged_values:
+        rows = stacked[voters]
+        for row, finding, direction in _judgements(rows, kept_weights[voters], centre_v, tau_v, rule):
+            judged[kept[voters[row]][0]], directions[kept[voters[row]][0]] = finding, direction
     return Aggregate(average=centre.reshape(shape), tau=tau, refused=refused, judged=judged, directions=directions,
                      weights=dict(kept))
+
+
+def _judgements(rows: torch.Tensor, weights: torch.Tensor, centre: torch.Tensor, tau: float, rule: RobustRule):
+    """Each row's `Finding` (None within `accuse_factor` clip radii of `centre`) and its `SenderDirection` against the
+    others' clipped rows, as (row, finding, direction)."""
+    distances = (rows - centre).norm(dim=1)
+    clipped = clip_rows(rows, centre, tau)
+    toward, sizes = others_mean(clipped, weights), clipped.norm(dim=1)
+    typical = float(sizes.median())
+    for row in range(rows.shape[0]):
+        radii = float(distances[row]) / tau
+        why = f"a part {radii:.1f} clip radii from the robust average"
+        direction = SenderDirection()
+        direction.add(rows[row], toward[row], float(sizes[row]) / typical if typical > 0 else 1.0)
+        yield row, (Finding(why, radii / rule.accuse_factor) if radii > rule.accuse_factor else None), direction
 
 
 def clip_rows(parts: torch.Tensor, centre: torch.Tensor, tau: float) -> torch.Tensor:

@@ -100,6 +100,22 @@ def test_two_lanes_of_two_whose_gradients_differ_accuse_neither_camp():
     assert direction_findings(aggregate.directions, RobustRule()) == dict.fromkeys(range(4))
 
 
+def test_all_zero_parts_do_not_vote_on_where_honest_parts_lie():
+    """The θ head on a stage's last lane gets no gradient: its senders' parts are exactly zero. Two of them and a
+    first-lane part near zero put the other first-lane part millions of clip radii out here (on real peers a θ head
+    part was 764,124 out; why the one part was near zero there is not known); zeros do not vote, so two voters judge
+    nobody, and three still find a hostile one."""
+    generator = torch.Generator().manual_seed(2)
+    zeros = [torch.zeros(SHAPE) for _ in range(2)]
+    first_lane = [1e-7 * torch.randn(SHAPE, generator=generator), torch.randn(SHAPE, generator=generator)]
+    aggregate = robust_average([*zeros, *first_lane], [1.0] * 4, SHAPE)
+    assert aggregate.judged == {} and aggregate.directions == {}
+    parts = honest(3)
+    aggregate = robust_average([zeros[0], *parts, 1e3 * torch.ones(SHAPE)], [1.0] * 5, SHAPE)
+    assert set(aggregate.judged) == {1, 2, 3, 4} and aggregate.judged[4].excess > 1
+    assert not any(aggregate.judged[i] for i in (1, 2, 3))
+
+
 def test_a_part_of_a_handful_of_values_is_clipped_but_not_judged():
     """hivemind cuts a 2-value bias into a part of its own: four distances of two values are noise, not evidence."""
     small = torch.Size([2])

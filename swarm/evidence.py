@@ -24,7 +24,8 @@ in `flags` = 5 of its last 8 rounds with it. Honest reducers did so in at most 3
 in nearly every round, and was accused after its 5th. A sender's direction (`direction_findings`) is weighed the
 same way, by its own `Evidence(ALIGNMENT)` at each reducer: over 2 seeds × 2 stages × 60 rounds of the same benchmark
 an honest sender was a round's lowest-and-apart at most 3 times in any 8 consecutive rounds with one reducer
-(28 Nov 2026), while a sender of −g was accused by every honest replica by round 5 (counted from 0).
+(28 Nov 2026), while a sender of −g was accused by every honest replica by round 5 (counted from 0); with the clip
+radius from the upper median distance (`swarm/robust.py`), at most 4 times, and −g by round 6 (benchmarks/RESULTS.md).
 
 An accusation bans the peer from that averager (`AveragingBans`) for `BAN_SECONDS`, doubling with each new
 accusation of the same peer up to `MAX_BAN_SECONDS`, so that an honest peer accused by chance rejoins its stage's

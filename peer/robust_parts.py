@@ -13,7 +13,9 @@ reducer returns (`TensorPartContainer.register_processed_part`). Here:
   replaced by zeros (this peer keeps its own values for that slice, as hivemind does for a reducer that fails),
   and an accused reducer's every later part of the round too; once a reducer's last part is in, how far its
   used averages pointed along this peer's parts (`Alignment`) is judged too, once for the round, against a floor
-  scaled by this peer's weight share in the parts it reduced (`RobustPartReducer.weight_share`).
+  scaled by this peer's weight share in the last part it reduced (`RobustPartReducer.weight_share`); not judged at
+  all where that share is 0 (this peer's own part was not averaged there), so such a peer does not catch a reducer
+  that negates the average.
 
 Each judged part goes to a `Judge`, the runner's, which weighs it as evidence and says whether its peer is now
 accused.

@@ -63,7 +63,7 @@ other microbatches share little, some honest sender is lowest and below zero by 
 (benchmarks/honest_accusations.py, 28 Nov 2026: honest rounds like that come in bursts of a few rounds in which
 every reducer sees one). Scale buys a sender nothing (a part scaled up along its gradient counts as an honest one;
 one scaled up against it counts by the size CenteredClip lets it pull with); −g/10 is judged as −g is; zeros point
-nowhere and are not judged.
+nowhere and are not judged, neither for their direction nor for their distance (an all-zero part does not vote).
 
 A refusal is something no honest peer sends; a finding is a part past a statistical bound, which honest peers
 also reach now and then (benchmarks/honest_accusations.py), so `swarm/evidence.py` decides when findings add
@@ -81,7 +81,11 @@ honest gradients share one (a sender of −g late in training, where they share 
 and over the round as a whole: a sender that negates a share of its parts small enough to keep its round's cosine
 above zero (or within `sender_apart` of the next lowest) is not found; its pull along the others' average is then
 not negative, but the negated parts are still pulled the wrong way, by at most the clip radius each (docs/DESIGN.md
-§4).
+§4). A sender of all zeros is never judged: it pulls the average toward zero by its weight share, within the clip
+radius (it shrinks the step, or rides free). One hostile sender whose part looks like the other lane's can still
+make two camps out of a group with one peer of that lane and put that honest peer's part far out (a review's case:
+620 clip radii, as under the lower median), and a single nonzero value makes a sender a voter: judging a sender
+against its own lane only, and voters of at least a typical norm, are not built.
 """
 
 from __future__ import annotations
@@ -164,8 +168,9 @@ def centered_clip(
     spread (`tau_scale` median distances) rather than a floor."""
     centre = parts.median(dim=0).values if parts.shape[0] > 2 else parts.mean(dim=0)
     # the distance within which half the parts lie, counted from the far side for an even count (the upper median):
-    # f < N/2 hostile parts cannot set it either way, and where the parts fall in two camps of N/2 (a stage's lanes,
-    # whose gradients differ: module docstring) the nearer camp's spread does not make the other one outliers
+    # f < N/2 hostile parts cannot set it beyond the honest distances (for an even N, up to the largest), and where
+    # the parts fall in two honest camps of N/2 (a stage's lanes, whose gradients differ: module docstring) the nearer
+    # camp's spread does not make the other one outliers
     distances = (parts - centre).norm(dim=1)
     spread = rule.tau_scale * float(distances.sort().values[parts.shape[0] // 2])
     tau = max(spread, rule.tau_floor * float(centre.norm()), 1e-12)

@@ -104,7 +104,7 @@ def test_all_zero_parts_do_not_vote_on_where_honest_parts_lie():
     """The θ head on a stage's last lane gets no gradient: its senders' parts are exactly zero. Two of them and a
     first-lane part near zero put the other first-lane part millions of clip radii out here (on real peers a θ head
     part was 764,124 out; why the one part was near zero there is not known); zeros do not vote, so two voters judge
-    nobody, and three still find a hostile one."""
+    nobody, and three honest voters still find a hostile fourth."""
     generator = torch.Generator().manual_seed(2)
     zeros = [torch.zeros(SHAPE) for _ in range(2)]
     first_lane = [1e-7 * torch.randn(SHAPE, generator=generator), torch.randn(SHAPE, generator=generator)]

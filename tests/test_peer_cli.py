@@ -2,22 +2,48 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import subprocess
+import traceback
 from pathlib import Path
 
 import pytest
 
-from peer.cli import build_parser
+from peer.cli import build_parser, main
 from swarm.manifest import save_manifest
 from swarm.presets import preset
 
 
-def run_peer(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+def run_installed(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    """The installed `protocol-peer` command, as a user runs it."""
     return subprocess.run(
         ["protocol-peer", *args], capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})}
     )
+
+
+def run_peer(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`protocol-peer`'s entry point run in this process with `env` added to the environment: its exit status and
+    stderr. Every refusal below comes before the peer starts anything, so the command's own process adds only its
+    imports (4 s a case on two cores); `--help`, an unreachable DHT and the signal tests run the installed command."""
+    saved = dict(os.environ)
+    stderr = io.StringIO()
+    os.environ.update(env or {})
+    try:
+        with contextlib.redirect_stderr(stderr):
+            try:
+                code = main(list(args))
+            except SystemExit as exit_:  # argparse's own refusals
+                code = exit_.code
+    except Exception:  # noqa: BLE001 - what a user would see as a traceback
+        code, text = 1, "Traceback (most recent call last):\n" + traceback.format_exc()
+        return subprocess.CompletedProcess(["protocol-peer", *args], code, "", stderr.getvalue() + text)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    return subprocess.CompletedProcess(["protocol-peer", *args], code, "", stderr.getvalue())
 
 
 def assert_one_line_error(result: subprocess.CompletedProcess, *needles: str) -> None:
@@ -37,7 +63,7 @@ def manifest_file(tmp_path: Path) -> Path:
 
 
 def test_help_documents_every_flag_and_its_environment_variable():
-    result = run_peer("--help")
+    result = run_installed("--help")
     assert result.returncode == 0
     text = " ".join(result.stdout.split())
     for action in build_parser()._actions:
@@ -120,7 +146,7 @@ def test_unreachable_tracker(manifest_file: Path):
 def test_unreachable_initial_peers(manifest_file: Path):
     dead = "/ip4/127.0.0.1/tcp/9/p2p/QmcRYxWgW4Bj6vz6zzdRR6zFeZVUdHVRsNfLsSbo2xrNhB"
     assert_one_line_error(
-        run_peer(
+        run_installed(
             "--manifest",
             str(manifest_file),
             "--initial-peers",

@@ -125,8 +125,12 @@ def average_once(hostile_cls, hostile_tensors, hostile_weight: float = 1.0, roun
                     for averager, tensor in zip(averagers, new, strict=True):
                         with averager.get_tensors() as tensors:
                             tensors[0].copy_(tensor)
+                # after the first round a hostile peer every honest one banned is refused at matchmaking: it
+                # still tries, but waiting 20 s for its step to give up made each round take that long
+                banned_by_all = all(hostile.peer_id.to_base58() in a.get_banned_peers() for a in averagers[:3])
+                hostile_timeout = 8 if banned_by_all else 20
                 futures = [pool.submit(a.step, weight=hostile_weight if a is hostile else 1.0,
-                                       timeout=20 if a is hostile and round_ else 60) for a in averagers]
+                                       timeout=hostile_timeout if a is hostile and round_ else 60) for a in averagers]
                 done = []
                 for future in futures[:3]:
                     try:

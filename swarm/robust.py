@@ -206,15 +206,13 @@ def robust_average(
     # a floor's radius judges nobody (module docstring), nor does the centre of two parts (their mean), nor a part of a
     # handful of values; an all-zero part does not vote on where honest parts lie (a sender whose graph never reached
     # the slice: the θ head on a stage's last lane), so the others are judged among themselves
-    voters = [row for row in range(len(kept)) if bool(stacked[row].any())]
-    if len(voters) < len(kept) and len(voters) > 2:
-        centre_v, tau_v, spread_v = centered_clip(stacked[voters], kept_weights[voters], rule)
-    else:
-        centre_v, tau_v, spread_v = centre, tau, spread
-    if spread_v and len(voters) > 2 and stacked.shape[1] >= rule.judged_values:
-        rows = stacked[voters]
-        for row, finding, direction in _judgements(rows, kept_weights[voters], centre_v, tau_v, rule):
-            judged[kept[voters[row]][0]], directions[kept[voters[row]][0]] = finding, direction
+    voters = stacked.any(dim=1).nonzero().flatten().tolist()
+    if len(voters) > 2 and stacked.shape[1] >= rule.judged_values:
+        centre_v, tau_v, spread_v = (centered_clip(stacked[voters], kept_weights[voters], rule)
+                                     if len(voters) < len(kept) else (centre, tau, spread))
+        if spread_v:
+            for row, finding, direction in _judgements(stacked[voters], kept_weights[voters], centre_v, tau_v, rule):
+                judged[kept[voters[row]][0]], directions[kept[voters[row]][0]] = finding, direction
     return Aggregate(average=centre.reshape(shape), tau=tau, refused=refused, judged=judged, directions=directions,
                      weights=dict(kept))
 

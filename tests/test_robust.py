@@ -116,6 +116,15 @@ def test_all_zero_parts_do_not_vote_on_where_honest_parts_lie():
     assert not any(aggregate.judged[i] for i in (1, 2, 3))
 
 
+def test_voters_are_judged_by_their_own_centre_when_zeros_are_the_majority():
+    """Four last-lane zeros and three honest first-lane parts: CenteredClip over all seven sits at the zeros with a
+    radius of nearly nothing (the honest parts ~1e13 radii out), so the voters are judged against their own centre
+    and radius, and none is far."""
+    parts = [*honest(3), *(torch.zeros(SHAPE) for _ in range(4))]
+    aggregate = robust_average(parts, [1.0] * 7, SHAPE)
+    assert set(aggregate.judged) == {0, 1, 2} and not any(aggregate.judged.values()), aggregate.judged
+
+
 def test_a_part_of_a_handful_of_values_is_clipped_but_not_judged():
     """hivemind cuts a 2-value bias into a part of its own: four distances of two values are noise, not evidence."""
     small = torch.Size([2])

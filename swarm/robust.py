@@ -208,10 +208,11 @@ def robust_average(
     # the slice: the θ head on a stage's last lane), so the others are judged among themselves
     voters = stacked.any(dim=1).nonzero().flatten().tolist()
     if len(voters) > 2 and stacked.shape[1] >= rule.judged_values:
-        centre_v, tau_v, spread_v = (centered_clip(stacked[voters], kept_weights[voters], rule)
-                                     if len(voters) < len(kept) else (centre, tau, spread))
+        rows, row_weights = stacked[voters], kept_weights[voters]
+        centre_v, tau_v, spread_v = (centered_clip(rows, row_weights, rule) if len(voters) < len(kept)
+                                     else (centre, tau, spread))
         if spread_v:
-            for row, finding, direction in _judgements(stacked[voters], kept_weights[voters], centre_v, tau_v, rule):
+            for row, finding, direction in _judgements(rows, row_weights, centre_v, tau_v, rule):
                 judged[kept[voters[row]][0]], directions[kept[voters[row]][0]] = finding, direction
     return Aggregate(average=centre.reshape(shape), tau=tau, refused=refused, judged=judged, directions=directions,
                      weights=dict(kept))

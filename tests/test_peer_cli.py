@@ -38,8 +38,8 @@ def run_peer(*args: str, env: dict | None = None) -> subprocess.CompletedProcess
             except SystemExit as exit_:  # argparse's own refusals
                 code = exit_.code
     except Exception:  # noqa: BLE001 - what a user would see as a traceback
-        code, text = 1, "Traceback (most recent call last):\n" + traceback.format_exc()
-        return subprocess.CompletedProcess(["protocol-peer", *args], code, "", stderr.getvalue() + text)
+        code = 1
+        stderr.write("Traceback (most recent call last):\n" + traceback.format_exc())
     finally:
         os.environ.clear()
         os.environ.update(saved)

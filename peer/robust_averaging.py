@@ -142,11 +142,12 @@ class RobustAveraging:
             matchmaking.__class__, matchmaking.banned = ExcludingMatchmaking, self.banned_peers
         self.__dict__["_matchmaking"] = matchmaking
 
-    def get_banned_peers(self) -> dict[str, str]:
-        """The peers this averager banned and why (asked of the averager's process, which holds the list)."""
+    def get_banned_peers(self, timeout: float | None = None) -> dict[str, str]:
+        """The peers this averager banned and why (asked of the averager's process, which holds the list); waits
+        at most `timeout` seconds for that process's answer (TimeoutError after)."""
         future = MPFuture()
         self._outer_pipe.send(("_banned_peers_for", [], dict(future=future)))
-        return future.result()
+        return future.result(timeout)
 
     async def _banned_peers_for(self, future: MPFuture) -> None:
         future.set_result({peer.to_base58(): why for peer, why in self.banned_peers.current().items()})

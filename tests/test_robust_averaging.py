@@ -7,7 +7,7 @@ import asyncio
 import functools
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeoutError
 
 import pytest
 import torch
@@ -25,6 +25,7 @@ from peer.averaging_matchmaking import pace_lookups
 from peer.robust_averaging import RobustAveraging
 from peer.robust_parts import CheckedPartContainer, RobustPartReducer
 from peer.stage_averagers import GradientWire
+from peer.stage_optimizer import AVERAGING_TIMEOUT
 from swarm.evidence import Evidence
 from swarm.robust import PartChanges, RobustRule
 
@@ -92,6 +93,9 @@ def independent_tensors(seed: int) -> list[torch.Tensor]:
     return [torch.randn(SIZE, generator=torch.Generator().manual_seed(seed))]
 
 
+STEP_WAIT = 60 + AVERAGING_TIMEOUT + 30  # seconds the test waits for a step: matchmaking, then the all-reduce
+
+
 def average_once(hostile_cls, hostile_tensors, hostile_weight: float = 1.0, rounds: int = 1, min_group_size: int = 4,
                  fresh: bool = False, wire: GradientWire = GradientWire.FP32, fourth_wire: GradientWire | None = None,
                  make_tensors: Callable[[int], list[torch.Tensor]] = honest_tensors):
@@ -107,8 +111,10 @@ def average_once(hostile_cls, hostile_tensors, hostile_weight: float = 1.0, roun
     averagers = []
     try:
         peers = [dht] + [DHT(start=True, initial_peers=dht.get_visible_maddrs()) for _ in range(3)]
+        # an all-reduce gives up after AVERAGING_TIMEOUT, as a stage's averagers do: unbounded, a peer waiting for
+        # parts its group will not send (a banned one, say) waited forever
         common = dict(prefix="stage1", target_group_size=4, min_group_size=min_group_size, min_matchmaking_time=5.0,
-                      request_timeout=3.0, start=True)
+                      request_timeout=3.0, allreduce_timeout=AVERAGING_TIMEOUT, start=True)
         inputs = [make_tensors(seed) for seed in (1, 2, 3)]
         honest_mean = torch.stack([t[0] for t in inputs]).mean(0)
         for peer, tensors in zip(peers[:3], inputs, strict=True):
@@ -117,40 +123,44 @@ def average_once(hostile_cls, hostile_tensors, hostile_weight: float = 1.0, roun
                               **(fourth_wire or wire).averager_options())
         averagers.append(hostile)
         results, means = [], [honest_mean]
-        with ThreadPoolExecutor(4) as pool:
-            for round_ in range(rounds):
-                if fresh and round_:
-                    new = [make_tensors(seed + 10 * round_)[0] for seed in (1, 2, 3, 4)]
-                    means.append(torch.stack(new[:3]).mean(0))
-                    for averager, tensor in zip(averagers, new, strict=True):
-                        with averager.get_tensors() as tensors:
-                            tensors[0].copy_(tensor)
-                # after the first round a hostile peer every honest one banned is refused at matchmaking: it
-                # still tries, but waiting 20 s for its step to give up made each round take that long
-                banned_by_all = all(hostile.peer_id.to_base58() in a.get_banned_peers() for a in averagers[:3])
-                hostile_timeout = 8 if banned_by_all else 20
-                futures = [pool.submit(a.step, weight=hostile_weight if a is hostile else 1.0,
-                                       timeout=hostile_timeout if a is hostile and round_ else 60) for a in averagers]
-                done = []
-                for future in futures[:3]:
-                    try:
-                        future.result()
-                        done.append(True)
-                    except AllreduceException:  # a later round while the honest peers' bans differ (docstring)
-                        if not round_:
-                            raise
-                        done.append(False)
+        for round_ in range(rounds):
+            if fresh and round_:
+                new = [make_tensors(seed + 10 * round_)[0] for seed in (1, 2, 3, 4)]
+                means.append(torch.stack(new[:3]).mean(0))
+                for averager, tensor in zip(averagers, new, strict=True):
+                    with averager.get_tensors() as tensors:
+                        tensors[0].copy_(tensor)
+            # after the first round a hostile peer every honest one banned is refused at matchmaking: it
+            # still tries, but waiting 20 s for its step to give up made each round take that long
+            banned_by_all = all(hostile.peer_id.to_base58() in a.get_banned_peers(timeout=STEP_WAIT)
+                                for a in averagers[:3])
+            hostile_timeout = 8 if banned_by_all else 20
+            # `timeout` bounds a step's matchmaking only; each wait below bounds the whole step, so that a step
+            # that never ends fails this test instead of hanging it
+            controls = [a.step(weight=hostile_weight if a is hostile else 1.0, wait=False,
+                               timeout=hostile_timeout if a is hostile and round_ else 60) for a in averagers]
+            done = []
+            for control in controls[:3]:
                 try:
-                    futures[3].result()
-                except Exception:  # noqa: BLE001 - left out of every group, or alone below min_group_size
+                    control.result(timeout=STEP_WAIT)
+                    done.append(True)
+                except AllreduceException:  # a later round while the honest peers' bans differ (docstring)
                     if not round_:
                         raise
-                snapshot = []
-                for averager, averaged in zip(averagers[:3], done, strict=True):
-                    with averager.get_tensors() as tensors:
-                        snapshot.append(tensors[0].clone() if averaged else None)
-                results.append(snapshot)
-        bans = [a.get_banned_peers() for a in averagers[:3]]
+                    done.append(False)
+            try:
+                controls[3].result(timeout=STEP_WAIT)
+            except FutureTimeoutError:
+                raise
+            except Exception:  # noqa: BLE001 - left out of every group, or alone below min_group_size
+                if not round_:
+                    raise
+            snapshot = []
+            for averager, averaged in zip(averagers[:3], done, strict=True):
+                with averager.get_tensors() as tensors:
+                    snapshot.append(tensors[0].clone() if averaged else None)
+            results.append(snapshot)
+        bans = [a.get_banned_peers(timeout=STEP_WAIT) for a in averagers[:3]]
         return results, means, hostile.peer_id.to_base58(), bans
     finally:
         for averager in averagers:

@@ -100,13 +100,14 @@ def average_once(hostile_cls, hostile_tensors, hostile_weight: float = 1.0, roun
                  fresh: bool = False, wire: GradientWire = GradientWire.FP32, fourth_wire: GradientWire | None = None,
                  make_tensors: Callable[[int], list[torch.Tensor]] = honest_tensors):
     """Three robust peers and one hostile peer average `rounds` times; the honest peers' tensors after each
-    round, the honest inputs' means (the first round's; with `fresh`, each round's), the hostile peer's id and
-    what each honest peer banned. After the first round the hostile peer's step may find no group (the honest
-    peers may have left it out): its failure is not theirs. An honest peer's may fail too in a later round while
-    the honest peers' bans differ (one left the hostile peer out, another joined its group): that peer's result of
-    the round is then None (its tensors are its own, not averaged). `fresh`: every round after the first starts from new
-    honest tensors, as a gradient averager does (each round a new step's gradients). `wire`: what the peers send
-    (`fourth_wire`: the fourth peer, if it differs); `make_tensors`: each peer's tensors from a seed."""
+    round, the honest inputs' means (the first round's; with `fresh`, each round's), the hostile peer's id, what
+    each honest peer banned and whether the hostile peer averaged in each round. After the first round the
+    hostile peer's step may find no group (the honest peers may have left it out): its failure is not theirs. An
+    honest peer's may fail too in a later round while the honest peers' bans differ (one left the hostile peer
+    out, another joined its group): that peer's result of the round is then None (its tensors are its own, not
+    averaged). `fresh`: every round after the first starts from new honest tensors, as a gradient averager does
+    (each round a new step's gradients). `wire`: what the peers send (`fourth_wire`: the fourth peer, if it
+    differs); `make_tensors`: each peer's tensors from a seed."""
     dht = DHT(start=True)
     averagers = []
     try:
@@ -122,7 +123,7 @@ def average_once(hostile_cls, hostile_tensors, hostile_weight: float = 1.0, roun
         hostile = hostile_cls(averaged_tensors=hostile_tensors, dht=peers[3], **common,
                               **(fourth_wire or wire).averager_options())
         averagers.append(hostile)
-        results, means = [], [honest_mean]
+        results, means, hostile_averaged = [], [honest_mean], []
         for round_ in range(rounds):
             if fresh and round_:
                 new = [make_tensors(seed + 10 * round_)[0] for seed in (1, 2, 3, 4)]
@@ -150,18 +151,20 @@ def average_once(hostile_cls, hostile_tensors, hostile_weight: float = 1.0, roun
                     done.append(False)
             try:
                 controls[3].result(timeout=STEP_WAIT)
+                hostile_averaged.append(True)
             except FutureTimeoutError:
                 raise
             except Exception:  # noqa: BLE001 - left out of every group, or alone below min_group_size
                 if not round_:
                     raise
+                hostile_averaged.append(False)
             snapshot = []
             for averager, averaged in zip(averagers[:3], done, strict=True):
                 with averager.get_tensors() as tensors:
                     snapshot.append(tensors[0].clone() if averaged else None)
             results.append(snapshot)
         bans = [a.get_banned_peers(timeout=STEP_WAIT) for a in averagers[:3]]
-        return results, means, hostile.peer_id.to_base58(), bans
+        return results, means, hostile.peer_id.to_base58(), bans, hostile_averaged
     finally:
         for averager in averagers:
             averager.shutdown()
@@ -199,8 +202,11 @@ def test_one_hostile_contribution_of_four_neither_stops_nor_bends_the_average(na
     """Four rounds, each on a new step's tensors, the hostile peer sending its part every round: no round's result
     is bent, and every honest peer bans it (NaN and 1e6 at once; the others once their parts were far from the
     robust average on enough of them, `swarm/evidence.py`). While one honest peer has banned it and another not
-    yet, they may fall into different groups and one find none that round (`average_once`)."""
-    results, means, hostile, bans = average_once(
+    yet, they may fall into different groups and one find none that round (`average_once`). Or the others may join
+    the group of the one that banned it and leave it out of every later round: they never meet it again, so only
+    the first bans it (seen in 2 of 22 runs of the sign-flipped case, where one honest peer banned it as a reducer
+    in round 0: its reduced part held its own flipped contribution)."""
+    results, means, hostile, bans, hostile_averaged = average_once(
         hostile_sender(send), honest_tensors(4), weight, rounds=4, min_group_size=3, fresh=True)
     for round_results, honest_mean in zip(results, means, strict=True):
         assert any(averaged is not None for averaged in round_results), name
@@ -212,8 +218,11 @@ def test_one_hostile_contribution_of_four_neither_stops_nor_bends_the_average(na
             # hostile part moves the average by at most about a clip radius (the honest spread) over four
             error = float((averaged - honest_mean).norm())
             assert error < spread(), (name, error, spread())
-    assert all(list(banned) == [hostile] for banned in bans), (name, bans)
-    assert all("(tensor 0, part " in banned[hostile] for banned in bans), bans  # where its part lay
+    banners = [banned for banned in bans if banned]
+    assert all(list(banned) == [hostile] for banned in banners), (name, bans)  # nobody honest
+    # every honest peer bans it, unless it was left out of every group after the first round
+    assert len(banners) == 3 or (banners and not any(hostile_averaged[1:])), (name, bans, hostile_averaged)
+    assert all("(tensor 0, part " in banned[hostile] for banned in banners), bans  # where its part lay
 
 
 def test_a_lying_reducer_is_refused_banned_and_left_out_of_the_next_group():
@@ -222,7 +231,7 @@ def test_a_lying_reducer_is_refused_banned_and_left_out_of_the_next_group():
     share of the parts too and end with the same tensors; had it been let in, they would still differ on its
     slice. Nobody honest is accused."""
     tensors = honest_tensors(4)
-    results, means, liar, bans = average_once(LyingAverager, tensors, rounds=2, min_group_size=3, fresh=True)
+    results, means, liar, bans, _ = average_once(LyingAverager, tensors, rounds=2, min_group_size=3, fresh=True)
     for round_results, honest_mean in zip(results, means, strict=True):
         for averaged in round_results:
             assert torch.isfinite(averaged).all()
@@ -242,7 +251,7 @@ def test_a_reducer_returning_the_negated_mean_is_banned_on_the_direction_of_its_
     further than an honest mean does and no part is refused. Its averages point away from every honest peer's
     parts, round after round (`Alignment`): every honest peer bans it once that held in 5 of its rounds, and no
     honest peer is banned."""
-    results, _, liar, bans = average_once(NegatingAverager, independent_tensors(4), rounds=6, min_group_size=3,
+    results, _, liar, bans, _ = average_once(NegatingAverager, independent_tensors(4), rounds=6, min_group_size=3,
                                           fresh=True, make_tensors=independent_tensors)
     assert all(torch.isfinite(averaged).all() for round_ in results for averaged in round_ if averaged is not None)
     assert all(list(banned) == [liar] for banned in bans), bans
@@ -275,7 +284,7 @@ def test_a_sender_of_its_negated_gradient_is_banned_on_the_direction_of_its_roun
     others' average in every round (`SenderDirection`): every honest peer bans it after 5 rounds, and no honest peer
     is banned."""
     make_tensors = functools.partial(signal_in_noise, size=size)
-    results, _, liar, bans = average_once(hostile_sender(send), make_tensors(4), rounds=6, min_group_size=3,
+    results, _, liar, bans, _ = average_once(hostile_sender(send), make_tensors(4), rounds=6, min_group_size=3,
                                           fresh=True, make_tensors=make_tensors)
     assert all(torch.isfinite(averaged).all() for round_ in results for averaged in round_ if averaged is not None)
     assert all(list(banned) == [liar] for banned in bans), bans
@@ -285,7 +294,7 @@ def test_a_sender_of_its_negated_gradient_is_banned_on_the_direction_of_its_roun
 def test_four_honest_peers_ban_nobody_and_get_about_their_mean():
     fourth = honest_tensors(4)
     fourth_before = fourth[0].clone()  # the averager averages its tensors in place
-    results, (honest_mean,), _, bans = average_once(RobustAverager, fourth)
+    results, (honest_mean,), _, bans, _ = average_once(RobustAverager, fourth)
     mean_of_four = (3 * honest_mean + fourth_before) / 4
     for averaged in results[0]:
         # CenteredClip clips the honest parts furthest from the centre too: close to the mean, not equal to it
@@ -298,11 +307,12 @@ def test_fp16_on_the_wire_keeps_the_mean_and_still_refuses_a_nan_sender():
     to the mean as fp32's does (the rounding is ~2e-4 of a part's spread), and a NaN part decodes as NaN."""
     fourth = honest_tensors(4)
     mean_of_four = (3 * torch.stack([honest_tensors(seed)[0] for seed in (1, 2, 3)]).mean(0) + fourth[0]) / 4
-    results, _, _, bans = average_once(RobustAverager, fourth, wire=GradientWire.FP16)
+    results, _, _, bans, _ = average_once(RobustAverager, fourth, wire=GradientWire.FP16)
     for averaged in results[0]:
         assert float((averaged - mean_of_four).norm()) < 0.1 * spread()
     assert bans == [{}, {}, {}]
-    results, _, hostile, bans = average_once(PlainAverager, [torch.full((SIZE,), float("nan"))], wire=GradientWire.FP16)
+    nan = [torch.full((SIZE,), float("nan"))]
+    results, _, hostile, bans, _ = average_once(PlainAverager, nan, wire=GradientWire.FP16)
     assert all(torch.isfinite(averaged).all() for averaged in results[0])
     assert all(hostile in banned for banned in bans), bans
 
@@ -312,7 +322,7 @@ def test_a_peer_sending_fp32_averages_with_peers_sending_fp16():
     fp32 peer's parts hold half as many values, every reducer refuses them as misshapen and bans it."""
     fourth = honest_tensors(4)
     mean_of_four = (3 * torch.stack([honest_tensors(seed)[0] for seed in (1, 2, 3)]).mean(0) + fourth[0]) / 4
-    results, _, _, bans = average_once(RobustAverager, fourth, wire=GradientWire.FP16, fourth_wire=GradientWire.FP32)
+    results, _, _, bans, _ = average_once(RobustAverager, fourth, wire=GradientWire.FP16, fourth_wire=GradientWire.FP32)
     for averaged in results[0]:
         assert float((averaged - mean_of_four).norm()) < 0.1 * spread()
     assert bans == [{}, {}, {}]

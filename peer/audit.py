@@ -86,12 +86,17 @@ one epoch apart, 732 audits of 5 runs (benchmarks/results/audit-pairs-averaged.j
 had a median cosine of 0.998 and norm ratio of 1.01, and the worst 5 audits in a row a median cosine of 0.19 and
 norm ratio of 2.36 (a run's last minute, where both replicas' losses spiked to 6–9.7). So `Ledger.drift` weighs
 each pair of peers' last `DRIFT_WINDOW` compared audits within `DRIFT_LAG` epochs: where their median cosine is
-below `DRIFT_COSINE` or their median norm ratio (either way) above `DRIFT_NORM`, the replies are not one computation,
-and the peer with the shorter verified history loses, as for any disagreement. A gradient scaled by 10 or 0.1, or
-a random one, is caught by the fifth such audit at the latest (the third after it turns, where the pair agreed
-before). Limits: audits more than `DRIFT_LAG` epochs apart do not count, so a liar that claims epochs that far
-from the verified reply's escapes this check (not its loss's); a liar that forges on fewer than half of its audited
-replies keeps the medians honest.
+below `DRIFT_COSINE`, the replies are not one computation, and the peer with the shorter verified history loses, as
+for any disagreement. The norm is steadier than the direction: over the same audits, 5 in a row within 3 epochs
+(1,160 windows) had a median norm ratio of at most 2.36 too, the worst window within 1 epoch, so the norm ratio is
+weighed over the pair's last `DRIFT_WINDOW` audits within `DRIFT_NORM_LAG` epochs (within 5, one window reached
+10.4), and a median (either way) above `DRIFT_NORM` is a disagreement. On a slow machine audits 2 epochs apart come
+between those within 1 (the live test of tests/test_liar_swarm.py on CI: a random liar caught only at its 12th audit,
+a liar scaling by 0.1 at its 22nd in a swarm that had banned two liars before it): they now count toward the norm.
+A gradient scaled by 10 or 0.1 is caught by the third audit within `DRIFT_NORM_LAG` epochs after it turns (the fifth
+where the pair has no history), a random one by the third within `DRIFT_LAG`. Limits: audits further apart do not
+count, so a liar that claims epochs that far from the verified reply's escapes this check (not its loss's); a liar
+that forges on fewer than half of its audited replies keeps the medians honest.
 
 Lane forks compare the cosine over a pair's last `LANE_FLIP_WINDOW` comparisons (`Ledger.lane_flip`): honest lane
 replies (a lane's chunk, 64 tokens) fell below `COSINE_MIN` once in every two or three lane runs (−0.83 to −0.99,
@@ -122,7 +127,8 @@ LOSS_RTOL_PER_EPOCH = 0.05  # more loss difference allowed per epoch of lag, whe
 AUDIT_MAX_LAG = 10  # epochs apart two replies' weights may be and still be compared (see above)
 LAG_GRACE = 120.0  # seconds an audited peer's replies may stay too far apart to compare (see above)
 LAG_MEMORY = 1800.0  # seconds a peer's grace is remembered: a later gap within it is a disagreement
-DRIFT_LAG = 1  # replies at most this many epochs apart count toward a pair's drift (see above)
+DRIFT_LAG = 1  # replies at most this many epochs apart count toward a pair's direction drift (see above)
+DRIFT_NORM_LAG = 3  # ...and at most this many toward its norm drift
 DRIFT_WINDOW = 5  # the last this many such audits of one pair of peers are weighed together
 DRIFT_COSINE = 0.1  # their median gradient cosine below this...
 DRIFT_NORM = 4.0  # ...or their median gradient norm ratio (either way) above this: not one computation
@@ -245,8 +251,10 @@ class Ledger:
     # peer -> when its audits first came back too many epochs from the verified reply (kept `lag_memory`, whether
     # its record lives or not: an expired record must not buy a new grace)
     lagging_since: dict[str, float] = field(default_factory=dict)
-    # a pair of peers -> (cosine, |log norm ratio|) of its last compared audits within `DRIFT_LAG` epochs
-    drifts: dict[frozenset[str], deque[tuple[float, float]]] = field(default_factory=dict)
+    # a pair of peers -> the cosines of its last compared audits within `DRIFT_LAG` epochs, and the |log norm ratio|s
+    # of those within `DRIFT_NORM_LAG`
+    drift_cosines: dict[frozenset[str], deque[float]] = field(default_factory=dict)
+    drift_norms: dict[frozenset[str], deque[float]] = field(default_factory=dict)
     # a pair of lane peers -> its last `LANE_FLIP_WINDOW` gradient cosines
     lane_cosines: dict[frozenset[str], deque[float]] = field(default_factory=dict)
     # peer -> how many times it lost its standing (`distrust`): a comparison sent before the last is not judged
@@ -317,27 +325,29 @@ class Ledger:
         return peer_id in self.lagging_since and now - self.lagging_since[peer_id] <= self.lag_grace
 
     def drift(self, peer_a: str, peer_b: str, seen: Agreement, lag: int | None) -> str | None:
-        """Weigh one audit of `peer_a` against `peer_b` that agreed: why their replies over the pair's last
-        `DRIFT_WINDOW` audits within `DRIFT_LAG` epochs are not of one computation, or None (see above). One audit's
-        gradient says little (honest pairs reach cosine −0.5 and norm ratios of 20); the median of several at
-        nearly the same weights says whether one of them forges its gradient. A verdict starts the pair afresh."""
-        if lag is None or lag > DRIFT_LAG or seen.cosine is None:
+        """Weigh one audit of `peer_a` against `peer_b` that agreed: why their replies are not of one computation, or
+        None: the median cosine of the pair's last `DRIFT_WINDOW` audits within `DRIFT_LAG` epochs, or the median norm
+        ratio of its last `DRIFT_WINDOW` within `DRIFT_NORM_LAG` (see above). One audit's gradient says little (honest
+        pairs reach cosine −0.5 and norm ratios of 20); the median of several at nearly the same weights says whether
+        one of them forges its gradient. A verdict starts the pair afresh."""
+        if lag is None or lag > DRIFT_NORM_LAG or seen.cosine is None:
             return None
         pair = frozenset((peer_a, peer_b))
         log_ratio = abs(math.log(seen.norms[0]) - math.log(seen.norms[1]))
-        window = _full_window(self.drifts, pair, (seen.cosine, log_ratio), DRIFT_WINDOW)
-        if window is None:
-            return None
-        cosine = statistics.median(c for c, _ in window)
-        ratio = math.exp(statistics.median(r for _, r in window))
-        over = f"over their last {DRIFT_WINDOW} audits within {DRIFT_LAG} epoch"
+        ratios = _full_window(self.drift_norms, pair, log_ratio, DRIFT_WINDOW)
+        cosines = _full_window(self.drift_cosines, pair, seen.cosine, DRIFT_WINDOW) if lag <= DRIFT_LAG else None
+        cosine = statistics.median(cosines) if cosines else math.inf
+        ratio = math.exp(statistics.median(ratios)) if ratios else 1.0
         if cosine < DRIFT_COSINE:
-            why = f"{over} the median gradient cosine is {cosine:.2f}, below {DRIFT_COSINE}"
+            why = (f"over their last {DRIFT_WINDOW} audits within {DRIFT_LAG} epoch the median gradient cosine is "
+                   f"{cosine:.2f}, below {DRIFT_COSINE}")
         elif ratio > DRIFT_NORM:
-            why = f"{over} the median gradient norm ratio is {ratio:.2f}, above {DRIFT_NORM}"
+            why = (f"over their last {DRIFT_WINDOW} audits within {DRIFT_NORM_LAG} epochs the median gradient norm "
+                   f"ratio is {ratio:.2f}, above {DRIFT_NORM}")
         else:
             return None
-        del self.drifts[pair]
+        self.drift_cosines.pop(pair, None)
+        self.drift_norms.pop(pair, None)
         return why
 
     def lane_flip(self, peer_a: str, peer_b: str, seen: Agreement) -> str | None:

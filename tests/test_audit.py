@@ -15,6 +15,7 @@ from peer.audit import (
     AUDIT_MAX_LAG,
     COSINE_MIN,
     DRIFT_LAG,
+    DRIFT_NORM_LAG,
     DRIFT_WINDOW,
     LOSS_RTOL,
     LOSS_RTOL_PER_EPOCH,
@@ -279,15 +280,41 @@ def test_a_forged_gradient_with_the_honest_loss_drifts_within_the_window(cosine,
     ledger = Ledger()
     verdicts = [ledger.drift("honest", "liar", _seen(cosine, ratio), lag) for lag in [0, 1, 0, 1, 0]]
     assert verdicts[:DRIFT_WINDOW - 1] == [None] * (DRIFT_WINDOW - 1) and "median gradient" in verdicts[-1]
-    assert frozenset(("honest", "liar")) not in ledger.drifts  # a verdict starts the pair afresh
+    pair = frozenset(("honest", "liar"))
+    assert pair not in ledger.drift_cosines and pair not in ledger.drift_norms  # a verdict starts the pair afresh
+
+
+@pytest.mark.parametrize("ratio", [10.0, 0.1])
+def test_a_scaled_gradient_drifts_on_audits_a_few_epochs_apart(ratio):
+    """The norm ratio is weighed over audits within `DRIFT_NORM_LAG` epochs (steadier than the direction), so audits
+    2 and 3 epochs apart, which do not count toward the direction, still catch a gradient scaled by 10 or 0.1."""
+    ledger = Ledger()
+    for _ in range(DRIFT_WINDOW):  # the pair agreed before
+        assert ledger.drift("honest", "liar", _seen(0.99, 1.0), 0) is None
+    lags = [2, DRIFT_NORM_LAG, 2]
+    verdicts = [ledger.drift("honest", "liar", _seen(0.99, ratio), lag) for lag in lags]
+    assert verdicts[:2] == [None, None] and f"within {DRIFT_NORM_LAG} epochs the median gradient norm" in verdicts[2]
+
+
+def test_a_random_direction_is_weighed_only_on_audits_within_drift_lag():
+    """Honest directions 2 epochs apart measured a median cosine of 0.06 over 5 audits early in a run (RESULTS), so
+    those audits do not count toward the direction: a random gradient (cosine 0, honest norm) is caught by its third
+    audit within `DRIFT_LAG` epochs after the pair agreed, however many come between further apart."""
+    ledger = Ledger()
+    for _ in range(DRIFT_WINDOW):
+        assert ledger.drift("honest", "liar", _seen(0.99, 1.0), 0) is None
+    far = DRIFT_LAG + 1
+    for lag in [far, far, 0, far, DRIFT_LAG, far, far]:
+        assert ledger.drift("honest", "liar", _seen(0.0, 1.0), lag) is None
+    assert "median gradient cosine" in ledger.drift("honest", "liar", _seen(0.0, 1.0), DRIFT_LAG)
 
 
 def test_only_audits_at_nearly_the_same_weights_count_toward_drift():
     ledger = Ledger()
     for _ in range(2 * DRIFT_WINDOW):
-        assert ledger.drift("a", "b", _seen(0.0, 1.0), DRIFT_LAG + 1) is None
-        assert ledger.drift("a", "b", _seen(0.0, 1.0), None) is None
-    assert frozenset(("a", "b")) not in ledger.drifts
+        assert ledger.drift("a", "b", _seen(0.0, 10.0), DRIFT_NORM_LAG + 1) is None
+        assert ledger.drift("a", "b", _seen(0.0, 10.0), None) is None
+    assert frozenset(("a", "b")) not in ledger.drift_cosines and frozenset(("a", "b")) not in ledger.drift_norms
 
 
 def _driver_hop() -> tuple[Router, NextHop]:

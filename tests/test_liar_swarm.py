@@ -5,7 +5,7 @@ A 2-stage swarm (driver, an honest tail, then tests/liar_peer.py as a second tai
 closely (gradient cosine above 0.9 three audits in a row: the replicas averaged into step), then forges every
 reply's input gradient while keeping the honest loss, so only the gradient checks can catch it: a negated one
 is refused by a single audit (peer/audit.py `COSINE_MIN`), one scaled by 10 or 0.1 or a random direction of the
-honest norm by the median of the pair's last `DRIFT_WINDOW` audits at nearly the same weights (`Ledger.drift`)."""
+honest norm by the medians of the pair's last `DRIFT_WINDOW` audits at nearly the same weights (`Ledger.drift`)."""
 
 from __future__ import annotations
 
@@ -68,8 +68,8 @@ def test_a_verified_peer_that_turns_liar_is_banned_within_10_audits(tmp_path: Pa
         assert not any(f"; {honest} banned" in line for line in lines())
         assert len(audits(after)) >= 1, after
         if len(audits(after)) > 10 and why == "median gradient":
-            # a known gap of issue 26: the drift rule compares only audits within 1 epoch, and on a slow machine
-            # audits 2 epochs apart come between them (CI on 28 Nov: the random liar after 12 audits; a scale0.1
-            # liar after 22 in a swarm that had banned two liars before it)
+            # a known gap of issue 26: the drift rule weighs the direction only over audits within 1 epoch (the
+            # norm within 3), and on a slow machine audits 2 epochs apart come between them (CI on 28 Nov: the
+            # random liar after 12 audits)
             pytest.xfail(f"banned, but after {len(audits(after))} audits, not within 10")
         assert len(audits(after)) <= 10, audits(after)

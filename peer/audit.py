@@ -350,6 +350,12 @@ class Ledger:
         self.drift_norms.pop(pair, None)
         return why
 
+    def forget_pairs_beyond(self, listed: set[str]) -> None:
+        """Drop the drift windows of pairs with a peer not in `listed` (its record expired)."""
+        for store in (self.drift_cosines, self.drift_norms):
+            for pair in [pair for pair in store if not pair <= listed]:
+                del store[pair]
+
     def lane_flip(self, peer_a: str, peer_b: str, seen: Agreement) -> str | None:
         """Weigh one lane comparison's cosine: why the pair's last `LANE_FLIP_WINDOW` are a sign flip (their median
         below `COSINE_MIN`), or None (module docstring). A verdict starts the pair afresh."""

@@ -146,7 +146,7 @@ class Router:
         # "a verified peer" that never answers, so no newcomer could ever be verified (no primary to duplicate)
         # nor trusted on first use, and no loss would be published again (churn, issue 14). Distrust is a ban.
         self.ledger.standings = {peer: s for peer, s in self.ledger.standings.items() if peer in listed}
-        self.ledger.drifts = {pair: audits for pair, audits in self.ledger.drifts.items() if pair <= listed}
+        self.ledger.forget_pairs_beyond(listed)
 
     def observe(self, peer_id: str, seconds: float, tokens: int, now: float | None = None) -> None:
         """A trip to `peer_id` came back checked after `seconds`. The first answer after `remeasure_after`

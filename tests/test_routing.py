@@ -1,7 +1,11 @@
 """Next-hop choice: compatible peers only, least expected queue first, bans with backoff."""
 
+import math
+
+import torch
 from builders import stage_record
 
+from peer.audit import agreement
 from peer.routing import Router
 from swarm.records import SOFTWARE_VERSION, PeerEntry, speaks_our_wire
 
@@ -328,3 +332,16 @@ def test_a_relayed_peer_serves_when_alone_and_loses_to_a_direct_one_unless_faste
     r.observe("public", 4.0, 100)  # the direct peer became slower than the relayed one: the relayed one leads
     r.observe("public", 4.0, 100)
     assert [e.record.peer_id for e in r.candidates(1)] == ["home", "public"]
+
+
+def test_a_pair_of_peers_is_no_longer_weighed_for_drift_once_one_of_its_records_expires():
+    """`Router.update` drops the drift windows (`Ledger.drift`) of every pair with a peer no longer listed."""
+    grad = torch.ones(16, dtype=torch.float64)
+    seen = agreement(grad, 3.0, 2 * grad, 3.0)
+    r = router(entry("x", 10.0), entry("y", 10.0), entry("z", 10.0))
+    assert r.ledger.drift("x", "y", seen, 0) is None and r.ledger.drift("x", "z", seen, 2) is None
+    assert set(r.ledger.drift_norms) == {frozenset("xy"), frozenset("xz")} and set(r.ledger.drift_cosines) == {
+        frozenset("xy")}
+    r.update({1: [entry("x", 10.0), entry("z", 10.0)]})  # y's record expired
+    assert set(r.ledger.drift_norms) == {frozenset("xz")} and not r.ledger.drift_cosines
+    assert math.isclose(r.ledger.drift_norms[frozenset("xz")][0], math.log(2))

@@ -87,10 +87,11 @@ had a median cosine of 0.998 and norm ratio of 1.01, and the worst 5 audits in a
 norm ratio of 2.36 (a run's last minute, where both replicas' losses spiked to 6–9.7). So `Ledger.drift` weighs
 each pair of peers' last `DRIFT_WINDOW` compared audits within `DRIFT_LAG` epochs: where their median cosine is
 below `DRIFT_COSINE`, the replies are not one computation, and the peer with the shorter verified history loses, as
-for any disagreement. The norm is steadier than the direction: over the same audits, 5 in a row within 3 epochs
-(1,160 windows) had a median norm ratio of at most 2.36 too, the worst window within 1 epoch, so the norm ratio is
-weighed over the pair's last `DRIFT_WINDOW` audits within `DRIFT_NORM_LAG` epochs (within 5, one window reached
-10.4), and a median (either way) above `DRIFT_NORM` is a disagreement. On a slow machine audits 2 epochs apart come
+for any disagreement. The norm is steadier than the direction: over all 1,210 honest audits of those runs (the 732
+and those further apart), 5 in a row within 3 epochs (1,160 windows) had a median norm ratio of at most 2.36 too,
+the worst window within 1 epoch, so the norm ratio is weighed over the pair's last `DRIFT_WINDOW` audits within
+`DRIFT_NORM_LAG` epochs (within 5, one window reached 10.4), and a median (either way) above `DRIFT_NORM` is a
+disagreement. On a slow machine audits 2 epochs apart come
 between those within 1 (the live test of tests/test_liar_swarm.py on CI: a random liar caught only at its 12th audit,
 a liar scaling by 0.1 at its 22nd in a swarm that had banned two liars before it): they now count toward the norm.
 A gradient scaled by 10 or 0.1 is caught by the third audit within `DRIFT_NORM_LAG` epochs after it turns (the fifth

@@ -294,6 +294,9 @@ def test_a_scaled_gradient_drifts_on_audits_a_few_epochs_apart(ratio):
     lags = [2, DRIFT_NORM_LAG, 2]
     verdicts = [ledger.drift("honest", "liar", _seen(0.99, ratio), lag) for lag in lags]
     assert verdicts[:2] == [None, None] and f"within {DRIFT_NORM_LAG} epochs the median gradient norm" in verdicts[2]
+    pair = frozenset(("honest", "liar"))
+    # the verdict clears the direction's window too, though the direction did not reach it
+    assert pair not in ledger.drift_cosines and pair not in ledger.drift_norms
 
 
 def test_a_random_direction_is_weighed_only_on_audits_within_drift_lag():

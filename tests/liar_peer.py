@@ -1,10 +1,12 @@
 """A real peer that turns liar: `protocol-peer` itself, except that once the file `--turn-file` exists every reply
 it serves carries a forged input gradient (`--lie`: negated, scaled by 10 or by 0.1, or a random direction of the
-honest norm), while its loss and epochs stay the honest ones. It trains on its own honest gradients, so it holds
-the stage's weights and answers at the speed of an honest peer: a verified peer that turns liar (issue 26). Used
-by tests/test_liar_swarm.py.
+honest norm), while its loss and epochs stay the honest ones; or (`--lie stale`, a tail only) the loss and input
+gradient of the weights it held when it served its first trip, while it claims the epochs of the weights it holds
+now (a peer that stopped keeping up and answers from old weights). It trains on its own honest gradients, so it
+holds the stage's weights, averages with the stage and answers at the speed of an honest peer: a verified peer
+that turns liar (issue 26). Used by tests/test_liar_swarm.py.
 
-    python tests/liar_peer.py --turn-file F [--lie negate|scale10|scale0.1|random] <protocol-peer's arguments>
+    python tests/liar_peer.py --turn-file F [--lie negate|scale10|scale0.1|random|stale] <protocol-peer's arguments>
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from pathlib import Path
 import torch
 
 from peer import cli, trip
+from swarm.model import PipelineStage, next_token_loss
 
 LIES = {
     "negate": lambda grad: -grad,
@@ -26,18 +29,46 @@ LIES = {
 }
 
 
+def copy_of(stage: PipelineStage) -> PipelineStage:
+    """A detached copy of a tail stage's weights as they are now."""
+    if not stage.is_tail:
+        raise ValueError("the stale liar serves from a tail stage only")
+    copy = PipelineStage(stage.manifest, stage.index)
+    copy.load_state_dict(stage.state_dict())
+    return copy.requires_grad_(False)
+
+
+def stale_reply(old: PipelineStage, hidden: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """The input gradient and loss that `old`'s weights give this trip (the honest turn has run on the live
+    weights already; nothing here touches them or their gradients)."""
+    leaf = hidden.detach().clone().requires_grad_(True)
+    with torch.enable_grad():
+        output, _ = old.forward_with_residual(leaf, tokens)
+        loss = next_token_loss(output, tokens)
+        (grad,) = torch.autograd.grad(loss, leaf)
+    return grad, float(loss)
+
+
 def lying(turn, turn_file: Path, lie: str):
-    """`Hop.turn`, forging the input gradient of every reply with `LIES[lie]` once `turn_file` exists."""
+    """`Hop.turn`, forging every reply once `turn_file` exists: its input gradient with `LIES[lie]`, or with
+    `stale` its loss and input gradient from the weights of the first trip served (module docstring)."""
     told = False
+    old: PipelineStage | None = None
 
     async def forged(self, header, hidden, tokens, sender):
-        nonlocal told
+        nonlocal told, old
+        if lie == "stale" and old is None:  # before this trip's step moves the weights on
+            old = await self.runtime.run(copy_of, self.runtime.stage)
         result = await turn(self, header, hidden, tokens, sender)
         if turn_file.exists() and result.input_grad is not None:
             if not told:
                 logging.getLogger("peer").warning("liar: %s input gradients from trip %s on", lie, header.trip_id[:8])
                 told = True
-            result.input_grad = LIES[lie](result.input_grad)
+            if lie == "stale":
+                grad, result.loss = await self.runtime.run(stale_reply, old, hidden, tokens)
+                result.input_grad = grad.to(result.input_grad.dtype)
+            else:
+                result.input_grad = LIES[lie](result.input_grad)
         return result
 
     return forged
@@ -46,7 +77,7 @@ def lying(turn, turn_file: Path, lie: str):
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--turn-file", type=Path, required=True)
-    parser.add_argument("--lie", choices=sorted(LIES), default="negate")
+    parser.add_argument("--lie", choices=sorted([*LIES, "stale"]), default="negate")
     args, peer_args = parser.parse_known_args()
     trip.Hop.turn = lying(trip.Hop.turn, args.turn_file, args.lie)
     sys.exit(cli.main(peer_args))

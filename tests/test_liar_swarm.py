@@ -5,7 +5,10 @@ A 2-stage swarm (driver, an honest tail, then tests/liar_peer.py as a second tai
 closely (gradient cosine above 0.9 three audits in a row: the replicas averaged into step), then forges every
 reply's input gradient while keeping the honest loss, so only the gradient checks can catch it: a negated one
 is refused by a single audit (peer/audit.py `COSINE_MIN`), one scaled by 10 or 0.1 or a random direction of the
-honest norm by the medians of the pair's last `DRIFT_WINDOW` audits at nearly the same weights (`Ledger.drift`)."""
+honest norm by the medians of the pair's last `DRIFT_WINDOW` audits at nearly the same weights (`Ledger.drift`).
+A stale liar answers with the loss and gradient of the weights it joined with while it claims its current epoch:
+its loss is honest for those weights, so it is caught by the loss check or the drift rule, whichever sees the
+gap first."""
 
 from __future__ import annotations
 
@@ -24,7 +27,8 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.mark.parametrize("lie, why", [("negate", "gradient cosine"), ("scale10", "median gradient"),
-                                      ("scale0.1", "median gradient"), ("random", "median gradient")])
+                                      ("scale0.1", "median gradient"), ("random", "median gradient"),
+                                      ("stale", "losses|median gradient")])
 def test_a_verified_peer_that_turns_liar_is_banned_within_10_audits(tmp_path: Path, lie: str, why: str):
     manifest = preset("tiny", stages=2)
     turn = tmp_path / "turn"
@@ -64,10 +68,10 @@ def test_a_verified_peer_that_turns_liar_is_banned_within_10_audits(tmp_path: Pa
 
         after = wait_for(until_the_ban, 180, "the driver to ban the liar")
         print(f"banned after {len(audits(after))} audits since the turn: {after[-1]}")
-        assert why in banned.search(after[-1])["why"]  # its loss was the honest one
+        assert re.search(why, banned.search(after[-1])["why"])  # the forged gradients' loss was the honest one
         assert not any(f"; {honest} banned" in line for line in lines())
         assert len(audits(after)) >= 1, after
-        if len(audits(after)) > 10 and why == "median gradient":
+        if len(audits(after)) > 10 and lie in ("scale10", "scale0.1", "random"):
             # a known gap of issue 26: the drift rule weighs the direction only over audits within 1 epoch (the
             # norm within 3), and on a slow machine audits 2 epochs apart come between them (CI on 28 Nov: the
             # random liar after 12 audits)

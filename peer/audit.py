@@ -77,7 +77,11 @@ comparisons, the slack let 10 honest pairs pass that a flat 25 % refused): one r
 -0.520 (2 epochs apart, losses equal, a run's 5th comparison) and three in one run's last minute, where the
 stage's loss spiked to 6-9.7 and the newer weights lost more. Honest cosines over both averaged measurements
 (928 pairs) were never below -0.52 (-0.63 before averaging), and 90 % were above 0.8: so `COSINE_MIN` is -0.8,
-and a sign-flipped reply, whose cosine is minus an honest pair's, is still refused at 9 audits in 10.
+and a sign-flipped reply, whose cosine is minus an honest pair's, is still refused at 9 audits in 10. A long
+honest run (500 steps, 708 comparisons, benchmarks/results/audit-pairs-long.json) then found one honest pair at
+-0.978, 1 epoch apart, losses equal, both gradients 10 times the norm of the audits around it (whose cosines were
+0.84-0.99): one audit cannot tell a flip, so the sign flip is weighed like the lanes' (below), over a pair's last
+`FLIP_WINDOW` cosines; over all 2,195 recorded honest pipeline audits their median was never below -0.03.
 
 One audit's gradient cannot tell a scaled or random gradient sent with the honest loss (honest pairs reach a
 cosine of -0.52 and a norm ratio of 22 in single audits), but a peer that forges its gradient does so audit after
@@ -87,19 +91,24 @@ had a median cosine of 0.998 and norm ratio of 1.01, and the worst 5 audits in a
 norm ratio of 2.36 (a run's last minute, where both replicas' losses spiked to 6–9.7). So `Ledger.drift` weighs
 each pair of peers' last `DRIFT_WINDOW` compared audits within `DRIFT_LAG` epochs: where their median cosine is
 below `DRIFT_COSINE`, the replies are not one computation, and the peer with the shorter verified history loses, as
-for any disagreement. The norm is steadier than the direction: over all 1,210 honest audits of those runs (the 732
-and those further apart), 5 in a row within 3 epochs (1,160 windows) had a median norm ratio of at most 2.36 too,
-the worst window within 1 epoch, so the norm ratio is weighed over the pair's last `DRIFT_WINDOW` audits within
-`DRIFT_NORM_LAG` epochs (within 5, one window reached 10.4), and a median (either way) above `DRIFT_NORM` is a
-disagreement. On a slow machine audits 2 epochs apart come
-between those within 1 (the live test of tests/test_liar_swarm.py on CI: a random liar caught only at its 12th audit,
-a liar scaling by 0.1 at its 22nd in a swarm that had banned two liars before it): they now count toward the norm.
-A gradient scaled by 10 or 0.1 is caught by the third audit within `DRIFT_NORM_LAG` epochs after it turns (the fifth
-where the pair has no history), a random one by the third within `DRIFT_LAG`. Limits: audits further apart do not
-count, so a liar that claims epochs that far from the verified reply's escapes this check (not its loss's); a liar
-that forges on fewer than half of its audited replies keeps the medians honest.
+for any disagreement. The norm is steadier than the direction: over all 1,210 recorded honest audits (the 928 of
+those runs, 732 of them within 1 epoch, and the 282 of an honest pipeline run, RESULTS), 5 in a row within 3 epochs
+(1,160 windows) had a median norm ratio of at most 2.36 too, the worst window within 1 epoch, so the norm ratio is
+weighed over the pair's last `DRIFT_WINDOW` audits within `DRIFT_NORM_LAG` epochs (within 5, one window reached
+10.4), and a median (either way) above `DRIFT_NORM` is a disagreement. The long honest run above reached 4.12
+within 3 epochs (and within 2) in its first minute, when the replicas' gradient norms still differed 2-7 times
+from audit to audit (within 1 epoch, the worst of 1,621 windows over all recorded runs stayed 2.36): so `DRIFT_NORM`
+is 6, between that and the 8.6-10.2 of liars scaling by 10 or 0.1 on real peers; a liar scaling by less than 6
+passes it. On a slow machine audits 2 epochs apart come
+between those within 1 (the live test of tests/test_liar_swarm.py on CI: a random liar caught only at its 12th
+audit, a liar scaling by 0.1 at its 22nd in a swarm that had banned two liars before it): they now count toward the
+norm. A gradient scaled by 10 or 0.1 is caught by the third audit within `DRIFT_NORM_LAG` epochs after it turns (the
+fifth where the pair has no history), a random one by the third within `DRIFT_LAG`. Limits: audits further apart do
+not count, so a liar that claims epochs that far from the verified reply's escapes this check (not its loss's); a
+liar that forges on fewer than half of its audited replies keeps the medians honest.
 
-Lane forks compare the cosine over a pair's last `LANE_FLIP_WINDOW` comparisons (`Ledger.lane_flip`): honest lane
+Lane forks, and since the long run above every audit, compare the cosine over a pair's last `FLIP_WINDOW`
+comparisons (`Ledger.flip`): honest lane
 replies (a lane's chunk, 64 tokens) fell below `COSINE_MIN` once in every two or three lane runs (−0.83 to −0.99,
 each a ban of an honest peer; benchmarks/results/audit-pairs-lanes*.json, 7 runs, 3,355 comparisons), but the
 median of a pair's 3 consecutive cosines never below −0.60. A lane peer that negates its gradient is refused once
@@ -132,13 +141,13 @@ DRIFT_LAG = 1  # replies at most this many epochs apart count toward a pair's di
 DRIFT_NORM_LAG = 3  # ...and at most this many toward its norm drift
 DRIFT_WINDOW = 5  # the last this many such audits of one pair of peers are weighed together
 DRIFT_COSINE = 0.1  # their median gradient cosine below this...
-DRIFT_NORM = 4.0  # ...or their median gradient norm ratio (either way) above this: not one computation
+DRIFT_NORM = 6.0  # ...or their median gradient norm ratio (either way) above this: not one computation
 VERIFY_AFTER = 3  # consecutive matching duplicates (or clean trust-on-first-use trips) to be verified
 AUDIT_RATE = 0.02  # share of a verified peer's trips duplicated to another verified peer
 # share of lane trips a driver forks for an audit (`peer/lane_claim.py`): every slot's peers are checked only
 # through forks, so newcomers need them; each costs the forked stage and those after it one more lane trip
 LANE_AUDIT_RATE = 0.1
-LANE_FLIP_WINDOW = 3  # a lane pair's last this many cosines: their median is checked against `COSINE_MIN`
+FLIP_WINDOW = 3  # a pair's last this many cosines: their median is checked against `COSINE_MIN`
 
 
 @dataclass(frozen=True)
@@ -256,8 +265,8 @@ class Ledger:
     # of those within `DRIFT_NORM_LAG`
     drift_cosines: dict[frozenset[str], deque[float]] = field(default_factory=dict)
     drift_norms: dict[frozenset[str], deque[float]] = field(default_factory=dict)
-    # a pair of lane peers -> its last `LANE_FLIP_WINDOW` gradient cosines
-    lane_cosines: dict[frozenset[str], deque[float]] = field(default_factory=dict)
+    # a pair of peers -> its last `FLIP_WINDOW` gradient cosines
+    flip_cosines: dict[frozenset[str], deque[float]] = field(default_factory=dict)
     # peer -> how many times it lost its standing (`distrust`): a comparison sent before the last is not judged
     verdicts: dict[str, int] = field(default_factory=dict)
     rng: random.Random = field(default_factory=random.Random)
@@ -353,23 +362,22 @@ class Ledger:
 
     def forget_pairs_beyond(self, listed: set[str]) -> None:
         """Drop the drift windows of pairs with a peer not in `listed` (its record expired)."""
-        for store in (self.drift_cosines, self.drift_norms):
+        for store in (self.drift_cosines, self.drift_norms, self.flip_cosines):
             for pair in [pair for pair in store if not pair <= listed]:
                 del store[pair]
 
-    def lane_flip(self, peer_a: str, peer_b: str, seen: Agreement) -> str | None:
-        """Weigh one lane comparison's cosine: why the pair's last `LANE_FLIP_WINDOW` are a sign flip (their median
-        below `COSINE_MIN`), or None (module docstring). A verdict starts the pair afresh."""
+    def flip(self, peer_a: str, peer_b: str, seen: Agreement) -> str | None:
+        """Weigh one comparison's cosine: why the pair's last `FLIP_WINDOW` are a sign flip (their median below
+        `COSINE_MIN`), or None (module docstring). A verdict starts the pair afresh."""
         if seen.cosine is None:
             return None
         pair = frozenset((peer_a, peer_b))
-        window = _full_window(self.lane_cosines, pair, seen.cosine, LANE_FLIP_WINDOW)
+        window = _full_window(self.flip_cosines, pair, seen.cosine, FLIP_WINDOW)
         cosine = statistics.median(window) if window else math.inf
         if cosine >= COSINE_MIN:
             return None
-        del self.lane_cosines[pair]
-        return (f"the median gradient cosine of their last {LANE_FLIP_WINDOW} lane audits is {cosine:.3f}, below "
-                f"{COSINE_MIN}")
+        del self.flip_cosines[pair]
+        return f"the median gradient cosine of their last {FLIP_WINDOW} audits is {cosine:.3f}, below {COSINE_MIN}"
 
     def distrust(self, peer_id: str) -> None:
         self.standings.pop(peer_id, None)

@@ -3,8 +3,8 @@ it serves carries a forged input gradient (`--lie`: negated, scaled by 10 or by 
 honest norm), while its loss and epochs stay the honest ones; or (`--lie stale`, a tail only) the loss and input
 gradient of the weights it held when it served its first trip, while it claims the epochs of the weights it holds
 now (a peer that stopped keeping up and answers from old weights). It trains on its own honest gradients, so it
-holds the stage's weights, averages with the stage and answers at the speed of an honest peer: a verified peer
-that turns liar (issue 26). Used by tests/test_liar_swarm.py.
+holds the stage's weights, averages with the stage and answers at the speed of an honest peer (the stale one
+after a second forward and backward): a verified peer that turns liar (issue 26). Used by tests/test_liar_swarm.py.
 
     python tests/liar_peer.py --turn-file F [--lie negate|scale10|scale0.1|random|stale] <protocol-peer's arguments>
 """
@@ -30,10 +30,10 @@ LIES = {
 
 
 def copy_of(stage: PipelineStage) -> PipelineStage:
-    """A detached copy of a tail stage's weights as they are now."""
+    """A detached copy of a tail stage's weights as they are now, on their device."""
     if not stage.is_tail:
         raise ValueError("the stale liar serves from a tail stage only")
-    copy = PipelineStage(stage.manifest, stage.index)
+    copy = PipelineStage(stage.manifest, stage.index).to(next(stage.parameters()).device)
     copy.load_state_dict(stage.state_dict())
     return copy.requires_grad_(False)
 
@@ -66,7 +66,7 @@ def lying(turn, turn_file: Path, lie: str):
                 told = True
             if lie == "stale":
                 grad, result.loss = await self.runtime.run(stale_reply, old, hidden, tokens)
-                result.input_grad = grad.to(result.input_grad.dtype)
+                result.input_grad = grad.to(result.input_grad)  # its dtype and device
             else:
                 result.input_grad = LIES[lie](result.input_grad)
         return result

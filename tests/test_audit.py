@@ -395,15 +395,17 @@ def test_comparisons_in_flight_when_a_verdict_lands_on_the_pair_are_not_judged_a
     asyncio.run(run())
 
 
-def test_a_lane_pair_is_refused_for_a_sign_flip_over_its_last_three_cosines_not_one():
-    """Honest lane replies fell below the cosine floor once in every two or three lane runs; a negating lane peer
-    does so on most audits. Through the driver's comparison of lane forks (real router and ledger)."""
+@pytest.mark.parametrize("lane_fork", [True, False], ids=["lane forks", "pipeline audits"])
+def test_a_pair_is_refused_for_a_sign_flip_over_its_last_three_cosines_not_one(lane_fork: bool):
+    """Honest lane replies fell below the cosine floor once in every two or three lane runs, and an honest pipeline
+    pair once in a 500-step run (-0.978, benchmarks/results/audit-pairs-long.json); a negating peer does so on most
+    audits. Through the driver's comparison of lane forks and of pipeline duplicates (real router and ledger)."""
     router, next_hop = _verified_pair("honest", "other")
     grad = torch.randn(4, 16, 32)
 
     async def compare(shadow: str, sent: torch.Tensor) -> None:
         reply = asyncio.get_running_loop().create_future()
-        next_hop._compare_later("honest", Reply(grad, 3.0, [0], [20], 100), shadow, reply, lane_fork=True)
+        next_hop._compare_later("honest", Reply(grad, 3.0, [0], [20], 100), shadow, reply, lane_fork=lane_fork)
         reply.set_result((Reply(sent, 3.0, [0], [20], 100), 0.1))
         await asyncio.sleep(0.01)
 

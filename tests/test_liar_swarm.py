@@ -4,8 +4,9 @@ A 2-stage swarm (driver, an honest tail, then tests/liar_peer.py as a second tai
 (`--audit-rate 1`). The liar serves honestly until the driver has verified it and the two tails' replies agree
 closely (gradient cosine above 0.9 three audits in a row: the replicas averaged into step), then forges every
 reply's input gradient while keeping the honest loss, so only the gradient checks can catch it: a negated one
-is refused by a single audit (peer/audit.py `COSINE_MIN`), one scaled by 10 or 0.1 or a random direction of the
-honest norm by the medians of the pair's last `DRIFT_WINDOW` audits at nearly the same weights (`Ledger.drift`).
+by the median of the pair's last 3 cosines (peer/audit.py `Ledger.flip`), one scaled by 10 or 0.1 or a random
+direction of the honest norm by the medians of the pair's last `DRIFT_WINDOW` audits at nearly the same weights
+(`Ledger.drift`).
 A stale liar answers with the loss and gradient of the weights it joined with while it claims its current epoch:
 its loss is honest for those weights, so it is caught by the loss check or the drift rule, whichever sees the
 gap first."""
@@ -68,7 +69,8 @@ def test_a_verified_peer_that_turns_liar_is_banned_within_10_audits(tmp_path: Pa
 
         after = wait_for(until_the_ban, 180, "the driver to ban the liar")
         print(f"banned after {len(audits(after))} audits since the turn: {after[-1]}")
-        assert re.search(why, banned.search(after[-1])["why"])  # the forged gradients' loss was the honest one
+        # the forged gradients came with the honest loss; the stale ones with the loss of the old weights
+        assert re.search(why, banned.search(after[-1])["why"])
         assert not any(f"; {honest} banned" in line for line in lines())
         assert len(audits(after)) >= 1, after
         if len(audits(after)) > 10 and lie in ("scale10", "scale0.1", "random"):

@@ -1,0 +1,96 @@
+"""Recorded honest audits against the audit rules: how close honest pairs came to each bound, and what verdicts the
+rules of this checkout give on them.
+
+Reads the comparisons benchmarks/audit_pairs.py recorded (every `benchmarks/results/audit-pairs*.json` but the
+lanes', or the files named), every peer honest, so each verdict is a false positive. Reports the single cosines
+below `COSINE_MIN`, the lowest median of a pair's last `FLIP_WINDOW` cosines, the highest median norm ratio over a
+pair's last `DRIFT_WINDOW` audits within 1, 2 and 3 epochs, and the verdicts of `Ledger.flip` and `Ledger.drift`
+(one ledger per driver) run over them in order. Older files do not name the peers: their windows run over a run's
+audits in order. The loss check is not replayed (which reply came from the older weights is not recorded).
+
+    python benchmarks/replay_audits.py [FILE ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+from collections import defaultdict, deque
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from peer.audit import COSINE_MIN, DRIFT_WINDOW, FLIP_WINDOW, Agreement, Ledger  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def recorded_runs(files: list[Path]):
+    """(file name, run index, its comparisons with an epoch lag) for every run in `files`."""
+    for path in files:
+        for index, run in enumerate(json.loads(path.read_text()).get("runs", [])):
+            pairs = [pair for pair in run.get("pairs", []) if pair.get("lag") is not None]
+            if pairs:
+                yield path.name, index, pairs
+
+
+def pair_key(pair: dict) -> tuple:
+    return pair.get("observer"), frozenset((pair.get("primary"), pair.get("shadow")))
+
+
+def worst_norm_windows(runs: list, max_lag: int) -> tuple[int, list]:
+    """How many windows of `DRIFT_WINDOW` audits within `max_lag` epochs there were, and the highest medians."""
+    medians = []
+    for name, index, pairs in runs:
+        windows: dict[tuple, deque] = defaultdict(lambda: deque(maxlen=DRIFT_WINDOW))
+        for at, pair in enumerate(pairs):
+            if pair["lag"] > max_lag or not pair.get("norm_ratio"):
+                continue
+            window = windows[pair_key(pair)]
+            window.append(abs(math.log(pair["norm_ratio"])))
+            if len(window) == DRIFT_WINDOW:
+                medians.append((round(math.exp(statistics.median(window)), 2), name, index, at))
+    return len(medians), sorted(medians, reverse=True)[:3]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("files", nargs="*", type=Path)
+    args = parser.parse_args()
+    files = args.files or sorted(p for p in RESULTS.glob("audit-pairs*.json") if "lanes" not in p.name)
+    runs = list(recorded_runs(files))
+    singles, flip_medians, verdicts, audits = [], [], [], 0
+    for name, index, pairs in runs:
+        windows: dict[tuple, deque] = defaultdict(lambda: deque(maxlen=FLIP_WINDOW))
+        ledgers: dict[str | None, Ledger] = defaultdict(Ledger)
+        for at, pair in enumerate(pairs):
+            if pair["cosine"] is None:
+                continue
+            audits += 1
+            if pair["cosine"] < COSINE_MIN:
+                singles.append((round(pair["cosine"], 3), name, index, at))
+            window = windows[pair_key(pair)]
+            window.append(pair["cosine"])
+            if len(window) == FLIP_WINDOW:
+                flip_medians.append((round(statistics.median(window), 3), name, index, at))
+            seen = Agreement(pair["loss_rdiff"], (1.0, pair["norm_ratio"] or 1.0), pair["cosine"], True)
+            ledger, (a, b) = ledgers[pair.get("observer")], (pair.get("primary", "a"), pair.get("shadow", "b"))
+            why = ledger.flip(a, b, seen) or ledger.drift(a, b, seen, pair["lag"])
+            if why:
+                verdicts.append((name, index, at, why))
+    report = {
+        "files": len(files), "runs": len(runs), "audits": audits,
+        f"single cosines below {COSINE_MIN}": singles,
+        f"lowest medians of {FLIP_WINDOW} cosines": sorted(flip_medians)[:3],
+        **{f"norm windows within {lag} epochs (count, highest medians)": worst_norm_windows(runs, lag)
+           for lag in (1, 2, 3)},
+        "verdicts of Ledger.flip and Ledger.drift": verdicts,
+    }
+    print(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()

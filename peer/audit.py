@@ -49,7 +49,7 @@ The loss is compared only where the weights behind two replies are close enough 
 reply carries the epoch of each hop's weights (`StageOptimizer.weights_epoch`, which lags a peer's epoch by the
 epochs it moved on without the stage's weights), and where the next hop's two peers answered more than
 `AUDIT_MAX_LAG` epochs apart (the lags above: 10 steps keep honest losses within `LOSS_RTOL`) only what no
-honest reply sends at any lag is refused (a zero, non-finite or reversed gradient). The peer blamed stays
+honest reply sends at any lag is refused (a zero or non-finite gradient). The peer blamed stays
 unverified (a verified one loses its standing, unbanned) for up to `LAG_GRACE`, the time an honest peer needs
 to catch up (a state round with the stage's peers, or its next download); past it the gap counts as a
 disagreement, and so does any later gap within `LAG_MEMORY`: one grace per peer per half hour. Measured in the

@@ -302,7 +302,7 @@ class NextHop:
                 return
             if lag is None:
                 why = why or "the replies cover different hops"
-            elif lag > AUDIT_MAX_LAG:  # losses not compared (`loss_rtol`): only what no honest reply sends is refused
+            elif lag > AUDIT_MAX_LAG:  # losses not compared (`loss_rtol`): only a zero or non-finite gradient refused
                 if why is None and self._lag_excused(ledger.loser(primary, shadow), lag):
                     return
                 why = why or f"weights {lag} epochs apart, past the grace"

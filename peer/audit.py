@@ -39,7 +39,8 @@ diverge far more than a lagged copy, so early in training the gradient's directi
 peer from a liar. So the loss is the discriminator (`LOSS_RTOL` 0.25, honest peers within 0.20 at a lag of
 10 steps; the fake 0.0123 against an honest 3–10 differs by ~1), and the gradient check only refuses what
 no honest peer sends: an all-zero gradient against a non-zero one, a non-finite one, or one pointing
-against the verified reply (`COSINE_MIN` -0.8; see below). A liar that sends a plausible loss with a random gradient
+against the verified reply (`COSINE_MIN` -0.8: at one audit for a peer being verified, over the last few between
+verified peers; see below). A liar that sends a plausible loss with a random gradient
 passes (a limit, stated in docs/DESIGN.md); a liar that computes the real reply passes, which is the point. Replies
 are not paired at the same weights: tried with a hash of each hop's weights in every reply (RESULTS, "Pairing
 audits at the same weights"), 207 honest comparisons found no two replicas holding bit-equal weights (hivemind's
@@ -79,9 +80,12 @@ stage's loss spiked to 6-9.7 and the newer weights lost more. Honest cosines ove
 (928 pairs) were never below -0.52 (-0.63 before averaging), and 90 % were above 0.8: so `COSINE_MIN` is -0.8,
 and a sign-flipped reply, whose cosine is minus an honest pair's, is still refused at 9 audits in 10. A long
 honest run (500 steps, 708 comparisons, benchmarks/results/audit-pairs-long.json) then found one honest pair at
--0.978, 1 epoch apart, losses equal, both gradients 10 times the norm of the audits around it (whose cosines were
-0.84-0.99): one audit cannot tell a flip, so the sign flip is weighed like the lanes' (below), over a pair's last
-`FLIP_WINDOW` cosines; over all 2,195 recorded honest pipeline audits their median was never below -0.03.
+-0.978, 1 epoch apart, losses equal, both gradients 10 times the norm of the audits around it in the driver's log
+(whose cosines were 0.84-0.99): one audit cannot tell a flip, so between two verified peers the sign flip is
+weighed like the lanes' (below), over the pair's last `FLIP_WINDOW` cosines; over all 2,195 recorded honest
+pipeline audits their median was never below -0.03 (benchmarks/replay_audits.py). A peer being verified is still
+refused at one: its audits go to whichever verified peer is the primary, so its windows would be split among them,
+and a negating newcomer could be verified before any filled.
 
 One audit's gradient cannot tell a scaled or random gradient sent with the honest loss (honest pairs reach a
 cosine of -0.52 and a norm ratio of 22 in single audits), but a peer that forges its gradient does so audit after
@@ -98,7 +102,7 @@ weighed over the pair's last `DRIFT_WINDOW` audits within `DRIFT_NORM_LAG` epoch
 10.4), and a median (either way) above `DRIFT_NORM` is a disagreement. The long honest run above reached 4.12
 within 3 epochs (and within 2) in its first minute, when the replicas' gradient norms still differed 2-7 times
 from audit to audit (within 1 epoch, the worst of 1,621 windows over all recorded runs stayed 2.36): so `DRIFT_NORM`
-is 6, between that and the 8.6-10.2 of liars scaling by 10 or 0.1 on real peers; a liar scaling by less than 6
+is 6, between that and the 7.0-10.2 of liars scaling by 10 or 0.1 on real peers; a liar scaling by less than 6
 passes it. On a slow machine audits 2 epochs apart come
 between those within 1 (the live test of tests/test_liar_swarm.py on CI: a random liar caught only at its 12th
 audit, a liar scaling by 0.1 at its 22nd in a swarm that had banned two liars before it): they now count toward the
@@ -361,7 +365,7 @@ class Ledger:
         return why
 
     def forget_pairs_beyond(self, listed: set[str]) -> None:
-        """Drop the drift windows of pairs with a peer not in `listed` (its record expired)."""
+        """Drop the drift and flip windows of pairs with a peer not in `listed` (its record expired)."""
         for store in (self.drift_cosines, self.drift_norms, self.flip_cosines):
             for pair in [pair for pair in store if not pair <= listed]:
                 del store[pair]

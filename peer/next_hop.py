@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from peer.audit import AUDIT_MAX_LAG, agreement, epoch_lag, loss_rtol, replies_disagree
+from peer.audit import AUDIT_MAX_LAG, COSINE_MIN, agreement, epoch_lag, loss_rtol, replies_disagree
 from peer.link import Link
 from peer.routing import Failover, Router
 from peer.runtime import StageRuntime
@@ -261,8 +261,9 @@ class NextHop:
         fork's, which the driver chose) prove nothing either way. A duplicate that failed bans its peer as a failed
         trip would, except a lane fork's (`lane_fork`): the driver shaped it, and a hostile driver must not get
         honest peers banned by naming them in forks that cannot succeed. A lane fork's replies are not weighed for
-        drift (`Ledger.drift`): honest lane peers' replies drift apart (benchmarks/RESULTS.md). Every pair's cosines
-        are weighed over its last few for a sign flip (`Ledger.flip`), not one by one. A comparison is not judged
+        drift (`Ledger.drift`): honest lane peers' replies drift apart (benchmarks/RESULTS.md). The cosines of two
+        verified peers and of lane forks are weighed over the pair's last few for a sign flip (`Ledger.flip`); a
+        peer being verified is refused at one below the floor. A comparison is not judged
         if a verdict on either peer landed while it was in flight (`Ledger.verdicts_on`)."""
         router, ledger = self.router, self.router.ledger
         standing = ledger.verdicts_on(primary, shadow)
@@ -289,8 +290,12 @@ class NextHop:
             seen = agreement(used.grad, used.loss, reply.grad, reply.loss)
             lag = epoch_lag(used.epochs, reply.epochs)
             rtol = loss_rtol(used.loss, used.epochs, reply.loss, reply.epochs)
-            # a sign flip is judged over the pair's last few cosines (`Ledger.flip`), not one
-            why = replies_disagree(used.grad, used.loss, reply.grad, reply.loss, -math.inf, rtol, seen)
+            # between two verified peers (and on lane forks) a sign flip is judged over the pair's last few cosines
+            # (`Ledger.flip`); a peer not verified yet is refused at one, so that it cannot be verified on windows
+            # split among several primaries
+            settled = lane_fork or (ledger.verified(primary) and ledger.verified(shadow))
+            cosine_min = -math.inf if settled else COSINE_MIN
+            why = replies_disagree(used.grad, used.loss, reply.grad, reply.loss, cosine_min, rtol, seen)
             judged = ledger.verdicts_on(primary, shadow) == standing
             logger.debug("%s audit of %s against %s: loss rdiff %s, cosine %s, norms %.4g %.4g, epochs apart %s, %s%s",
                          self.label, shadow[-6:], primary[-6:], seen.loss_rdiff, seen.cosine, *seen.norms, lag,

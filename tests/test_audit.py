@@ -420,3 +420,20 @@ def test_a_pair_is_refused_for_a_sign_flip_over_its_last_three_cosines_not_one(l
         return 0
 
     assert asyncio.run(run()) == 2 and "honest" not in router.liars()
+
+
+def test_a_negating_newcomer_audited_against_two_verified_peers_in_turn_is_refused_at_its_first_audit():
+    """Its flip windows would be split between the two pairs (the primary changes from trip to trip) and none filled
+    before its third clean duplicate verified it: a peer not verified yet is refused at one cosine below the floor."""
+    router, next_hop = _verified_pair("a", "b")
+    grad = torch.randn(4, 16, 32)
+
+    async def run() -> None:
+        reply = asyncio.get_running_loop().create_future()
+        next_hop._compare_later("a", Reply(grad, 3.0, [0], [20], 100), "newcomer", reply)
+        reply.set_result((Reply(-grad, 3.0, [0], [20], 100), 0.1))
+        await asyncio.sleep(0.01)
+
+    asyncio.run(run())
+    assert "newcomer" in router.liars() and not router.ledger.verified("newcomer")
+    assert not {"a", "b"} & set(router.liars())

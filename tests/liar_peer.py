@@ -1,8 +1,10 @@
 """A real peer that turns liar: `protocol-peer` itself, except that once the file `--turn-file` exists every reply
 it serves carries a forged input gradient (`--lie`: negated, scaled by 10 or by 0.1, or a random direction of the
 honest norm), while its loss and epochs stay the honest ones; or (`--lie stale`, a tail only) the loss and input
-gradient of the weights it held when it served its first trip, while it claims the epochs of the weights it holds
-now (a peer that stopped keeping up and answers from old weights). It trains on its own honest gradients, so it
+gradient of the run's initial weights, while it claims the epochs of the weights it holds now (a peer that never
+kept up and answers from old weights; weights only a few epochs old are not told from an honest lagging peer's,
+docs/DESIGN.md §4, and in CI a copy taken at its first trip, after its download, was caught only at its 44th
+audit). It trains on its own honest gradients, so it
 holds the stage's weights, averages with the stage and answers at the speed of an honest peer (the stale one
 after a second forward and backward): a verified peer that turns liar (issue 26). Used by tests/test_liar_swarm.py.
 
@@ -29,13 +31,11 @@ LIES = {
 }
 
 
-def copy_of(stage: PipelineStage) -> PipelineStage:
-    """A detached copy of a tail stage's weights as they are now, on their device."""
+def initial_weights(stage: PipelineStage) -> PipelineStage:
+    """A tail stage as the run's manifest initialises it, on the live stage's device."""
     if not stage.is_tail:
         raise ValueError("the stale liar serves from a tail stage only")
-    copy = PipelineStage(stage.manifest, stage.index).to(next(stage.parameters()).device)
-    copy.load_state_dict(stage.state_dict())
-    return copy.requires_grad_(False)
+    return PipelineStage(stage.manifest, stage.index).to(next(stage.parameters()).device).requires_grad_(False)
 
 
 def stale_reply(old: PipelineStage, hidden: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, float]:
@@ -51,20 +51,20 @@ def stale_reply(old: PipelineStage, hidden: torch.Tensor, tokens: torch.Tensor) 
 
 def lying(turn, turn_file: Path, lie: str):
     """`Hop.turn`, forging every reply once `turn_file` exists: its input gradient with `LIES[lie]`, or with
-    `stale` its loss and input gradient from the weights of the first trip served (module docstring)."""
+    `stale` its loss and input gradient from the run's initial weights (module docstring)."""
     told = False
     old: PipelineStage | None = None
 
     async def forged(self, header, hidden, tokens, sender):
         nonlocal told, old
-        if lie == "stale" and old is None:  # before this trip's step moves the weights on
-            old = await self.runtime.run(copy_of, self.runtime.stage)
         result = await turn(self, header, hidden, tokens, sender)
         if turn_file.exists() and result.input_grad is not None:
             if not told:
                 logging.getLogger("peer").warning("liar: %s input gradients from trip %s on", lie, header.trip_id[:8])
                 told = True
             if lie == "stale":
+                if old is None:
+                    old = await self.runtime.run(initial_weights, self.runtime.stage)
                 grad, result.loss = await self.runtime.run(stale_reply, old, hidden, tokens)
                 result.input_grad = grad.to(result.input_grad)  # its dtype and device
             else:

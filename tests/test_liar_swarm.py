@@ -7,7 +7,7 @@ reply's input gradient while keeping the honest loss, so only the gradient check
 by the median of the pair's last 3 cosines (peer/audit.py `Ledger.flip`), one scaled by 10 or 0.1 or a random
 direction of the honest norm by the medians of the pair's last `DRIFT_WINDOW` audits at nearly the same weights
 (`Ledger.drift`).
-A stale liar answers with the loss and gradient of the weights it joined with while it claims its current epoch:
+A stale liar answers with the loss and gradient of the run's initial weights while it claims its current epoch:
 its loss is honest for those weights, so it is caught by the loss check or the drift rule, whichever sees the
 gap first."""
 

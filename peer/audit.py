@@ -111,8 +111,8 @@ fifth where the pair has no history), a random one by the third within `DRIFT_LA
 not count, so a liar that claims epochs that far from the verified reply's escapes this check (not its loss's); a
 liar that forges on fewer than half of its audited replies keeps the medians honest.
 
-Lane forks, and since the long run above every audit, compare the cosine over a pair's last `FLIP_WINDOW`
-comparisons (`Ledger.flip`): honest lane
+Lane forks, and since the long run above audits between two verified peers, compare the cosine over a pair's last
+`FLIP_WINDOW` comparisons (`Ledger.flip`): honest lane
 replies (a lane's chunk, 64 tokens) fell below `COSINE_MIN` once in every two or three lane runs (−0.83 to −0.99,
 each a ban of an honest peer; benchmarks/results/audit-pairs-lanes*.json, 7 runs, 3,355 comparisons), but the
 median of a pair's 3 consecutive cosines never below −0.60. A lane peer that negates its gradient is refused once

@@ -88,10 +88,12 @@ def choose_slot(
 
 
 def _capacity_as_load(stage_lanes: Mapping[int, Sequence[float]], lanes: int) -> list[float]:
-    """A stage as `choose_stage` should see it: empty if a lane is, else one load equal to its capacity."""
+    """A stage as `choose_stage` should see it: empty if a lane is, else its capacity split evenly among as
+    many peers as its thinnest lane holds (the count a single crash can empty a lane from)."""
     if any(not stage_lanes.get(lane) for lane in range(lanes)):
         return []
-    return [stage_capacity(stage_lanes, lanes)]
+    peers = min(len(stage_lanes[lane]) for lane in range(lanes))
+    return [stage_capacity(stage_lanes, lanes) / peers] * peers
 
 
 def allowed_slots(num_stages: int, lanes: int, stage: int | None = None, lane: int | None = None) -> list[Slot]:

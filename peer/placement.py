@@ -1,7 +1,8 @@
 """Which stage a peer should serve (`--stage auto`), as pure functions of what the DHT shows.
 
 The swarm is as fast as its weakest stage, so a newcomer joins an empty stage first, else the
-stage with the least total throughput. A serving peer moves only when the move clearly raises
+stage with the least total throughput (within the move threshold, the one with fewest peers). A serving
+peer moves only when the move clearly raises
 the swarm's bottleneck and does not empty the stage it leaves (hysteresis against flapping).
 
 Only live peers count. A record lives `RECORD_TTL` (30 s) after its last announcement, so a peer
@@ -76,15 +77,24 @@ def stage_totals(loads: StageLoads, num_stages: int) -> list[float]:
     return [float(sum(loads.get(stage, ()))) for stage in range(num_stages)]
 
 
-def choose_stage(loads: StageLoads, num_stages: int, rng: random.Random | None = None) -> int:
-    """An empty stage if there is one, else the weakest; ties broken at random (no herd)."""
+def choose_stage(
+    loads: StageLoads, num_stages: int, rng: random.Random | None = None, margin: float = Hysteresis.min_gain
+) -> int:
+    """An empty stage if there is one, else the weakest; ties broken by fewest peers, then at random (no herd).
+
+    Totals within `margin` of the weakest count as tied: a peer would not move for a gain that small
+    (`should_move`), and one throughput probe at start-up, taken while other processes load the machine, is
+    that noisy (a local swarm measured one peer faster than two peers of the other stage together). Among tied
+    stages, the one with fewer peers is the one a single crash leaves empty."""
     rng = rng or random.Random()
     empty = [stage for stage in range(num_stages) if not loads.get(stage)]
     if empty:
         return rng.choice(empty)
     totals = stage_totals(loads, num_stages)
     weakest = min(totals)
-    return rng.choice([stage for stage, total in enumerate(totals) if total <= weakest * (1 + 1e-9)])
+    tied = [stage for stage, total in enumerate(totals) if total <= weakest * (1 + margin) + 1e-12]
+    fewest = min(len(loads[stage]) for stage in tied)
+    return rng.choice([stage for stage in tied if len(loads[stage]) == fewest])
 
 
 def bottleneck(totals: Sequence[float]) -> float:

@@ -36,6 +36,15 @@ def test_weakest_by_total_throughput_not_by_peer_count():
     assert choose_stage(loads, 3, random.Random(0)) == 0
 
 
+def test_totals_within_the_move_threshold_tie_and_the_stage_with_fewer_peers_wins():
+    # the local swarm's reading that sent a replacement to the two-peer stage: one probe beat two
+    loads = {0: [1570.0, 1567.7], 1: [3524.1]}
+    assert {choose_stage(loads, 2, random.Random(seed)) for seed in range(20)} == {1}
+    # beyond the threshold throughput decides, whatever the counts
+    loads = {0: [1000.0, 1000.0], 1: [2500.0]}
+    assert {choose_stage(loads, 2, random.Random(seed)) for seed in range(20)} == {0}
+
+
 def test_never_empties_its_stage():
     loads = {0: [100.0], 1: [1.0], 2: [1.0]}
     assert should_move(loads, 3, current=0, own_throughput=100.0) is None

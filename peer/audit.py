@@ -22,107 +22,32 @@ A peer's standing lasts as long as its record: when the record expires the route
 (`Router.update`), so a stage whose verified peers all died falls back to trust on first use instead of
 refusing every replacement for want of a verified peer to compare with.
 
-Tolerances, measured (tiny preset, 2 stages, compressed wire; the tail stage as a snapshot at optimizer
-step t and at step t+lag, the same boundary message to both, t in 5/20/40, 4 microbatches each; two honest
-peers of one stage differ by their averaging lag, an epoch or two):
+What two replies to one message may differ by was measured on this machine (docs/DESIGN.md §4 has the numbers,
+benchmarks/RESULTS.md the runs; `benchmarks/audit_pairs.py` records honest audits, `benchmarks/replay_audits.py`
+replays them through these rules). The rules, in the order a comparison meets them:
 
-    lag 1 step:   min cosine 0.988, max relative loss difference 0.028
-    lag 2 steps:  min cosine 0.944, max relative loss difference 0.075
-    lag 5 steps:  min cosine 0.618, max relative loss difference 0.119
-    lag 10 steps: min cosine 0.642, max relative loss difference 0.199
-    lag 20 steps: min cosine 0.329, max relative loss difference 0.366
+- Replies are not paired at the same weights (no two replicas hold bit-equal weights after hivemind's all-reduce);
+  every reply carries the epoch of each hop's weights, and only the next hop's own epoch counts.
+- The loss is the discriminator: within `LOSS_RTOL`, plus `LOSS_RTOL_PER_EPOCH` per epoch between the two replies'
+  weights where the older weights gave the higher loss (a stale copy early in a run); a lower loss from older
+  weights gets no slack.
+- A lag: replies more than `AUDIT_MAX_LAG` epochs apart (losses not compared), or whose losses are apart past the
+  slack the way older weights' are (the loss falling faster than the slack in a run's first minute). If the
+  gradients pass, the peer blamed is not judged but unverified for `LAG_GRACE`, one grace per `LAG_MEMORY`.
+- The gradient alone refuses only what no honest peer sends: all-zero against non-zero, non-finite, or a cosine
+  below `COSINE_MIN` (-0.8): at one audit for a peer being verified (its audits go to whichever verified peer is
+  the primary, so windows split among them would let a negating newcomer be verified), over a pair's last
+  `FLIP_WINDOW` between verified peers and on lane forks (`Ledger.flip`: honest single cosines reached -0.98).
+- Drift (`Ledger.drift`, not on lane forks): one audit cannot tell a scaled or random gradient sent with the honest
+  loss, but a forger forges audit after audit, so a pair's median cosine over its last `DRIFT_WINDOW` audits within
+  `DRIFT_LAG` epochs below `DRIFT_COSINE`, or median norm ratio over those within `DRIFT_NORM_LAG` above
+  `DRIFT_NORM`, is a disagreement.
+- One verdict a pair at a time: comparisons in flight when a verdict lands on either peer are not judged
+  (`Ledger.verdicts_on`); without it one episode banned an honest lane peer 9 times within 2 s.
 
-(early training, where parameters move fastest). In a live swarm (tests/test_peer_swarm.py failover
-test: 2 drivers, 2 honest stage-1 peers, ~60 s of training) the first audits between the two honest peers
-measured gradient cosine 0.089 and 0.200 with losses within 25 %: peers that step between averaging rounds
-diverge far more than a lagged copy, so early in training the gradient's direction cannot tell an honest
-peer from a liar. So the loss is the discriminator (`LOSS_RTOL` 0.25, honest peers within 0.20 at a lag of
-10 steps; the fake 0.0123 against an honest 3–10 differs by ~1), and the gradient check only refuses what
-no honest peer sends: an all-zero gradient against a non-zero one, a non-finite one, or one pointing
-against the verified reply (`COSINE_MIN` -0.8: at one audit for a peer being verified, over the last few between
-verified peers; see below). A liar that sends a plausible loss with a random gradient
-passes (a limit, stated in docs/DESIGN.md); a liar that computes the real reply passes, which is the point. Replies
-are not paired at the same weights: tried with a hash of each hop's weights in every reply (RESULTS, "Pairing
-audits at the same weights"), 207 honest comparisons found no two replicas holding bit-equal weights (hivemind's
-all-reduce leaves each its own rounding), though 35 agreed to a cosine of 0.999999.
-
-The loss is compared only where the weights behind two replies are close enough for its tolerance: every
-reply carries the epoch of each hop's weights (`StageOptimizer.weights_epoch`, which lags a peer's epoch by the
-epochs it moved on without the stage's weights), and where the next hop's two peers answered more than
-`AUDIT_MAX_LAG` epochs apart (the lags above: 10 steps keep honest losses within `LOSS_RTOL`) only what no
-honest reply sends at any lag is refused (a zero or non-finite gradient). The peer blamed stays
-unverified (a verified one loses its standing, unbanned) for up to `LAG_GRACE`, the time an honest peer needs
-to catch up (a state round with the stage's peers, or its next download); past it the gap counts as a
-disagreement, and so does any later gap within `LAG_MEMORY`: one grace per peer per half hour. Measured in the
-failover test: a joiner's download landed 7 epochs behind a stage whose lone peer then stepped 26 epochs in
-15 s; compared anyway, its honest losses (5.3 against 3.1) got it banned for 300 s by both drivers, and with
-no trips it never stepped to catch up. A liar can claim any epoch: far from the verified peer's, it is not
-used from that audit on and is banned once its grace is spent; near it, it is compared. Only the next hop's own
-epoch counts: the hops after it are its choice and its word.
-
-Within `AUDIT_MAX_LAG`, two honest replies at different epochs also differ by what training did to the older
-copy. Measured with the replicas averaging (benchmarks/audit_pairs.py, 2 runs, 312 comparisons): honest losses
-differed by up to 0.145 at equal epochs, 0.215 at 1 epoch apart, 0.253 at 3 and 0.368 at 7, the last two in a
-run's first minute (a loss still falling from ln V), and both banned an honest peer at a flat 25 %. So where
-the older weights gave the higher loss, each epoch between them adds `LOSS_RTOL_PER_EPOCH` (0.05: 0.40 at 3
-epochs, 0.60 at 7, about three times the growth measured) to the tolerance; a lower loss from older weights
-gets none. A limit: the epochs are each reply's own word, so a liar can claim to be newer than the peer it is
-checked against and report a lower loss within the slack (at 10 epochs, a loss from 0.25 to 4 times the honest
-one passes, against 0.75 to 1.33 without): the loss check stops a liar that guesses a loss badly, and one that
-copies a plausible loss passed before too.
-
-Honest false positives, measured with every trip audited (benchmarks/audit_pairs.py, RESULTS). Before the
-replicas averaged (2 runs, 137 comparisons): 5 refusals, all in a run's first 11 comparisons (losses 3.56
-against 5.50, 3.28 against 7.80; cosine -0.543). With averaging and the per-epoch slack (3 runs, 616
-comparisons, the slack let 10 honest pairs pass that a flat 25 % refused): one refused for a gradient cosine of
--0.520 (2 epochs apart, losses equal, a run's 5th comparison) and three in one run's last minute, where the
-stage's loss spiked to 6-9.7 and the newer weights lost more. Honest cosines over both averaged measurements
-(928 pairs) were never below -0.52 (-0.63 before averaging), and 90 % were above 0.8: so `COSINE_MIN` is -0.8,
-and a sign-flipped reply, whose cosine is minus an honest pair's, is still refused at 9 audits in 10. A long
-honest run (500 steps, 708 comparisons, benchmarks/results/audit-pairs-long.json) then found one honest pair at
--0.978, 1 epoch apart, losses equal, both gradients 10 times the norm of the audits around it in the driver's log
-(whose cosines were 0.84-0.99): one audit cannot tell a flip, so between two verified peers the sign flip is
-weighed like the lanes' (below), over the pair's last `FLIP_WINDOW` cosines; over all 2,195 recorded honest
-pipeline audits their median was never below -0.03 (benchmarks/replay_audits.py). A peer being verified is still
-refused at one: its audits go to whichever verified peer is the primary, so its windows would be split among them,
-and a negating newcomer could be verified before any filled.
-
-One audit's gradient cannot tell a scaled or random gradient sent with the honest loss (honest pairs reach a
-cosine of -0.52 and a norm ratio of 22 in single audits), but a peer that forges its gradient does so audit after
-audit, while an honest pair's replies at nearly the same weights agree in most audits: with averaging, at most
-one epoch apart, 732 audits of 5 runs (benchmarks/results/audit-pairs-averaged.json, audit-pairs-lagslack.json)
-had a median cosine of 0.998 and norm ratio of 1.01, and the worst 5 audits in a row a median cosine of 0.19 and
-norm ratio of 2.36 (a run's last minute, where both replicas' losses spiked to 6–9.7). So `Ledger.drift` weighs
-each pair of peers' last `DRIFT_WINDOW` compared audits within `DRIFT_LAG` epochs: where their median cosine is
-below `DRIFT_COSINE`, the replies are not one computation, and the peer with the shorter verified history loses, as
-for any disagreement. The norm is steadier than the direction: over all 1,210 recorded honest audits (the 928 of
-those runs, 732 of them within 1 epoch, and the 282 of an honest pipeline run, RESULTS), 5 in a row within 3 epochs
-(1,160 windows) had a median norm ratio of at most 2.36 too, the worst window within 1 epoch, so the norm ratio is
-weighed over the pair's last `DRIFT_WINDOW` audits within `DRIFT_NORM_LAG` epochs (within 5, one window reached
-10.4), and a median (either way) above `DRIFT_NORM` is a disagreement. The long honest run above reached 4.12
-within 3 epochs (and within 2) in its first minute, when the replicas' gradient norms still differed 2-7 times
-from audit to audit (within 1 epoch, the worst of 1,621 windows over all recorded runs stayed 2.36): so `DRIFT_NORM`
-is 6, between that and the 7.0-10.2 of liars scaling by 10 or 0.1 on real peers; a liar scaling by less than 6
-passes it. On a slow machine audits 2 epochs apart come
-between those within 1 (the live test of tests/test_liar_swarm.py on CI: a random liar caught only at its 12th
-audit, a liar scaling by 0.1 at its 22nd in a swarm that had banned two liars before it): they now count toward the
-norm. A gradient scaled by 10 or 0.1 is caught by the third audit within `DRIFT_NORM_LAG` epochs after it turns (the
-fifth where the pair has no history), a random one by the third within `DRIFT_LAG`. Limits: audits further apart do
-not count, so a liar that claims epochs that far from the verified reply's escapes this check (not its loss's); a
-liar that forges on fewer than half of its audited replies keeps the medians honest.
-
-Lane forks, and since the long run above audits between two verified peers, compare the cosine over a pair's last
-`FLIP_WINDOW` comparisons (`Ledger.flip`): honest lane
-replies (a lane's chunk, 64 tokens) fell below `COSINE_MIN` once in every two or three lane runs (−0.83 to −0.99,
-each a ban of an honest peer; benchmarks/results/audit-pairs-lanes*.json, 7 runs, 3,355 comparisons), but the
-median of a pair's 3 consecutive cosines never below −0.60. A lane peer that negates its gradient is refused once
-2 of its 3 last cosines are past the floor: with honest lane cosines' median at 0.69–0.94, within a few audits.
-
-One verdict a pair at a time: audits are in flight together (a lane trip forks every lane, a driver sends a trip
-before the last one's duplicate is back), and once a verdict lands on one of the two peers, the comparisons sent
-before it are not judged (`Ledger.verdicts_on`). Without this one episode banned an honest lane peer 9 times within
-2 s, its ban doubling each time from 300 s to an hour (benchmarks/results/audit-pairs-lanes-evidence-e7ed139.json:
-comparisons in flight when the first ban landed each found the now unverified peer the loser).
+Limits (DESIGN §4): a liar that copies a plausible loss and forges on fewer than half of its audits, claims epochs
+far from the verified reply's, scales by less than `DRIFT_NORM`, or answers from weights only a few epochs stale
+passes; a liar verified before an honest peer wins their disagreements.
 """
 
 from __future__ import annotations
@@ -227,8 +152,15 @@ def loss_rtol(loss_a: float | None, epochs_a: list[int], loss_b: float | None, e
         return LOSS_RTOL
     if lag > AUDIT_MAX_LAG:
         return math.inf
-    older_lost_more = (epochs_a[-1] < epochs_b[-1]) == (loss_a > loss_b)
-    return LOSS_RTOL + LOSS_RTOL_PER_EPOCH * lag if older_lost_more else LOSS_RTOL
+    return LOSS_RTOL + LOSS_RTOL_PER_EPOCH * lag if older_lost_more(loss_a, epochs_a, loss_b, epochs_b) else LOSS_RTOL
+
+
+def older_lost_more(loss_a: float | None, epochs_a: list[int], loss_b: float | None, epochs_b: list[int]) -> bool:
+    """Whether the reply from the next hop's older weights (epochs apart) gave the higher loss: what a copy that
+    fell behind while the loss falls gives, so a gap this way is first excused as a lag (`NextHop._compare_later`)."""
+    if loss_a is None or loss_b is None or epoch_lag(epochs_a, epochs_b) in (None, 0):
+        return False
+    return (epochs_a[-1] < epochs_b[-1]) == (loss_a > loss_b)
 
 
 @dataclass

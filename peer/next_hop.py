@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from peer.audit import AUDIT_MAX_LAG, COSINE_MIN, agreement, epoch_lag, loss_rtol, replies_disagree
+from peer.audit import AUDIT_MAX_LAG, COSINE_MIN, agreement, epoch_lag, loss_rtol, older_lost_more, replies_disagree
 from peer.link import Link
 from peer.routing import Failover, Router
 from peer.runtime import StageRuntime
@@ -307,8 +307,12 @@ class NextHop:
                 return
             if lag is None:
                 why = why or "the replies cover different hops"
-            elif lag > AUDIT_MAX_LAG:  # losses not compared (`loss_rtol`): only a zero or non-finite gradient refused
-                if why is None and self._lag_excused(ledger.loser(primary, shadow), lag):
+            elif lag > AUDIT_MAX_LAG or (why and older_lost_more(used.loss, used.epochs, reply.loss, reply.epochs)):
+                # too far apart to compare losses (`loss_rtol`), or losses apart past the slack the way a copy that
+                # fell behind while the loss falls fast gives them: while the lag is excused, no verdict on a gradient
+                # that passes (only a zero, non-finite or negated one is refused)
+                gradient = replies_disagree(used.grad, used.loss, reply.grad, reply.loss, cosine_min, math.inf, seen)
+                if gradient is None and self._lag_excused(ledger.loser(primary, shadow), lag, why):
                     return
                 why = why or f"weights {lag} epochs apart, past the grace"
             why = why or ledger.flip(primary, shadow, seen)
@@ -328,9 +332,10 @@ class NextHop:
 
         task.add_done_callback(done)
 
-    def _lag_excused(self, suspect: str, lag: int) -> bool:
-        """Two replies too many epochs apart to compare (`peer/audit.py`): no verdict on `suspect` (the peer an
-        audit would blame) while its lag is excused; meanwhile it is not verified, so not used."""
+    def _lag_excused(self, suspect: str, lag: int, gap: str | None) -> bool:
+        """Two replies too many epochs apart to compare, or whose losses (`gap`) are apart as the older weights' are
+        (`peer/audit.py`): no verdict on `suspect` (the peer an audit would blame) while its lag is excused;
+        meanwhile it is not verified, so not used."""
         ledger = self.router.ledger
         first = suspect not in ledger.lagging_since
         if not ledger.excuse_lag(suspect, time.monotonic()):
@@ -339,9 +344,9 @@ class NextHop:
             ledger.distrust(suspect)  # verified again once its replies compare
         ledger.failed(suspect)  # matches on either side of an uncompared reply are not consecutive
         if first:
-            logger.info("%s audit: %s answered with weights %d epochs from the reply it is checked against; its loss "
-                        "is not compared, and its replies not used, for up to %.0f s while it catches up", self.label,
-                        suspect[-6:], lag, ledger.lag_grace)
+            logger.info("%s audit: %s answered with weights %d epochs from the reply it is checked against (%s); no "
+                        "verdict, and its replies not used, for up to %.0f s while it catches up", self.label,
+                        suspect[-6:], lag, gap or "losses not compared", ledger.lag_grace)
         return True
 
     def _log_failure(self, peer_id: str, exc: WireError, action: Failover, banned: float, attempt: int) -> None:

@@ -24,7 +24,7 @@ refusing every replacement for want of a verified peer to compare with.
 
 What two replies to one message may differ by was measured on this machine (docs/DESIGN.md §4 has the numbers,
 benchmarks/RESULTS.md the runs; `benchmarks/audit_pairs.py` records honest audits, `benchmarks/replay_audits.py`
-replays them through these rules). The rules, in the order a comparison meets them:
+replays them through these rules). A comparison is judged only where one of the two peers is verified; its rules:
 
 - Replies are not paired at the same weights (no two replicas hold bit-equal weights after hivemind's all-reduce);
   every reply carries the epoch of each hop's weights, and only the next hop's own epoch counts.
@@ -32,10 +32,12 @@ replays them through these rules). The rules, in the order a comparison meets th
   weights where the older weights gave the higher loss (a stale copy early in a run); a lower loss from older
   weights gets no slack.
 - A lag: replies more than `AUDIT_MAX_LAG` epochs apart (losses not compared), or whose losses are apart past the
-  slack the way older weights' are (the loss falling faster than the slack in a run's first minute). If the
-  gradients pass, the peer blamed is not judged but unverified for `LAG_GRACE`, one grace per `LAG_MEMORY`.
+  slack, by at most `LOSS_GAP_EXCUSED`, the way older weights' are (the loss falling faster than the slack in a
+  run's first minute; `loss_gap_of_lag`). If the gradients pass, the peer blamed is not judged but loses its
+  standing (verified again by `VERIFY_AFTER` matches) while gaps are excused, for `LAG_GRACE` from its first, one
+  grace per `LAG_MEMORY` for either kind.
 - The gradient alone refuses only what no honest peer sends: all-zero against non-zero, non-finite, or a cosine
-  below `COSINE_MIN` (-0.8): at one audit for a peer being verified (its audits go to whichever verified peer is
+  below `COSINE_MIN` (-0.8): at one audit where a peer is being verified (its audits go to whichever verified peer is
   the primary, so windows split among them would let a negating newcomer be verified), over a pair's last
   `FLIP_WINDOW` between verified peers and on lane forks (`Ledger.flip`: honest single cosines reached -0.98).
 - Drift (`Ledger.drift`, not on lane forks): one audit cannot tell a scaled or random gradient sent with the honest
@@ -47,7 +49,8 @@ replays them through these rules). The rules, in the order a comparison meets th
 
 Limits (DESIGN §4): a liar that copies a plausible loss and forges on fewer than half of its audits, claims epochs
 far from the verified reply's, scales by less than `DRIFT_NORM`, or answers from weights only a few epochs stale
-passes; a liar verified before an honest peer wins their disagreements.
+passes; one that claims older weights with a higher loss is excused once per `LAG_MEMORY` (unused meanwhile); a
+liar verified before an honest peer wins their disagreements.
 """
 
 from __future__ import annotations
@@ -63,6 +66,7 @@ import torch
 COSINE_MIN = -0.8  # see the measurements above: direction is only checked for a sign flip
 LOSS_RTOL = 0.25
 LOSS_RTOL_PER_EPOCH = 0.05  # more loss difference allowed per epoch of lag, where the older weights lost more
+LOSS_GAP_EXCUSED = 0.1  # how far past its slack a loss gap of older weights may be excused as a lag
 AUDIT_MAX_LAG = 10  # epochs apart two replies' weights may be and still be compared (see above)
 LAG_GRACE = 120.0  # seconds an audited peer's replies may stay too far apart to compare (see above)
 LAG_MEMORY = 1800.0  # seconds a peer's grace is remembered: a later gap within it is a disagreement
@@ -157,10 +161,22 @@ def loss_rtol(loss_a: float | None, epochs_a: list[int], loss_b: float | None, e
 
 def older_lost_more(loss_a: float | None, epochs_a: list[int], loss_b: float | None, epochs_b: list[int]) -> bool:
     """Whether the reply from the next hop's older weights (epochs apart) gave the higher loss: what a copy that
-    fell behind while the loss falls gives, so a gap this way is first excused as a lag (`NextHop._compare_later`)."""
+    fell behind while the loss falls gives."""
     if loss_a is None or loss_b is None or epoch_lag(epochs_a, epochs_b) in (None, 0):
         return False
     return (epochs_a[-1] < epochs_b[-1]) == (loss_a > loss_b)
+
+
+def loss_gap_of_lag(
+    seen: Agreement, rtol: float, loss_a: float | None, epochs_a: list[int], loss_b: float | None, epochs_b: list[int]
+) -> bool:
+    """Whether losses apart past their slack `rtol` may be a copy that fell behind rather than a lie, to be excused as
+    a lag (`NextHop._compare_later`): the older weights lost more, by at most `LOSS_GAP_EXCUSED` past the slack (the
+    honest gap measured reached the slack; a loss from the run's initial weights, 0.44 apart at its first audit, is
+    past it at a lag of 1), and the gradients pass the one-audit sign check (`COSINE_MIN`)."""
+    return (seen.loss_rdiff is not None and rtol < seen.loss_rdiff <= rtol + LOSS_GAP_EXCUSED
+            and seen.cosine is not None and seen.cosine >= COSINE_MIN
+            and older_lost_more(loss_a, epochs_a, loss_b, epochs_b))
 
 
 @dataclass

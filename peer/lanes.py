@@ -9,9 +9,9 @@ rule below is the stage rule of `peer/placement.py` unchanged.
 
 Placement reuses placement's policy rather than a second one: `choose_stage` picks the stage (a stage with an
 empty lane counts as empty: it cannot carry a trip), then, applied to the stage's lanes, the lane (an empty one
-first, else the one with the least throughput; ties at random). Moves reuse `should_move` on the flat list of
-slots the peer may take, so the simulated move measures the real bottleneck, never empties the lane it leaves,
-and keeps the hysteresis (dwell, gain, re-check) of stage moves.
+first, else the one with the least throughput, within the move threshold the one with fewest peers). Moves reuse
+`should_move` on the flat list of slots the peer may take, so the simulated move measures the real bottleneck,
+never empties the lane it leaves, and keeps the hysteresis (dwell, gain, re-check) of stage moves.
 
 A lane is a claim like any other: a record whose lane is not below P (with context parallelism off: any lane
 but 0) is dropped wherever lanes are counted, so it gets no trips and fills no lane.

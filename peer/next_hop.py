@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from peer.audit import AUDIT_MAX_LAG, COSINE_MIN, agreement, epoch_lag, loss_rtol, older_lost_more, replies_disagree
+from peer.audit import AUDIT_MAX_LAG, COSINE_MIN, agreement, epoch_lag, loss_gap_of_lag, loss_rtol, replies_disagree
 from peer.link import Link
 from peer.routing import Failover, Router
 from peer.runtime import StageRuntime
@@ -193,7 +193,7 @@ class NextHop:
         if duplicate is not None and duplicate[0] not in liars:  # a liar's honest answer must not clear its ban
             fork = self._duplicate(*duplicate, self.max_reply, register=False)
         try:
-            reply = await self.hand(peer_id, message)
+            reply = await self._handed(peer_id, message)  # its loss as sent: a fork compares it, `_believe` filters
         except BaseException:  # refused, failed or cancelled: the fork cannot complete without this lane
             if fork is not None:
                 fork.cancel()
@@ -205,15 +205,21 @@ class NextHop:
         return self._believe(peer_id, reply)
 
     async def hand(self, peer_id: str, message: bytes) -> Reply:
-        """A lane trip's message to a named peer, its reply checked; nothing audited or believed here (the driver
-        hands its stage-0 lane partners their chunks this way: peers of its own stage, not its next hops)."""
+        """A lane trip's message to a named peer, its reply checked and its loss as published; nothing audited or
+        believed here (the driver hands its stage-0 lane partners their chunks this way: peers of its own stage, not
+        its next hops)."""
+        reply = await self._handed(peer_id, message)
+        return replace(reply, loss=plausible_loss(reply.loss, self.manifest))
+
+    async def _handed(self, peer_id: str, message: bytes) -> Reply:
+        """`hand`'s reply with its loss as sent (`check_loss`): what an audit fork compares."""
         started = time.monotonic()
         try:
             reply = await self._ask(peer_id, message, self.max_reply)
         except WireError as exc:
             raise WireError(exc.code, exc.message, max(exc.hops, 1)) from None
         self.router.answered(peer_id, time.monotonic() - started, self.tokens_per_trip)
-        return replace(reply, loss=plausible_loss(reply.loss, self.manifest))
+        return reply
 
     def _believe(self, peer_id: str, checked: Reply) -> Reply:
         """The reply as the trip uses it: only a trusted peer's plausible loss is published (verified, or trust on
@@ -307,10 +313,10 @@ class NextHop:
                 return
             if lag is None:
                 why = why or "the replies cover different hops"
-            elif lag > AUDIT_MAX_LAG or (why and older_lost_more(used.loss, used.epochs, reply.loss, reply.epochs)):
-                # too far apart to compare losses (`loss_rtol`), or losses apart past the slack the way a copy that
+            elif lag > AUDIT_MAX_LAG or loss_gap_of_lag(seen, rtol, used.loss, used.epochs, reply.loss, reply.epochs):
+                # too far apart to compare losses (`loss_rtol`), or losses a little past the slack the way a copy that
                 # fell behind while the loss falls fast gives them: while the lag is excused, no verdict on a gradient
-                # that passes (only a zero, non-finite or negated one is refused)
+                # that passes (a zero, non-finite or, for a loss gap, negated one is refused)
                 gradient = replies_disagree(used.grad, used.loss, reply.grad, reply.loss, cosine_min, math.inf, seen)
                 if gradient is None and self._lag_excused(ledger.loser(primary, shadow), lag, why):
                     return

@@ -80,12 +80,14 @@ def stage_totals(loads: StageLoads, num_stages: int) -> list[float]:
 def choose_stage(
     loads: StageLoads, num_stages: int, rng: random.Random | None = None, margin: float = Hysteresis.min_gain
 ) -> int:
-    """An empty stage if there is one, else the weakest; ties broken by fewest peers, then at random (no herd).
+    """An empty stage if there is one, else the weakest; ties broken by fewest peers, then by the lower total,
+    then at random (no herd).
 
     Totals within `margin` of the weakest count as tied: a peer would not move for a gain that small
     (`should_move`), and one throughput probe at start-up, taken while other processes load the machine, is
     that noisy (a local swarm measured one peer faster than two peers of the other stage together). Among tied
-    stages, the one with fewer peers is the one a single crash leaves empty."""
+    stages, the one with fewer peers is the one a single crash leaves empty; among those, the weakest (a stage a
+    newcomer wrongly chose within the margin would stay: moving back never gains more than the margin)."""
     rng = rng or random.Random()
     empty = [stage for stage in range(num_stages) if not loads.get(stage)]
     if empty:
@@ -94,7 +96,9 @@ def choose_stage(
     weakest = min(totals)
     tied = [stage for stage, total in enumerate(totals) if total <= weakest * (1 + margin) + 1e-12]
     fewest = min(len(loads[stage]) for stage in tied)
-    return rng.choice([stage for stage in tied if len(loads[stage]) == fewest])
+    thinnest = [stage for stage in tied if len(loads[stage]) == fewest]
+    lowest = min(totals[stage] for stage in thinnest)
+    return rng.choice([stage for stage in thinnest if totals[stage] <= lowest * (1 + 1e-9)])
 
 
 def bottleneck(totals: Sequence[float]) -> float:

@@ -263,8 +263,8 @@ def test_an_audit_excuses_a_joiner_with_stale_weights_then_verifies_it_and_bans_
 def test_a_loss_gap_of_older_weights_past_the_slack_is_excused_as_a_lag_once():
     """The long honest run's one remaining ban (benchmarks/results/audit-pairs-long.json): losses 6.128 from weights
     3 epochs older against 3.674, 0.40 apart where the slack at 3 epochs is 0.40. The peer that would lose is not
-    banned but loses its standing for its lag grace; a gap the other way, a negated gradient with it, or a gap once
-    the grace is spent are verdicts."""
+    banned but loses its standing for its lag grace; a gap the other way, a negated gradient with it, a gap more than
+    `LOSS_GAP_EXCUSED` past the slack, or a gap once the grace is spent are verdicts."""
     router, next_hop = _verified_pair("first", "second")
     ledger = router.ledger
     torch.manual_seed(0)
@@ -282,9 +282,16 @@ def test_a_loss_gap_of_older_weights_past_the_slack_is_excused_as_a_lag_once():
         # the newer weights losing that much more is no lag
         await audit("first", Reply(grad, 3.5, [0], [30], 100), "newer", Reply(grad, 6.2, [0], [33], 100))
         assert "newer" in router.liars()
-        # an older copy's loss does not cover a negated gradient
+        # an older copy's loss does not cover a negated gradient, between two verified peers either (whose sign
+        # flip is otherwise weighed over a window), nor a gap further past the slack: the stale liar's losses 5.52
+        # and 3.08 at a lag of 1
         await audit("first", Reply(grad, 3.5, [0], [30], 100), "negated", Reply(-grad, 6.2, [0], [27], 100))
         assert "negated" in router.liars()
+        await audit("first", Reply(grad, 3.08, [0], [30], 100), "stale", Reply(grad, 5.52, [0], [29], 100))
+        assert "stale" in router.liars()
+        pair_router, pair_hop = _verified_pair("old", "new")
+        await _audit(pair_hop, "old", Reply(grad, 3.5, [0], [30], 100), "new", Reply(-grad, 6.2, [0], [27], 100))
+        assert "new" in pair_router.liars()
         # one grace per peer for a while: the next gap past the slack, once it is spent, is a verdict
         ledger.lagging_since["second"] -= ledger.lag_grace + 1
         await audit("first", Reply(grad, 3.4, [0], [40], 100), "second", Reply(grad, 6.2, [0], [37], 100))

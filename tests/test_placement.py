@@ -40,6 +40,8 @@ def test_totals_within_the_move_threshold_tie_and_the_stage_with_fewer_peers_win
     # the local swarm's reading that sent a replacement to the two-peer stage: one probe beat two
     loads = {0: [1570.0, 1567.7], 1: [3524.1]}
     assert {choose_stage(loads, 2, random.Random(seed)) for seed in range(20)} == {1}
+    # as many peers within the threshold: the weaker still
+    assert {choose_stage({0: [100.0], 1: [119.0]}, 2, random.Random(seed)) for seed in range(20)} == {0}
     # beyond the threshold throughput decides, whatever the counts
     loads = {0: [1000.0, 1000.0], 1: [2500.0]}
     assert {choose_stage(loads, 2, random.Random(seed)) for seed in range(20)} == {0}

@@ -26,12 +26,13 @@ with each accusation of the same peer (`AveragingBans`).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 
 from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
 from hivemind.p2p import PeerID
 from hivemind.utils.asyncio import as_aiter, azip
 from hivemind.utils.mpfuture import MPFuture
+from hivemind.utils.serializer import MSGPackSerializer
 from hivemind.utils.timed_storage import get_dht_time
 
 from peer.averaging_matchmaking import ExcludingMatchmaking, pace_lookups
@@ -58,6 +59,7 @@ class RobustAllReduceRunner(AllReduceRunner):
         alignment_evidence: Evidence,
         direction_evidence: Evidence,
         round_number: int,
+        lanes: Mapping[PeerID, int] | None = None,
         **kwargs,
     ):
         super().__init__(*args, **kwargs)
@@ -70,6 +72,7 @@ class RobustAllReduceRunner(AllReduceRunner):
         self.tensor_part_reducer = RobustPartReducer(
             hivemind_reducer.part_shapes, hivemind_reducer.num_senders, rule, self._judge_sender, ignored,
             self._judge_direction, own_sender,
+            None if lanes is None else {i: lanes[peer] for i, peer in enumerate(self.sender_peer_ids) if peer in lanes},
         )
         banned_reducers = {i for i, peer in enumerate(self.ordered_peer_ids) if peer in banned and peer != self.peer_id}
         CheckedPartContainer.adopt(
@@ -110,13 +113,30 @@ class RobustAllReduceRunner(AllReduceRunner):
         return self._judge(self.ordered_peer_ids[peer_index], "reducer", finding, self._alignment_evidence)
 
 
+def gathered_lanes(peer_ids: Sequence[PeerID], gathered: Sequence[bytes]) -> dict[PeerID, int]:
+    """The lane each peer of a group named in its gathered data (hivemind's `[bandwidth, mode, user data]`, the user
+    data an int: `StageOptimizer` gathers its lane in gradient rounds). A peer whose data says no lane is left out
+    (judged by nobody as a sender): malformed bytes are a peer's word like a lane is, and cost nothing else here."""
+    lanes = {}
+    for peer, data in zip(peer_ids, gathered, strict=False):
+        try:
+            lane = MSGPackSerializer.loads(MSGPackSerializer.loads(data)[2])
+        except Exception:  # noqa: BLE001 - anything a peer sent
+            continue
+        if isinstance(lane, int) and not isinstance(lane, bool):
+            lanes[peer] = lane
+    return lanes
+
+
 class RobustAveraging:
     """Mixin for a hivemind averager (before it in the bases): every all-reduce runs `runner_class`, and peers
     accused in any round are banned from this averager's later rounds and groups while their ban lasts
-    (`AveragingBans`). Its matchmaking reads the DHT at most once per `LOOKUP_INTERVAL` (`pace_lookups`)."""
+    (`AveragingBans`). Its matchmaking reads the DHT at most once per `LOOKUP_INTERVAL` (`pace_lookups`). Where
+    its rounds gather each peer's lane (`judges_by_lane`: gradients), a sender is judged among its lane's only."""
 
     runner_class: type[AllReduceRunner] = RobustAllReduceRunner
     robust_rule = RobustRule()
+    judges_by_lane = False
     LOOKUP_INTERVAL = 0.2  # seconds between two DHT reads of a matchmaking (`pace_lookups`)
 
     def __init__(self, *args, **kwargs):
@@ -179,6 +199,7 @@ class RobustAveraging:
             alignment_evidence=self.alignment_evidence,
             direction_evidence=self.direction_evidence,
             round_number=self.rounds_run,
+            lanes=gathered_lanes(group_info.peer_ids, group_info.gathered) if self.judges_by_lane else None,
             **kwargs,
         )
         self._running_groups[group_id].set_result(runner)

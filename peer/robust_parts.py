@@ -7,6 +7,7 @@ reducer returns (`TensorPartContainer.register_processed_part`). Here:
   the `add_` hivemind calls on its accumulator) and, once every sender is in, returns `robust_average` instead
   of the mean; each sender's part is judged, and an accused sender's later parts of the round are ignored; after
   the last part, the direction of each sender's parts of the round (`SenderDirection`, `direction_findings`);
+  with lanes each sender is judged among its own lane's senders only (`camps`);
 - `CheckedPartContainer` holds the parts other reducers return until this peer's own reduction is done (that
   gives the honest relative change), then applies `check_reduced` to each, with the change this peer's own
   reductions made to that same part in earlier rounds (`PartChanges`) as a second reference: a refused part is
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 
 import torch
 from hivemind.averaging.allreduce import AllreduceException
@@ -76,9 +77,11 @@ class RobustPartReducer(TensorPartReducer):
         ignored: set[int],
         judge_direction: Judge,
         own_sender: int | None,
+        camps: Mapping[int, Hashable] | None = None,
     ):
         self.rule, self.judge, self.ignored, self.judge_direction = rule, judge, ignored, judge_direction
         self.own_sender = own_sender
+        self.camps = camps  # sender index -> its lane: each sender is judged among its own lane's (`robust_average`)
         self.weight_share = 1.0  # this peer's capped weight against an equal share, in the last part it reduced
         self._sender_of: dict[int, int] = {}  # id(part) -> sender index, for the part being collected
         self._collected_senders: list[int] = []
@@ -109,8 +112,10 @@ class RobustPartReducer(TensorPartReducer):
         senders = self._collected_senders
         keep = [n for n, sender in enumerate(senders) if sender not in self.ignored]
         shape = self.part_shapes[self.current_part_index]
+        # a sender of no known lane is a camp of its own (clipped, never judged)
+        camps = None if self.camps is None else [self.camps.get(senders[n], ("alone", senders[n])) for n in keep]
         aggregate = robust_average([collector.parts[n] for n in keep], [collector.weights[n] for n in keep], shape,
-                                   self.rule)
+                                   self.rule, camps)
         future = self.current_part_future
         if aggregate is None:
             future.set_exception(AllreduceException("no usable contribution to this part"))

@@ -45,7 +45,10 @@ class GradientWire(enum.Enum):
 
 
 class RobustGradientAverager(RobustAveraging, GradientAverager):
-    """The stage's gradient averaging, robust to a hostile peer of the group (peer/robust_averaging.py)."""
+    """The stage's gradient averaging, robust to a hostile peer of the group (peer/robust_averaging.py); its rounds
+    gather each peer's lane (`StageOptimizer.lane`), and a sender is judged among its own lane's senders."""
+
+    judges_by_lane = True
 
 
 class SnapshotStateAverager(RobustAveraging, TrainingStateAverager, VerifiedStateLoad):

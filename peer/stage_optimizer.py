@@ -92,6 +92,7 @@ class StageOptimizer(Optimizer):
         self.state_donor = state_donor  # the state averager's class: PoisonedStateDonor only to inject a fault
         self.gradient_wire = gradient_wire
         self.label = label
+        self.lane = 0  # the lane this peer serves (set by its slot), gathered in gradient rounds (stage_averagers)
         # the running gradient round whose update has not landed yet, and when its epoch ended
         self._round: StepControl | None = None
         self._round_began = 0.0
@@ -146,7 +147,7 @@ class StageOptimizer(Optimizer):
             round_ = None
             if self.tracker.global_progress.num_peers > 1:
                 try:
-                    round_ = self.grad_averager.step(wait=False, timeout=self.averaging_timeout)
+                    round_ = self.grad_averager.step(wait=False, timeout=self.averaging_timeout, gather=self.lane)
                 except Exception as exc:  # noqa: BLE001 - then the update is made of our own gradients
                     logger.warning("%s could not start a gradient round: %r", self.label, exc)
             if round_ is None:

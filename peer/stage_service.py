@@ -115,6 +115,7 @@ class StageService:
                                    signing_key=parts.signing_key, checkpoint_every=options.checkpoint_every,
                                    stats=parts.stats, gradient_wire=options.gradient_wire)
         self.runtime = runtime
+        runtime.optimizer.lane = self.lane
         subspace = runtime.stage.subspace
         bounds = {s: plausible_throughput(manifest, s) for s in range(manifest.num_stages)}
         ledger = Ledger(audit_rate=options.audit_rate)
@@ -220,6 +221,7 @@ class StageService:
         """Lanes of a stage are replicas of its weights: changing lanes keeps them, only the record changes, and
         what the flavour's lane handling takes (`LaneTrips.switch_lane`)."""
         self.lane, self.online_since = lane, time.monotonic()
+        self.runtime.optimizer.lane = lane
         self.parts.trips.switch_lane(self.hop, lane)
         await self.announcer.announce_now()
 

@@ -82,10 +82,14 @@ and over the round as a whole: a sender that negates a share of its parts small 
 above zero (or within `sender_apart` of the next lowest) is not found; its pull along the others' average is then
 not negative, but the negated parts are still pulled the wrong way, by at most the clip radius each (docs/DESIGN.md
 §4). A sender of all zeros is never judged: it pulls the average toward zero by its weight share, within the clip
-radius (it shrinks the step, or rides free). One hostile sender whose part looks like the other lane's can still
-make two camps out of a group with one peer of that lane and put that honest peer's part far out (a review's case:
-620 clip radii, as under the lower median), and a single nonzero value makes a sender a voter: judging a sender
-against its own lane only, and voters of at least a typical norm, are not built.
+radius (it shrinks the step, or rides free). With lanes, a sender is judged only among the voters of its own lane (its
+camp: the lane it names in the round's gathered data, `peer/robust_averaging.py`), at least three of them: one lane's
+gradients are not drawn like another's (it sees other chunks of every sequence), and judged across lanes honest peers
+were accused (benchmarks/RESULTS.md), or a hostile sender whose part looks like the other lane's made two camps of a
+group with one peer of that lane and put that honest peer's part far out (a review's case: 620 clip radii). So with
+two replicas a lane nobody is judged, only clipped, and a lane is its sender's word: a hostile sender naming a lane of
+fewer than three voters is clipped, not judged. A single nonzero value makes a sender a voter (voters of at least a
+typical norm are not built).
 """
 
 from __future__ import annotations
@@ -183,10 +187,15 @@ def centered_clip(
 
 
 def robust_average(
-    parts: Sequence[torch.Tensor], weights: Sequence[float], shape: torch.Size, rule: RobustRule = RobustRule()
+    parts: Sequence[torch.Tensor],
+    weights: Sequence[float],
+    shape: torch.Size,
+    rule: RobustRule = RobustRule(),
+    camps: Sequence[Hashable] | None = None,
 ) -> Aggregate | None:
     """The part as a reducer returns it to every sender: refused contributions out, weights capped, CenteredClip
-    of the rest, as float32 of `shape`. None when no contribution is usable."""
+    of the rest, as float32 of `shape`. None when no contribution is usable. `camps` (one per part: each sender's
+    lane) judges each sender only among the senders of its camp; the average is over all of them."""
     refused, usable = {}, []
     for index, (part, weight) in enumerate(zip(parts, weights, strict=True)):
         reason = refusal(part, weight, shape)
@@ -205,15 +214,21 @@ def robust_average(
     directions: dict[int, SenderDirection] = {}
     # a floor's radius judges nobody (module docstring), nor does the centre of two parts (their mean), nor a part of a
     # handful of values; an all-zero part does not vote on where honest parts lie (a sender whose graph never reached
-    # the slice: the θ head on a stage's last lane), so the others are judged among themselves
+    # the slice: the θ head on a stage's last lane), so the others are judged among themselves, and only among the
+    # voters of their own camp (a stage's lanes see different chunks of every sequence: module docstring)
     voters = stacked.any(dim=1).nonzero().flatten().tolist()
-    if len(voters) > 2 and stacked.shape[1] >= rule.judged_values:
-        rows, row_weights = stacked[voters], kept_weights[voters]
-        centre_v, tau_v, spread_v = (centered_clip(rows, row_weights, rule) if len(voters) < len(kept)
+    by_camp: dict[Hashable, list[int]] = {}
+    for voter in voters:
+        by_camp.setdefault(None if camps is None else camps[kept[voter][0]], []).append(voter)
+    for members in by_camp.values() if stacked.shape[1] >= rule.judged_values else ():
+        if len(members) < 3:
+            continue
+        rows, row_weights = stacked[members], kept_weights[members]
+        centre_v, tau_v, spread_v = (centered_clip(rows, row_weights, rule) if len(members) < len(kept)
                                      else (centre, tau, spread))
         if spread_v:
             for row, finding, direction in _judgements(rows, row_weights, centre_v, tau_v, rule):
-                judged[kept[voters[row]][0]], directions[kept[voters[row]][0]] = finding, direction
+                judged[kept[members[row]][0]], directions[kept[members[row]][0]] = finding, direction
     return Aggregate(average=centre.reshape(shape), tau=tau, refused=refused, judged=judged, directions=directions,
                      weights=dict(kept))
 

@@ -100,6 +100,25 @@ def test_two_lanes_of_two_whose_gradients_differ_accuse_neither_camp():
     assert direction_findings(aggregate.directions, RobustRule()) == dict.fromkeys(range(4))
 
 
+def test_with_lanes_a_sender_is_judged_only_among_the_senders_of_its_own_lane():
+    """Three replicas of lane 0 and one of lane 1, whose gradient is another chunk's (here: another base). Judged
+    together the lane-1 part is far from the lane-0 camp's radius (an honest sender accused on real peers, a group of
+    three with one peer of the other lane); judged by lane it has no camp of three and is only clipped into the
+    average, and a hostile lane-0 sender is still found among its lane's."""
+    lane0, lane1 = honest(3), [3 * part for part in honest(1, seed=5)]
+    parts = [*lane0, *lane1]
+    together = robust_average(parts, [1.0] * 4, SHAPE)
+    assert together.judged[3] is not None and not any(together.judged[i] for i in range(3))
+    by_lane = robust_average(parts, [1.0] * 4, SHAPE, camps=[0, 0, 0, 1])
+    assert set(by_lane.judged) == {0, 1, 2} and not any(by_lane.judged.values()) and 3 not in by_lane.directions
+    assert torch.equal(by_lane.average, together.average)  # the average is over every sender either way
+    hostile = robust_average([*parts, 1e3 * torch.ones(SHAPE)], [1.0] * 5, SHAPE, camps=[0, 0, 0, 1, 0])
+    assert set(hostile.judged) == {0, 1, 2, 4} and hostile.judged[4].excess > 1
+    assert not any(hostile.judged[i] for i in (0, 1, 2))
+    # two replicas a lane: nobody is judged
+    assert robust_average(parts, [1.0] * 4, SHAPE, camps=[0, 0, 1, 1]).judged == {}
+
+
 def test_all_zero_parts_do_not_vote_on_where_honest_parts_lie():
     """The θ head on a stage's last lane gets no gradient: its senders' parts are exactly zero. Two of them and a
     first-lane part near zero put the other first-lane part millions of clip radii out here (on real peers a θ head

@@ -19,9 +19,11 @@ from hivemind.averaging.partition import (
     TensorPartReducer,
 )
 from hivemind.dht import DHT
+from hivemind.p2p import PeerID
+from hivemind.utils.serializer import MSGPackSerializer
 
 from peer.averaging_matchmaking import pace_lookups
-from peer.robust_averaging import RobustAveraging
+from peer.robust_averaging import RobustAveraging, gathered_lanes
 from peer.robust_parts import CheckedPartContainer, RobustPartReducer
 from peer.stage_averagers import GradientWire
 from peer.stage_optimizer import AVERAGING_TIMEOUT
@@ -409,6 +411,40 @@ def test_a_reducer_keeps_its_own_capped_weight_share_for_the_receivers_alignment
     assert share([1.0, 4.0, 4.0, 4.0], 1) == pytest.approx(4 * 4.0 / 13)
     assert share([1.0, 1.0, 4.0, 1e9], 0) == pytest.approx(4 * 1.0 / 7)  # median 2.5 caps 4 and 1e9
     assert share([1.0, 1.0, 1.0], None) == 0.0
+
+
+def test_a_gradient_round_judges_each_sender_among_its_own_lanes_senders():
+    """The lanes a group gathered, as hivemind gathers them (`[bandwidth, mode, user data]`, the user data the lane
+    `StageOptimizer` gathers), and the reducer judging each sender among its lane's: three replicas of lane 0 and one
+    of lane 1 whose part is another chunk's gradient. Judged together the lane-1 sender is accused; by lane it is not
+    judged, nor is a sender whose gathered data names no lane."""
+    pack = MSGPackSerializer.dumps
+    peers = [PeerID(f"peer{i}".encode()) for i in range(6)]
+    gathered = [pack([1e6, 0, pack(0)]), pack([1e6, 0, pack(1)]), pack([1e6, 0, pack(None)]), b"\xc1junk",
+                pack([1e6, 0, pack(True)]), pack([1e6, 0, pack("0")])]
+    assert gathered_lanes(peers, gathered) == {peers[0]: 0, peers[1]: 1}
+    generator = torch.Generator().manual_seed(0)
+    base, other = torch.randn(3000, generator=generator), 3 * torch.randn(3000, generator=generator)
+    parts = [base + 0.1 * torch.randn(3000, generator=generator) for _ in range(3)] + [other]
+
+    def accused(camps: dict[int, int] | None) -> set[int]:
+        found: set[int] = set()
+
+        def judge(sender: int, finding) -> bool:
+            if finding is not None:
+                found.add(sender)
+            return False
+
+        async def reduce() -> None:
+            reducer = RobustPartReducer([torch.Size([3000])], 4, RobustRule(), judge, set(), lambda *_: False, 0, camps)
+            await asyncio.gather(*(reducer.accumulate_part(sender, 0, part) for sender, part in enumerate(parts)))
+
+        asyncio.run(reduce())
+        return found
+
+    assert accused(None) == {3}
+    assert accused({0: 0, 1: 0, 2: 0, 3: 1}) == set()
+    assert accused({0: 0, 1: 0, 2: 0}) == set()  # sender 3 named no lane: a camp of its own
 
 
 def test_a_receiver_judges_each_reducers_direction_once_its_round_is_in():

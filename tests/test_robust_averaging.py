@@ -68,7 +68,7 @@ def lying_runner(reducer_cls: type[TensorPartReducer]) -> type[AllReduceRunner]:
 
     class LyingRunner(AllReduceRunner):
         def __init__(self, *args, rule, banned, accuse, changes, evidence, alignment_evidence, direction_evidence,
-                     round_number, **kwargs):
+                     round_number, lanes, **kwargs):
             super().__init__(*args, **kwargs)
             honest = self.tensor_part_reducer
             honest.finished.set()

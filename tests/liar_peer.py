@@ -6,7 +6,9 @@ kept up and answers from old weights; weights only a few epochs old are not told
 docs/DESIGN.md §4, and in CI a copy taken at its first trip, after its download, was caught only at its 44th
 audit). It trains on its own honest gradients, so it
 holds the stage's weights, averages with the stage and answers at the speed of an honest peer (the stale one
-after a second forward and backward): a verified peer that turns liar (issue 26). Used by tests/test_liar_swarm.py.
+after a second forward and backward): a verified peer that turns liar (issue 26). A pipeline peer forges its trips'
+replies, a lane peer (`--lane`) its lane trips' (the K/V gradients it sends its lane partners stay honest). Used by
+tests/test_liar_swarm.py and tests/test_lane_swarm.py.
 
     python tests/liar_peer.py --turn-file F [--lie negate|scale10|scale0.1|random|stale] <protocol-peer's arguments>
 """
@@ -20,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from peer import cli, trip
+from peer import cli, lane_trip, trip
 from swarm.model import PipelineStage, next_token_loss
 
 LIES = {
@@ -50,8 +52,8 @@ def stale_reply(old: PipelineStage, hidden: torch.Tensor, tokens: torch.Tensor) 
 
 
 def lying(turn, turn_file: Path, lie: str):
-    """`Hop.turn`, forging every reply once `turn_file` exists: its input gradient with `LIES[lie]`, or with
-    `stale` its loss and input gradient from the run's initial weights (module docstring)."""
+    """`Hop.turn` (or `LaneHop.turn`), forging every reply once `turn_file` exists: its input gradient with
+    `LIES[lie]`, or with `stale` its loss and input gradient from the run's initial weights (module docstring)."""
     told = False
     old: PipelineStage | None = None
 
@@ -80,6 +82,7 @@ def main() -> None:
     parser.add_argument("--lie", choices=sorted([*LIES, "stale"]), default="negate")
     args, peer_args = parser.parse_known_args()
     trip.Hop.turn = lying(trip.Hop.turn, args.turn_file, args.lie)
+    lane_trip.LaneHop.turn = lying(lane_trip.LaneHop.turn, args.turn_file, args.lie)
     sys.exit(cli.main(peer_args))
 
 

@@ -1,11 +1,13 @@
 """A local swarm of 2 stages × 2 lanes with compressed context parallelism (issue 17): real `protocol-peer`
-processes, K/V between lanes over libp2p. It trains like the simulator at the same tokens, and a fifth peer on
-another CP basis version gets its trips refused (`wrong_cp_version`) while the others carry on."""
+processes, K/V between lanes over libp2p. It trains like the simulator at the same tokens, a fifth peer on
+another CP basis version gets its trips refused (`wrong_cp_version`) while the others carry on, and a fifth that
+turns liar is banned by the lane audits (issue 26)."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -23,6 +25,9 @@ from launcher.supervisor import Child, LocalSwarm
 from peer.lanes import STRIKE_MEMORY
 from swarm.manifest import BatchSpec, save_manifest
 from swarm.records import ANNOUNCE_INTERVAL
+
+REPO = Path(__file__).resolve().parent.parent
+COSINE = re.compile(r"cosine (\S+),")
 
 STEPS = 30
 # seq 64 over 2 lanes of 32 tokens; d=64, 2 layers, k=4; 8 sequences per optimizer step
@@ -145,3 +150,68 @@ def test_trips_go_on_when_a_lane_peer_dies_and_its_lane_has_another(tmp_path: Pa
         wait_for(lambda: spare_trips() > max(spare, default=0), 3 * ANNOUNCE_INTERVAL, "the spare's record to count "
                  "the lane trips it served", interval=2.0)
     assert after >= before + 10
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_lane_peer_that_turns_liar_is_banned_on_the_sign_of_its_gradients(tmp_path: Path):
+    """Issue 26's lying lane peer, on real peers: a fifth peer on lane 1 of stage 1 (tests/liar_peer.py) joins the
+    trained 2 × 2 swarm with every lane trip forked for audit (`--audit-rate 1`), is verified by audit trips while
+    honest, then negates every input gradient it returns, its loss and epochs the honest ones. Lane forks are
+    judged for a sign flip over the pair's last `FLIP_WINDOW` cosines (`Ledger.flip`; scaled or random lane
+    gradients are not caught: docs/DESIGN.md §4): turned once its replies agree closely with its partner's, it is
+    banned within 10 audits of the turn, and the honest peer of its lane is never banned for lying."""
+    turn = tmp_path / "turn"
+    program = [sys.executable, str(REPO / "tests" / "liar_peer.py"), "--turn-file", str(turn), "--lie", "negate"]
+    progress = Progress()
+    swarm = LocalSwarm(MANIFEST, 1, tmp_path, max_inflight=2, with_tracker=False,
+                       extra_peer_args=["--audit-rate", "1", "--log-level", "DEBUG"])
+    try:
+        swarm.start()
+        train(swarm, progress, 3, 300)  # the honest peer of lane 1 is trusted first (trust on first use)
+        swarm.spawn_peer("liar", "1", ["--lane", "1"], program=program)
+
+        def ids() -> dict[str, str] | None:
+            names = {e.record.public_name: e.record.peer_id[-6:] for entries in swarm.poll().values()
+                     for e in entries}
+            return names if "liar" in names and "stage1-peer1" in names else None
+
+        named = wait_for(ids, 120, "the liar's record")
+        liar, honest = named["liar"], named["stage1-peer1"]
+        logs = [child.log for child in swarm.children if child.name != "liar"]
+
+        def lines() -> list[list[str]]:
+            return [log.read_text(errors="replace").splitlines() for log in logs]
+
+        def in_step() -> bool:
+            """Verified, and its last 3 audits' cosines above 0.9: the replicas averaged into step. Turned at once,
+            10 epochs from its partner (honest cosines there -0.03 to 0.88), a run's negated replies were -0.03 to
+            -0.77 for 14 audits, until its weights met its partner's (docs/DESIGN.md §4)."""
+            seen = [line for peer in lines() for line in peer]
+            cosines = [COSINE.search(line) for line in seen if "audit of" in line and liar in line][-3:]
+            return (any(f"next hop {liar} verified by audit trips" in line for line in seen) and len(cosines) == 3
+                    and all(m and m[1] != "None" and float(m[1]) > 0.9 for m in cosines))
+
+        wait_for(in_step, 300, "a stage-0 peer of lane 1 to verify the liar and its replies to agree closely",
+                 interval=0.5)
+        before = [len(peer) for peer in lines()]
+        turn.touch()
+        banned = re.compile(rf"audit: replies of .* disagree \((?P<why>.*)\); {liar} banned")
+
+        def until_the_ban() -> list[str] | None:
+            """The judging peer's log from the turn to the liar's ban, that line included; None before the ban."""
+            for start, peer in zip(before, lines(), strict=True):
+                after = peer[start:]
+                at = next((i for i, line in enumerate(after) if banned.search(line)), None)
+                if at is not None:
+                    return after[: at + 1]
+            return None
+
+        after = wait_for(until_the_ban, 240, "a stage-0 peer to ban the liar", interval=0.5)
+        audits = [line for line in after if "audit of" in line and liar in line]
+        print(f"banned after {len(audits)} audits since the turn: {after[-1]}")
+        assert 1 <= len(audits) <= 10, audits
+        assert "median gradient cosine" in banned.search(after[-1])["why"]  # its loss was the honest one
+        assert not any(f"; {honest} banned" in line for peer in lines() for line in peer)
+    finally:
+        swarm.stop()

@@ -26,15 +26,15 @@ with each accusation of the same peer (`AveragingBans`).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 
 from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
 from hivemind.p2p import PeerID
 from hivemind.utils.asyncio import as_aiter, azip
 from hivemind.utils.mpfuture import MPFuture
-from hivemind.utils.serializer import MSGPackSerializer
 from hivemind.utils.timed_storage import get_dht_time
 
+from peer.averaging_lanes import LANE_GRACE, LaneCheck, gathered_lanes
 from peer.averaging_matchmaking import ExcludingMatchmaking, pace_lookups
 from peer.robust_parts import CheckedPartContainer, RobustPartReducer, located
 from swarm.evidence import ALIGNMENT, AveragingBans, Evidence
@@ -113,33 +113,21 @@ class RobustAllReduceRunner(AllReduceRunner):
         return self._judge(self.ordered_peer_ids[peer_index], "reducer", finding, self._alignment_evidence)
 
 
-def gathered_lanes(peer_ids: Sequence[PeerID], gathered: Sequence[bytes]) -> dict[PeerID, int]:
-    """The lane each peer of a group named in its gathered data (hivemind's `[bandwidth, mode, user data]`, the user
-    data an int: `StageOptimizer` gathers its lane in gradient rounds). A peer whose data says no lane is left out
-    (judged by nobody as a sender): malformed bytes are a peer's word like a lane is, and cost nothing else here."""
-    lanes = {}
-    for peer, data in zip(peer_ids, gathered, strict=False):
-        try:
-            lane = MSGPackSerializer.loads(MSGPackSerializer.loads(data)[2])
-        except Exception:  # noqa: BLE001 - anything a peer sent
-            continue
-        if isinstance(lane, int) and not isinstance(lane, bool):
-            lanes[peer] = lane
-    return lanes
-
-
 class RobustAveraging:
     """Mixin for a hivemind averager (before it in the bases): every all-reduce runs `runner_class`, and peers
     accused in any round are banned from this averager's later rounds and groups while their ban lasts
-    (`AveragingBans`). Its matchmaking reads the DHT at most once per `LOOKUP_INTERVAL` (`pace_lookups`). Where
-    its rounds gather each peer's lane (`judges_by_lane`: gradients), a sender is judged among its lane's only."""
+    (`AveragingBans`). Its matchmaking reads the DHT at most once per `LOOKUP_INTERVAL` (`pace_lookups`). Where its
+    rounds gather each peer's lane (`lanes`, the run's: gradients, `StageOptimizer`), a sender is judged among its
+    lane's senders only (`peer/averaging_lanes.py`, fed the stage's records by `set_record_lanes`)."""
 
     runner_class: type[AllReduceRunner] = RobustAllReduceRunner
     robust_rule = RobustRule()
-    judges_by_lane = False
+    lane_grace = LANE_GRACE  # seconds a sender whose gathered lane differs from its record goes unjudged
     LOOKUP_INTERVAL = 0.2  # seconds between two DHT reads of a matchmaking (`pace_lookups`)
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, lanes: int | None = None, **kwargs):
+        # `lanes`: the run's, where rounds gather each peer's lane; None: rounds judge every sender together
+        self.lane_check = None if lanes is None else LaneCheck(lanes, self.lane_grace)
         # accused peers, until when and why, and the honest change of each part this peer reduced; set before
         # hivemind forks the averager's process, which owns them
         self.banned_peers = AveragingBans()
@@ -172,6 +160,22 @@ class RobustAveraging:
     async def _banned_peers_for(self, future: MPFuture) -> None:
         future.set_result({peer.to_base58(): why for peer, why in self.banned_peers.current().items()})
 
+    def set_record_lanes(self, records: dict[str, int]) -> None:
+        """The lane each peer of the stage names in its signed record (peer id in base58 -> lane), for the averager's
+        process to judge senders by (`LaneCheck`); ignored where rounds are not judged by lane."""
+        self._outer_pipe.send(("_record_lanes_are", [records], {}))
+
+    async def _record_lanes_are(self, records: dict[str, int]) -> None:
+        if self.lane_check is not None:
+            self.lane_check.records = records
+
+    def _camps(self, group_info) -> dict[PeerID, int] | None:
+        """The lane each sender of this round is judged in (`LaneCheck.camps`); None: no lanes, all judged together."""
+        if self.lane_check is None:
+            return None
+        gathered = gathered_lanes(list(group_info.peer_ids), list(group_info.gathered))
+        return self.lane_check.camps(gathered, list(group_info.peer_ids), get_dht_time())
+
     def _accuse(self, peer_id: PeerID, why: str) -> None:
         if peer_id == self.peer_id:
             return
@@ -199,7 +203,7 @@ class RobustAveraging:
             alignment_evidence=self.alignment_evidence,
             direction_evidence=self.direction_evidence,
             round_number=self.rounds_run,
-            lanes=gathered_lanes(group_info.peer_ids, group_info.gathered) if self.judges_by_lane else None,
+            lanes=self._camps(group_info),
             **kwargs,
         )
         self._running_groups[group_id].set_result(runner)

@@ -7,7 +7,8 @@ reducer returns (`TensorPartContainer.register_processed_part`). Here:
   the `add_` hivemind calls on its accumulator) and, once every sender is in, returns `robust_average` instead
   of the mean; each sender's part is judged, and an accused sender's later parts of the round are ignored; after
   the last part, the direction of each sender's parts of the round (`SenderDirection`, `direction_findings`);
-  with lanes each sender is judged among its own lane's senders only (`camps`);
+  with lanes each sender is judged among its own lane's senders only (`camps`, `peer/averaging_lanes.py`), for
+  its parts and for its round's direction alike (a sender of no lane is a camp of its own: clipped, not judged);
 - `CheckedPartContainer` holds the parts other reducers return until this peer's own reduction is done (that
   gives the honest relative change), then applies `check_reduced` to each, with the change this peer's own
   reductions made to that same part in earlier rounds (`PartChanges`) as a second reference: a refused part is
@@ -112,8 +113,7 @@ class RobustPartReducer(TensorPartReducer):
         senders = self._collected_senders
         keep = [n for n, sender in enumerate(senders) if sender not in self.ignored]
         shape = self.part_shapes[self.current_part_index]
-        # a sender of no known lane is a camp of its own (clipped, never judged)
-        camps = None if self.camps is None else [self.camps.get(senders[n], ("alone", senders[n])) for n in keep]
+        camps = None if self.camps is None else [self._camp(senders[n]) for n in keep]
         aggregate = robust_average([collector.parts[n] for n in keep], [collector.weights[n] for n in keep], shape,
                                    self.rule, camps)
         future = self.current_part_future
@@ -132,10 +132,23 @@ class RobustPartReducer(TensorPartReducer):
                 self.weight_share = len(aggregate.weights) * aggregate.weights[own[0]] / total if own else 0.0
             future.set_result(aggregate.average)
         if self.current_part_index == self.num_parts - 1:  # the round's directions; an accused sender is left out
-            directions = {n: d for n, d in self.directions.items() if n not in self.ignored}
-            for sender, finding in direction_findings(directions, self.rule).items():
-                self.judge_direction(sender, finding)
+            for directions in self._directions_by_camp().values():
+                for sender, finding in direction_findings(directions, self.rule).items():
+                    self.judge_direction(sender, finding)
         self.reset_accumulators()
+
+    def _camp(self, sender: int) -> Hashable:
+        """The camp `sender` is judged in: its lane, a camp of its own if it has none, one camp for all without
+        lanes."""
+        return None if self.camps is None else self.camps.get(sender, ("alone", sender))
+
+    def _directions_by_camp(self) -> dict[Hashable, dict[int, SenderDirection]]:
+        """The round's directions of the senders not accused, by camp: each round's lowest is picked in its lane."""
+        by_camp: dict[Hashable, dict[int, SenderDirection]] = {}
+        for sender, direction in self.directions.items():
+            if sender not in self.ignored:
+                by_camp.setdefault(self._camp(sender), {})[sender] = direction
+        return by_camp
 
 
 class CheckedPartContainer(TensorPartContainer):

@@ -88,10 +88,11 @@ class StageOptimizer(Optimizer):
     """
 
     def __init__(self, *args, state_donor: type[SnapshotStateAverager] = SnapshotStateAverager, label: str = "",
-                 gradient_wire: GradientWire = GradientWire.FP16, **kwargs):
+                 gradient_wire: GradientWire = GradientWire.FP16, lanes: int = 1, **kwargs):
         self.state_donor = state_donor  # the state averager's class: PoisonedStateDonor only to inject a fault
         self.gradient_wire = gradient_wire
         self.label = label
+        self.lanes = lanes  # the run's lanes: gradient senders are judged among their lane's (stage_averagers)
         self.lane = 0  # the lane this peer serves (set by its slot), gathered in gradient rounds (stage_averagers)
         # the running gradient round whose update has not landed yet, and when its epoch ended
         self._round: StepControl | None = None
@@ -295,7 +296,8 @@ class StageOptimizer(Optimizer):
         # averager only; hivemind would also declare the gradient averager as a state donor in the DHT, once more
         # at every epoch, for nobody to read
         kwargs.update(self.gradient_wire.averager_options())  # in place of hivemind's `grad_compression`
-        return super()._make_gradient_averager(RobustGradientAverager, allow_state_sharing=False, **kwargs)
+        return super()._make_gradient_averager(RobustGradientAverager, allow_state_sharing=False, lanes=self.lanes,
+                                               **kwargs)
 
     def _make_progress_tracker(self, target_batch_size: int, **kwargs) -> PacedProgressTracker:
         # one progress record per PROGRESS_INTERVAL instead of one per microbatch (peer/progress.py)
@@ -373,4 +375,5 @@ def stage_optimizer(stage: PipelineStage, manifest: Manifest, index: int, dht: D
         state_donor=PoisonedStateDonor if poison_served_state else SnapshotStateAverager,
         label=label,
         gradient_wire=gradient_wire,
+        lanes=manifest.lanes,
     )

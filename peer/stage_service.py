@@ -209,12 +209,15 @@ class StageService:
         )
 
     async def refresh_loop(self) -> None:
-        """Keep the router's records of the stages it needs (`fetch_routed`) fresh, every REFRESH_INTERVAL."""
+        """Keep the router's records of the stages it needs (`fetch_routed`) fresh, every REFRESH_INTERVAL, and the
+        lanes of this stage's records in its gradient averager (the flavour's `hand_lanes`)."""
         while True:
             try:
-                self.router.update(await self.fetch_routed())
+                stages = await self.fetch_routed()
+                self.router.update(stages)
+                self.parts.trips.hand_lanes(self.runtime.optimizer.grad_averager, self._compatible_here(stages))
             except Exception as exc:  # noqa: BLE001
-                logger.warning("%s could not read the DHT: %s", self.label, exc)
+                logger.warning("%s could not refresh its records: %s", self.label, exc)
             await asyncio.sleep(REFRESH_INTERVAL)
 
     async def switch_lane(self, lane: int) -> None:

@@ -2,8 +2,9 @@
 `PipelineTrips` (`peer/trip.py` `Hop`) or a context-parallel run's `LaneTrips` (`peer/lane_trip.py` `LaneHop` and
 the `peer/kv_exchange.py` `KVService` that carries K/V between the lanes of a trip). The flavour answers every
 question on which the two differ (the stages whose records a slot keeps, how many trips a peer carries per driver
-trip, what the heartbeat adds, the K/V handler's admission), so the daemon, the slot (`peer/stage_service.py`),
-the trip server and the trips ask it instead of testing how many lanes the run has.
+trip, what the heartbeat adds, the K/V handler's admission, the records' lanes a gradient averager judges by), so
+the daemon, the slot (`peer/stage_service.py`), the trip server and the trips ask it instead of testing how many
+lanes the run has.
 """
 
 from __future__ import annotations
@@ -17,11 +18,13 @@ from peer.link import Link
 from peer.next_hop import NextHop
 from peer.options import PeerOptions
 from peer.relay import Relaying
+from peer.robust_averaging import RobustAveraging
 from peer.routing import routed_stages
 from peer.runtime import StageRuntime
 from peer.stats import Stats
 from peer.trip import Hop
 from swarm.manifest import Manifest
+from swarm.records import PeerEntry
 from swarm.wire import ErrorCode
 
 
@@ -66,6 +69,9 @@ class PipelineTrips:
         """What the heartbeat adds: nothing (no K/V counters)."""
         return {}
 
+    def hand_lanes(self, averager: RobustAveraging, entries: list[PeerEntry]) -> None:
+        """A pipeline stage's gradient senders are all of one lane: its averager needs no records' lanes."""
+
 
 class LaneTrips:
     """A context-parallel run's trips (issue 17): each served slot gets a `peer/lane_trip.py` `LaneHop`, and the
@@ -104,6 +110,11 @@ class LaneTrips:
         )
         await self.kv.start()
         await relaying.deliver(KV, self.kv.servicer.serve_stream)
+
+    def hand_lanes(self, averager: RobustAveraging, entries: list[PeerEntry]) -> None:
+        """Hand the stage's gradient averager the lane each of its peers' signed records names (`entries`): a sender
+        is judged among its record's lane's senders (`peer/averaging_lanes.py`)."""
+        averager.set_record_lanes({entry.record.peer_id: entry.record.lane for entry in entries})
 
     def admit_kv_sender(self, peer: PeerID) -> ErrorCode | None:
         """Asked before a K/V stream is read: the served lane's peers of its stage only (`LaneHop.admit_kv_sender`)."""

@@ -15,20 +15,16 @@ rules bound both:
   at the coordinate-wise median, then repeatedly move by the weighted mean of every part's difference to the
   current centre, each difference clipped to norm `tau`. `tau` is twice the median distance of the parts to
   that median, the upper one for an even count (an honest majority sets it; honest parts of one scale are then
-  not clipped, so with no hostile part the result is their weighted mean), floored at `tau_floor` of the
-  median's norm so that honest parts that agree almost exactly (parameters right after an averaging round) do
-  not make every other part an outlier. The upper median because a stage's lanes split a group of four into two
-  camps whose gradients differ (the θ head gets none on the last lane, whose K/V cross to nobody): the lower
-  median, the nearer camp's spread, put the other camp's parts hundreds of radii out (8 honest bans in 4 lane
-  runs, 28 Nov 2026);
+  not clipped, so with no hostile part the result is their weighted mean; the upper median: `centered_clip`),
+  floored at `tau_floor` of the median's norm so that honest parts that agree almost exactly (parameters right
+  after an averaging round) do not make every other part an outlier;
 - a part further than `accuse_factor` × tau from the result is a `Finding` against its sender, but only where
   tau is the parts' own spread: where a floor set it, most parts agree exactly and a part apart from them may be
   honest (an embedding table's rows for bytes only one replica saw are zero in every other replica's gradient;
   clipping still bounds such a part, to its weight's share of the floor), and only for parts of at least
   `judged_values` values (hivemind cuts a 2-value bias into a part of its own, whose distances are noise), and
   among the senders whose part is not all zeros, at least three of them: a zero part is a sender whose graph never
-  reached the slice (the θ head on a stage's last lane), not a vote on where honest parts lie (two zero parts and a
-  near-zero one put a first-lane θ part 764,124 radii out on real peers).
+  reached the slice (the θ head on a stage's last lane), not a vote on where honest parts lie.
 
 **Reduced parts** (what comes back from another reducer, `check_reduced`): the result must be finite and its
 change to this peer's own part no larger than what honest reducers produce. This peer reduced parts itself, so
@@ -45,10 +41,8 @@ training). What it cannot hide is the direction: an honest average holds this pe
 (clipped at most to the radius), so over all the parts one reducer returned in a round it points along them,
 ⟨average, own⟩ ≥ `aligned_floor` × ‖own‖² (`Alignment`), the floor scaled down by this peer's weight share when
 its weight is below an equal share (an honest average holds its parts only that much). One part alone is too
-noisy to judge that way (3 to 6 % of honest parts pointed away, benchmarks/honest_accusations.py, 27 Nov 2026); a
-reducer's whole round fell below the floor in 111 of 2,880 honest cases there, never in more than 3 of a pair's 8
-consecutive rounds, and a negating reducer in nearly all of them, so `swarm/evidence.py` weighs rounds of
-alignment, not parts.
+noisy to judge that way (3 to 6 % of honest parts pointed away, benchmarks/honest_accusations.py), so
+`swarm/evidence.py` weighs rounds of alignment, not parts (docs/DESIGN.md §4).
 
 A sender of −g (its gradient negated) lies as near the others as their own noise does, so CenteredClip averages it
 in, and the average of a group of four holds half the expected gradient (×1.07 in loss, benchmarks/robust_stage.py).
@@ -56,14 +50,10 @@ Its direction gives it away too: the reducer judges each sender's parts of a rou
 clipped as CenteredClip clips them (`clip_rows`, `others_mean`), by each part's cosine averaged over the round,
 weighted by the part's values and its pull, in full against them, at most a typical sender's along them
 (`SenderDirection`): an honest gradient shares the expected gradient with them, −g points away. A round's lowest
-cosine is a finding when it is below `sender_floor` and `sender_apart` below the next lowest (`direction_findings`):
-only the lowest, so that a hostile sender bending the others' reference within its clipped pull cannot make
-honest senders findings (it bends them alike on average); apart from the next, because where the gradients of
-other microbatches share little, some honest sender is lowest and below zero by chance
-(benchmarks/honest_accusations.py, 28 Nov 2026: honest rounds like that come in bursts of a few rounds in which
-every reducer sees one). Scale buys a sender nothing (a part scaled up along its gradient counts as an honest one;
-one scaled up against it counts by the size CenteredClip lets it pull with); −g/10 is judged as −g is; zeros point
-nowhere and are not judged, neither for their direction nor for their distance (an all-zero part does not vote).
+cosine is a finding when it is below `sender_floor` and `sender_apart` below the next lowest (why only the lowest,
+and apart: `direction_findings`). Scale buys a sender nothing (a part scaled up along its gradient counts as an
+honest one; one scaled up against it counts by the size CenteredClip lets it pull with); −g/10 is judged as −g is;
+zeros point nowhere and are not judged, neither for their direction nor for their distance (they do not vote).
 
 A refusal is something no honest peer sends; a finding is a part past a statistical bound, which honest peers
 also reach now and then (benchmarks/honest_accusations.py), so `swarm/evidence.py` decides when findings add
@@ -82,14 +72,11 @@ and over the round as a whole: a sender that negates a share of its parts small 
 above zero (or within `sender_apart` of the next lowest) is not found; its pull along the others' average is then
 not negative, but the negated parts are still pulled the wrong way, by at most the clip radius each (docs/DESIGN.md
 §4). A sender of all zeros is never judged: it pulls the average toward zero by its weight share, within the clip
-radius (it shrinks the step, or rides free). With lanes, a sender is judged only among the voters of its own lane (its
-camp: the lane it names in the round's gathered data, `peer/robust_averaging.py`), at least three of them: one lane's
-gradients are not drawn like another's (it sees other chunks of every sequence), and judged across lanes honest peers
-were accused (benchmarks/RESULTS.md), or a hostile sender whose part looks like the other lane's made two camps of a
-group with one peer of that lane and put that honest peer's part far out (a review's case: 620 clip radii). So with
-two replicas a lane nobody is judged, only clipped, and a lane is its sender's word: a hostile sender naming a lane of
-fewer than three voters is clipped, not judged. A single nonzero value makes a sender a voter (voters of at least a
-typical norm are not built).
+radius (it shrinks the step, or rides free). With lanes, a sender is judged only among the voters of its own lane
+(`camps`; which lane is its: `peer/averaging_lanes.py`), at least three of them: one lane's gradients are not drawn
+like another's (it sees other chunks of every sequence), and judged across lanes honest peers were accused
+(docs/DESIGN.md §4). So with two replicas a lane nobody is judged, only clipped. A single nonzero value makes a sender
+a voter.
 """
 
 from __future__ import annotations
@@ -305,10 +292,9 @@ def check_reduced(
     `own_part`; `honest_change` the relative change this peer's own reduction made to the part it reduced this round,
     `reference` the largest it made to this very part in earlier rounds (`PartChanges`), if it ever reduced it.
     The bound is `reduced_factor` times the larger of the two. `typical_rms`, the per-value RMS of the parts this peer
-    reduced this round, floors the part's norm at `typical_floor` of a typical part of its size: a part of this
-    peer's that is nearly zero (an embedding's rows it saw none of this round, which other replicas did) is moved
-    "thousands of times its norm" by an honest average (found on real peers: 2.4e3, which accused an honest reducer
-    at once as past any honest bound)."""
+    reduced this round, floors the part's norm at `typical_floor` of a typical part of its size: an honest average
+    moves a part of this peer's that is nearly zero (an embedding's rows it saw none of) thousands of times its norm
+    (2.4e3 on real peers, an honest reducer accused at once)."""
     if delta.shape != own_part.shape:
         return Finding(f"a reduced part of shape {tuple(delta.shape)}, expected {tuple(own_part.shape)}", math.inf)
     if not torch.isfinite(delta).all():
@@ -373,10 +359,9 @@ class SenderDirection:
     *pull*: the size of its clipped row over the median of the senders' clipped rows of that part, counted in full
     for a part pointing away and at most 1 for a part pointing along. An honest gradient shares with the others'
     average the direction of the expected gradient; a sender of −g points away from it. Weighted so, scale buys a
-    sender nothing: a part scaled up along its gradient cannot outweigh parts that point away (joined end to end, a
-    part counted by its squared size, and one part ×8 hid −g on three), and a part of −2g (inside the radius, twice
-    −g's pull) counts twice (by values alone it counted as −g, and a cleaner gradient on the other parts hid −2g on
-    six of ten); both found by reviews, 28 Nov 2026."""
+    sender nothing: a part scaled up along its gradient cannot outweigh parts that point away (joined end to end,
+    one part ×8 hid −g on three), and a part of −2g (inside the radius, twice −g's pull) counts twice (by values
+    alone, a cleaner gradient on the other parts hid −2g on six of ten)."""
 
     weighted: float = 0.0  # Σ values × weight × cosine over the parts judged
     weight: float = 0.0  # Σ values × weight of those parts
@@ -407,7 +392,8 @@ def direction_findings(directions: dict[Hashable, SenderDirection], rule: Robust
     three senders to judge. Only the lowest, because a hostile sender can bend the others' clipped average against
     every honest one a little (by its clipped pull); it cannot choose which honest sender's own noise points further
     away, while its own −g stays furthest. Apart from the next, because in a round where the gradients of other
-    microbatches share little, some honest sender is lowest and below zero by chance, near the next one."""
+    microbatches share little, some honest sender is lowest and below zero by chance, near the next one
+    (benchmarks/honest_accusations.py)."""
     cosines = {sender: d.cosine for sender, d in directions.items() if d.cosine is not None}
     if len(cosines) < 3:
         return {}

@@ -22,8 +22,9 @@ from hivemind.dht import DHT
 from hivemind.p2p import PeerID
 from hivemind.utils.serializer import MSGPackSerializer
 
+from peer.averaging_lanes import gathered_lanes
 from peer.averaging_matchmaking import pace_lookups
-from peer.robust_averaging import RobustAveraging, gathered_lanes
+from peer.robust_averaging import RobustAveraging
 from peer.robust_parts import CheckedPartContainer, RobustPartReducer
 from peer.stage_averagers import GradientWire
 from peer.stage_optimizer import AVERAGING_TIMEOUT
@@ -99,7 +100,8 @@ STEP_WAIT = 60 + AVERAGING_TIMEOUT + 30  # seconds the test waits for a step: ma
 
 def average_once(hostile_cls, hostile_tensors, hostile_weight: float = 1.0, rounds: int = 1, min_group_size: int = 4,
                  fresh: bool = False, wire: GradientWire = GradientWire.FP32, fourth_wire: GradientWire | None = None,
-                 make_tensors: Callable[[int], list[torch.Tensor]] = honest_tensors):
+                 make_tensors: Callable[[int], list[torch.Tensor]] = honest_tensors, honest_cls=RobustAverager,
+                 lanes: int | None = None, gathered: list[int] | None = None, record_lanes: list[int] | None = None):
     """Three robust peers and one hostile peer average `rounds` times; the honest peers' tensors after each
     round, the honest inputs' means (the first round's; with `fresh`, each round's), the hostile peer's id, what
     each honest peer banned and, for each round, which honest peers averaged in a group with the hostile one (read
@@ -109,7 +111,9 @@ def average_once(hostile_cls, hostile_tensors, hostile_weight: float = 1.0, roun
     out, another joined its group): that peer's result of the round is then None (its tensors are its own, not
     averaged). `fresh`: every round after the first starts from new honest tensors, as a gradient averager does
     (each round a new step's gradients). `wire`: what the peers send (`fourth_wire`: the fourth peer, if it
-    differs); `make_tensors`: each peer's tensors from a seed."""
+    differs); `make_tensors`: each peer's tensors from a seed. `honest_cls`, of a run of `lanes` lanes: the honest
+    peers' class; `gathered`: the lane each of the four gathers at every step; `record_lanes`: the lane each of them
+    names in its record, as the honest peers' `StageService` would hand them over."""
     dht = DHT(start=True)
     averagers = []
     try:
@@ -121,10 +125,15 @@ def average_once(hostile_cls, hostile_tensors, hostile_weight: float = 1.0, roun
         inputs = [make_tensors(seed) for seed in (1, 2, 3)]
         honest_mean = torch.stack([t[0] for t in inputs]).mean(0)
         for peer, tensors in zip(peers[:3], inputs, strict=True):
-            averagers.append(RobustAverager(averaged_tensors=tensors, dht=peer, **common, **wire.averager_options()))
+            averagers.append(honest_cls(averaged_tensors=tensors, dht=peer, lanes=lanes, **common,
+                                        **wire.averager_options()))
         hostile = hostile_cls(averaged_tensors=hostile_tensors, dht=peers[3], **common,
                               **(fourth_wire or wire).averager_options())
         averagers.append(hostile)
+        if record_lanes is not None:
+            records = {a.peer_id.to_base58(): lane for a, lane in zip(averagers, record_lanes, strict=True)}
+            for averager in averagers[:3]:
+                averager.set_record_lanes(records)
         results, means, met_hostile = [], [honest_mean], []
         for round_ in range(rounds):
             if fresh and round_:
@@ -142,7 +151,8 @@ def average_once(hostile_cls, hostile_tensors, hostile_weight: float = 1.0, roun
             # that never ends fails this test instead of hanging it (once matchmaking began: hivemind's
             # `step(wait=False)` itself waits, unbounded, for the averager's process to take the step up)
             controls = [a.step(weight=hostile_weight if a is hostile else 1.0, wait=False,
-                               timeout=hostile_timeout if a is hostile and round_ else 60) for a in averagers]
+                               timeout=hostile_timeout if a is hostile and round_ else 60,
+                               gather=None if gathered is None else gathered[n]) for n, a in enumerate(averagers)]
             done, met = [], []
             for control in controls[:3]:
                 try:
@@ -291,6 +301,23 @@ def test_a_sender_of_its_negated_gradient_is_banned_on_the_direction_of_its_roun
     make_tensors = functools.partial(signal_in_noise, size=size)
     results, _, liar, bans, _ = average_once(hostile_sender(send), make_tensors(4), rounds=6, min_group_size=3,
                                              fresh=True, make_tensors=make_tensors)
+    assert all(torch.isfinite(averaged).all() for round_ in results for averaged in round_ if averaged is not None)
+    assert all(list(banned) == [liar] for banned in bans), bans
+    assert all("as a sender" in banned[liar] and "cosine -" in banned[liar] for banned in bans), bans
+
+
+# the honest peers of a run of lanes, with no grace for a sender whose gathered lane differs from its record
+NoGraceAverager = type("RobustAverager", (RobustAveraging, DecentralizedAverager), {"lane_grace": 0.0})
+
+
+def test_a_sender_naming_another_lane_than_its_record_is_still_judged_in_its_records_lane():
+    """A run of two lanes: four peers of lane 0 by their records, and the sender of −g gathers lane 1, where it would
+    be a camp of its own, clipped and never judged. Its signed record says lane 0, so the honest peers judge it there,
+    and every one of them bans it for its direction (the grace of a lane switch set to 0 here)."""
+    make_tensors = signal_in_noise
+    results, _, liar, bans, _ = average_once(hostile_sender(torch.neg), make_tensors(4), rounds=6, min_group_size=3,
+                                             fresh=True, make_tensors=make_tensors, honest_cls=NoGraceAverager,
+                                             lanes=2, gathered=[0, 0, 0, 1], record_lanes=[0, 0, 0, 0])
     assert all(torch.isfinite(averaged).all() for round_ in results for averaged in round_ if averaged is not None)
     assert all(list(banned) == [liar] for banned in bans), bans
     assert all("as a sender" in banned[liar] and "cosine -" in banned[liar] for banned in bans), bans
@@ -445,6 +472,33 @@ def test_a_gradient_round_judges_each_sender_among_its_own_lanes_senders():
     assert accused(None) == {3}
     assert accused({0: 0, 1: 0, 2: 0, 3: 1}) == set()
     assert accused({0: 0, 1: 0, 2: 0}) == set()  # sender 3 named no lane: a camp of its own
+
+
+def test_each_lane_has_its_rounds_lowest_sender_judged_for_its_direction():
+    """Two lanes of four senders, each with one sender of its lane's −g, a banned sender (ignored) and a refused one
+    (NaN) ahead of them: judged across lanes, the two −g senders are each other's next lowest, and neither is apart
+    from it; judged per lane, each is its lane's lowest and apart, and the findings name the senders themselves."""
+    generator = torch.Generator().manual_seed(0)
+    bases = [torch.randn(3000, generator=generator), 3 * torch.randn(3000, generator=generator)]
+    lane = [bases[0] + 0.5 * torch.randn(3000, generator=generator) for _ in range(4)]
+    other = [bases[1] + 1.5 * torch.randn(3000, generator=generator) for _ in range(4)]
+    parts = [torch.randn(3000), torch.full((3000,), float("nan")), *lane[:3], -lane[3], *other[:3], -other[3]]
+    camps = {sender: 0 if sender < 6 else 1 for sender in range(len(parts))}
+    found: dict[int, str] = {}
+
+    def judge_direction(sender: int, finding) -> bool:
+        if finding is not None:
+            found[sender] = finding.why
+        return False
+
+    async def reduce() -> None:
+        reducer = RobustPartReducer([torch.Size([3000])], len(parts), RobustRule(), lambda *_: False, {0},
+                                    judge_direction, 2, camps)
+        await asyncio.gather(*(reducer.accumulate_part(sender, 0, part) for sender, part in enumerate(parts)))
+
+    asyncio.run(reduce())
+    assert set(found) == {5, 9}, found
+    assert all(why.startswith("parts at cosine -0.") for why in found.values()), found
 
 
 def test_a_receiver_judges_each_reducers_direction_once_its_round_is_in():

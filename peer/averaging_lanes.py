@@ -5,19 +5,24 @@ is judged only among its own lane's senders. Two sources name a sender's lane, a
 
 - the round's gathered data (`gathered_lanes`): the sender's word as the group's leader passes it on, unchecked by
   hivemind, so a hostile sender names what it likes and a hostile leader may relabel anyone;
-- the sender's signed stage record (`LaneCheck.records`, pushed into the averager's process by its `StageService`
-  every refresh): signed by the sender's own key, read with the records routing reads, so nobody relabels it, but
-  up to a refresh and an announcement late after an honest lane switch.
+- the sender's signed stage record (`LaneCheck.records`, handed to the averager's process by its `StageService` at
+  every refresh): signed by the sender's own key, so nobody relabels it, but late by up to a refresh and an
+  announcement after an honest lane switch or join.
 
-`LaneCheck.camps` takes the record's lane where one is known. A sender whose gathered lane differs from its record
-is not judged for `grace` seconds (an honest switch lands in its record within that: judged in its old lane, the
-other lane's gradient would look far out and accuse it), then in its record's lane; the grace comes back only after
-`grace` seconds of agreement, so a sender that flips its gathered lane to dodge judging is judged at least half of
-the time. A sender with no record (just joined, or one that never announces) is judged in the lane it gathered, or
-in lane 0 if that is no lane of the run: every sender is in some lane's camp, none picks a camp of its own.
+`LaneCheck.camps` judges a sender *in order* (a record whose lane its gathered lane names) in that lane. A sender out
+of order (the two differ, or it has no record) is not judged for `grace` seconds from the start of its episode out
+of order (an honest switch or join lands in its record within that; judged in its old lane, its new lane's gradient
+would look far out and accuse it), then in its record's lane, or with no record in the round's largest lane (a
+sender with no record by then never announced: judged where it has the most voters). An episode ends only once
+the sender has been in order, or unseen, for `episode_gap` seconds: a sender that flips out of order to dodge goes
+unjudged for at most `grace` seconds in every `grace + episode_gap`, and a hostile leader that relabels an honest
+peer costs it one grace unjudged (and its own lane switch within `episode_gap` after that, a round or two judged in
+its old lane).
 """
 
 from __future__ import annotations
+
+from collections import Counter
 
 from hivemind.p2p import PeerID
 from hivemind.utils.serializer import MSGPackSerializer
@@ -25,8 +30,9 @@ from hivemind.utils.serializer import MSGPackSerializer
 from peer.routing import REFRESH_INTERVAL
 from swarm.records import ANNOUNCE_INTERVAL
 
-# how long a sender whose gathered lane differs from its record goes unjudged: its switch announced and read twice
+# how long a sender out of order goes unjudged: its switch (or join) announced and read twice
 LANE_GRACE = 2 * (ANNOUNCE_INTERVAL + REFRESH_INTERVAL)
+EPISODE_GAP = 10 * LANE_GRACE  # in order this long, a sender's next episode out of order gets a new grace
 
 
 def gathered_lanes(peer_ids: list[PeerID], gathered: list[bytes]) -> dict[PeerID, int]:
@@ -47,29 +53,26 @@ def gathered_lanes(peer_ids: list[PeerID], gathered: list[bytes]) -> dict[PeerID
 class LaneCheck:
     """The camps of a run of `lanes` lanes (module docstring); lives in the averager's process."""
 
-    def __init__(self, lanes: int, grace: float = LANE_GRACE):
-        self.lanes, self.grace = lanes, grace
+    def __init__(self, lanes: int, grace: float = LANE_GRACE, episode_gap: float = EPISODE_GAP):
+        self.lanes, self.grace, self.episode_gap = lanes, grace, episode_gap
         self.records: dict[str, int] = {}  # peer id (base58) -> the lane its signed record names
-        self._apart_since: dict[str, float] = {}  # sender -> when its gathered lane first differed from its record
-        self._agreed_since: dict[str, float] = {}  # ...and, for those, since when they agree again
+        self._episodes: dict[str, tuple[float, float]] = {}  # sender -> (began, last seen) of its episode out of order
 
-    def camps(self, gathered: dict[PeerID, int], peer_ids: list[PeerID], now: float) -> dict[PeerID, int]:
-        """The lane each of `peer_ids` is judged in this round; a peer left out is not judged (clipped only)."""
-        camps = {}
+    def camps(self, gathered: dict[PeerID, int], peer_ids: list[PeerID], own: PeerID, now: float) -> dict[PeerID, int]:
+        """The lane each of `peer_ids` is judged in this round, at `now` (monotonic seconds); a peer left out is not
+        judged (clipped only). `own`, this peer, is in the lane it gathered itself (it has no record of its own)."""
+        self._episodes = {peer: (began, seen) for peer, (began, seen) in self._episodes.items()
+                          if now - seen <= self.episode_gap}
+        ids = {peer: peer.to_base58() for peer in peer_ids}
+        in_order = {peer: gathered[peer] for peer, name in ids.items()
+                    if peer in gathered and (peer == own or self.records.get(name) == gathered[peer])}
+        largest = Counter(in_order.values()).most_common(1)[0][0] if in_order else 0
+        camps = dict(in_order)
         for peer in peer_ids:
-            lane = self._camp(peer.to_base58(), gathered.get(peer), now)
-            if lane is not None:
-                camps[peer] = lane
+            if peer in in_order:
+                continue
+            began, _ = self._episodes.get(ids[peer], (now, now))
+            self._episodes[ids[peer]] = (began, now)
+            if now - began >= self.grace:
+                camps[peer] = self.records.get(ids[peer], largest)
         return camps
-
-    def _camp(self, peer: str, gathered: int | None, now: float) -> int | None:
-        named = gathered if gathered is not None and 0 <= gathered < self.lanes else None
-        record = self.records.get(peer)
-        if record is None:
-            return 0 if named is None else named
-        if named == record:
-            if peer in self._apart_since and now - self._agreed_since.setdefault(peer, now) >= self.grace:
-                del self._apart_since[peer], self._agreed_since[peer]
-            return record
-        self._agreed_since.pop(peer, None)
-        return None if now - self._apart_since.setdefault(peer, now) < self.grace else record

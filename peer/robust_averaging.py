@@ -26,6 +26,7 @@ with each accusation of the same peer (`AveragingBans`).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Mapping
 
 from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
@@ -128,6 +129,7 @@ class RobustAveraging:
     def __init__(self, *args, lanes: int | None = None, **kwargs):
         # `lanes`: the run's, where rounds gather each peer's lane; None: rounds judge every sender together
         self.lane_check = None if lanes is None else LaneCheck(lanes, self.lane_grace)
+        self._records_sent: dict[str, int] | None = None  # the last records' lanes sent to the averager's process
         # accused peers, until when and why, and the honest change of each part this peer reduced; set before
         # hivemind forks the averager's process, which owns them
         self.banned_peers = AveragingBans()
@@ -162,8 +164,11 @@ class RobustAveraging:
 
     def set_record_lanes(self, records: dict[str, int]) -> None:
         """The lane each peer of the stage names in its signed record (peer id in base58 -> lane), for the averager's
-        process to judge senders by (`LaneCheck`); ignored where rounds are not judged by lane."""
-        self._outer_pipe.send(("_record_lanes_are", [records], {}))
+        process to judge senders by (`LaneCheck`); ignored where rounds are not judged by lane. Sent only when they
+        changed and while that process lives: the caller's thread blocks on a pipe nobody reads once it fills."""
+        if records != self._records_sent and self.is_alive():
+            self._outer_pipe.send(("_record_lanes_are", [records], {}))
+            self._records_sent = records
 
     async def _record_lanes_are(self, records: dict[str, int]) -> None:
         if self.lane_check is not None:
@@ -174,7 +179,7 @@ class RobustAveraging:
         if self.lane_check is None:
             return None
         gathered = gathered_lanes(list(group_info.peer_ids), list(group_info.gathered))
-        return self.lane_check.camps(gathered, list(group_info.peer_ids), get_dht_time())
+        return self.lane_check.camps(gathered, list(group_info.peer_ids), self.peer_id, time.monotonic())
 
     def _accuse(self, peer_id: PeerID, why: str) -> None:
         if peer_id == self.peer_id:

@@ -7,41 +7,52 @@ from hivemind.p2p import PeerID
 
 from peer.averaging_lanes import LaneCheck
 
-PEERS = [PeerID(f"peer{i}".encode()) for i in range(4)]
+PEERS = [PeerID(f"peer{i}".encode()) for i in range(5)]
 IDS = [peer.to_base58() for peer in PEERS]
+OWN = PEERS[4]  # the judging peer: no record of its own, in the lane it gathered
 
 
-def test_a_record_sets_the_lane_and_a_relabelled_sender_is_not_judged_until_the_grace_is_over():
+def check(**records: int) -> LaneCheck:
+    lanes = LaneCheck(lanes=2, grace=40.0, episode_gap=400.0)
+    lanes.records = {IDS[int(name[1:])]: lane for name, lane in records.items()}
+    return lanes
+
+
+def test_a_sender_is_judged_in_its_records_lane_and_one_out_of_order_only_after_the_grace():
     """A hostile leader relabels peer 1 (honest, lane 0 in its record) as lane 1, and peer 2 gathers lane 1 against its
     record's 0 to dodge its lane's judging: neither is judged during the grace, then both are judged in the lane their
-    records name, whatever they gather."""
-    check = LaneCheck(lanes=2, grace=40.0)
-    check.records = {IDS[0]: 0, IDS[1]: 0, IDS[2]: 0, IDS[3]: 1}
-    gathered = {PEERS[0]: 0, PEERS[1]: 1, PEERS[2]: 1, PEERS[3]: 1}
-    assert check.camps(gathered, PEERS, now=100.0) == {PEERS[0]: 0, PEERS[3]: 1}
-    assert check.camps(gathered, PEERS, now=139.0) == {PEERS[0]: 0, PEERS[3]: 1}
-    assert check.camps(gathered, PEERS, now=140.0) == {PEERS[0]: 0, PEERS[1]: 0, PEERS[2]: 0, PEERS[3]: 1}
+    records name, whatever they gather. This peer is in the lane it gathered itself."""
+    lanes = check(p0=0, p1=0, p2=0, p3=1)
+    gathered = {PEERS[0]: 0, PEERS[1]: 1, PEERS[2]: 1, PEERS[3]: 1, OWN: 1}
+    in_order = {PEERS[0]: 0, PEERS[3]: 1, OWN: 1}
+    assert lanes.camps(gathered, PEERS, OWN, now=100.0) == in_order
+    assert lanes.camps(gathered, PEERS, OWN, now=139.0) == in_order
+    assert lanes.camps(gathered, PEERS, OWN, now=140.0) == in_order | {PEERS[1]: 0, PEERS[2]: 0}
 
 
-def test_an_honest_lane_switch_goes_unjudged_until_its_record_follows_and_the_grace_comes_back_after_agreement():
-    """Peer 0 switches from lane 0 to 1: its gathered lane runs ahead of its record for a refresh; unjudged then, in
-    its new lane once the record names it. The grace is spent while it lasts: a sender that flips back and forth
-    within it is judged once it is over, and gets it again only after `grace` seconds of agreement."""
-    check = LaneCheck(lanes=2, grace=40.0)
-    check.records = {IDS[0]: 0}
-    assert check.camps({PEERS[0]: 1}, PEERS[:1], now=0.0) == {}
-    check.records = {IDS[0]: 1}
-    assert check.camps({PEERS[0]: 1}, PEERS[:1], now=15.0) == {PEERS[0]: 1}
-    assert check.camps({PEERS[0]: 0}, PEERS[:1], now=20.0) == {}  # apart again, within the first grace
-    assert check.camps({PEERS[0]: 0}, PEERS[:1], now=41.0) == {PEERS[0]: 1}  # the grace began at 0: over
-    assert check.camps({PEERS[0]: 1}, PEERS[:1], now=50.0) == {PEERS[0]: 1}
-    assert check.camps({PEERS[0]: 1}, PEERS[:1], now=90.0) == {PEERS[0]: 1}  # 40 s of agreement: grace restored
-    assert check.camps({PEERS[0]: 0}, PEERS[:1], now=91.0) == {}
+def test_an_honest_switch_gets_a_grace_each_time_a_flipping_sender_at_most_one_an_episode():
+    """Peer 0 switches from lane 0 to 1 and its record follows 15 s later: unjudged until then. Switching back 1,000 s
+    later it gets a new grace, however seldom this peer met it in between. A sender that keeps flipping out of order
+    stays in one episode, whose grace is spent after 40 s: judged in its record's lane from then on, until it has
+    been in order for the episode gap."""
+    lanes = check(p0=0)
+    assert lanes.camps({PEERS[0]: 1}, PEERS[:1], OWN, now=0.0) == {}
+    lanes.records = {IDS[0]: 1}
+    assert lanes.camps({PEERS[0]: 1}, PEERS[:1], OWN, now=15.0) == {PEERS[0]: 1}
+    assert lanes.camps({PEERS[0]: 0}, PEERS[:1], OWN, now=1000.0) == {}  # a new episode: a new grace
+    assert lanes.camps({PEERS[0]: 1}, PEERS[:1], OWN, now=1020.0) == {PEERS[0]: 1}
+    assert lanes.camps({PEERS[0]: 0}, PEERS[:1], OWN, now=1030.0) == {}  # the same episode, within its grace
+    assert lanes.camps({PEERS[0]: 0}, PEERS[:1], OWN, now=1040.0) == {PEERS[0]: 1}  # spent: its record's lane
+    assert lanes.camps({PEERS[0]: 1}, PEERS[:1], OWN, now=1100.0) == {PEERS[0]: 1}
+    assert lanes.camps({PEERS[0]: 0}, PEERS[:1], OWN, now=1300.0) == {PEERS[0]: 1}  # 260 s in order: same episode
+    assert lanes.camps({PEERS[0]: 0}, PEERS[:1], OWN, now=1701.0) == {}  # 401 s since it was last out of order
 
 
-def test_a_sender_without_a_record_is_judged_in_the_lane_it_gathered_or_in_lane_zero():
-    """No record (just joined, or never announced): the lane it gathered if the run has that lane, else lane 0, so
-    no sender gets a camp of its own by naming a lane nobody else is in, or none."""
-    check = LaneCheck(lanes=2)
-    gathered = {PEERS[0]: 1, PEERS[1]: 7, PEERS[2]: -1}
-    assert check.camps(gathered, PEERS, now=0.0) == {PEERS[0]: 1, PEERS[1]: 0, PEERS[2]: 0, PEERS[3]: 0}
+def test_a_sender_without_a_record_is_judged_after_the_grace_in_the_rounds_largest_lane():
+    """No record: just joined (its record follows within the grace) or never announced. Unjudged for the grace, then
+    in the lane of most senders in order, whatever it gathered: naming a lane nobody else is in buys it nothing."""
+    lanes = check(p0=0, p1=0, p2=1)
+    gathered = {PEERS[0]: 0, PEERS[1]: 0, PEERS[2]: 1, PEERS[3]: 1, OWN: 1}
+    assert PEERS[3] not in lanes.camps(gathered, PEERS[:4], OWN, now=0.0)
+    assert lanes.camps(gathered, PEERS[:4], OWN, now=40.0)[PEERS[3]] == 0
+    assert lanes.camps(gathered | {PEERS[3]: 7}, PEERS[:4], OWN, now=50.0)[PEERS[3]] == 0

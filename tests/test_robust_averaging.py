@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import math
 import time
 from collections.abc import Callable
 
@@ -485,6 +486,11 @@ def test_each_lane_has_its_rounds_lowest_sender_judged_for_its_direction():
     parts = [torch.randn(3000), torch.full((3000,), float("nan")), *lane[:3], -lane[3], *other[:3], -other[3]]
     camps = {sender: 0 if sender < 6 else 1 for sender in range(len(parts))}
     found: dict[int, str] = {}
+    parts_judged: dict[int, float | None] = {}
+
+    def judge(sender: int, finding) -> bool:
+        parts_judged[sender] = finding and finding.excess
+        return False
 
     def judge_direction(sender: int, finding) -> bool:
         if finding is not None:
@@ -492,13 +498,15 @@ def test_each_lane_has_its_rounds_lowest_sender_judged_for_its_direction():
         return False
 
     async def reduce() -> None:
-        reducer = RobustPartReducer([torch.Size([3000])], len(parts), RobustRule(), lambda *_: False, {0},
-                                    judge_direction, 2, camps)
+        reducer = RobustPartReducer([torch.Size([3000])], len(parts), RobustRule(), judge, {0}, judge_direction, 2,
+                                    camps)
         await asyncio.gather(*(reducer.accumulate_part(sender, 0, part) for sender, part in enumerate(parts)))
 
     asyncio.run(reduce())
     assert set(found) == {5, 9}, found
     assert all(why.startswith("parts at cosine -0.") for why in found.values()), found
+    # the refused NaN sender is the only finding on distance; the banned one is not judged at all
+    assert parts_judged == {1: math.inf} | dict.fromkeys(range(2, 10)), parts_judged
 
 
 def test_a_receiver_judges_each_reducers_direction_once_its_round_is_in():

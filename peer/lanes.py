@@ -7,7 +7,7 @@ the swarm at most what its weakest (stage, lane) *slot* serves: the swarm's bott
 slots of the summed throughput of the slot's peers. With P = 1 there is one slot per stage (lane 0) and every
 rule below is the stage rule of `peer/placement.py` unchanged.
 
-Placement reuses placement's policy rather than a second one: `choose_stage` picks the stage (a stage with an
+Placement reuses placement's policy rather than a second one: `pick_weakest` picks the stage (a stage with an
 empty lane counts as empty: it cannot carry a trip), then, applied to the stage's lanes, the lane (an empty one
 first, else the one with the least throughput, within the move threshold the one with fewest peers). Moves reuse
 `should_move` on the flat list of slots the peer may take, so the simulated move measures the real bottleneck,
@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from peer.placement import Hysteresis, choose_stage, should_move
+from peer.placement import Hysteresis, choose_stage, pick_weakest, should_move
 from peer.routing import Router
 from swarm.manifest import Manifest
 from swarm.records import PeerEntry, StagePeerRecord, claimed_throughput
@@ -72,28 +72,19 @@ def choose_slot(
     stage: int | None = None,
     lane: int | None = None,
 ) -> Slot:
-    """Where a newcomer goes. `stage` / `lane` pin what `--stage N` / `--lane N` fixed. The stage: `choose_stage`
-    on each stage's capacity, a stage with an empty lane counting as empty (with a pinned lane: on that lane's
-    peers of each stage). Then the lane: `choose_stage` on the chosen stage's lanes."""
+    """Where a newcomer goes. `stage` / `lane` pin what `--stage N` / `--lane N` fixed. The stage: `pick_weakest`
+    of each stage's capacity, a stage with an empty lane counting as empty (with a pinned lane: `choose_stage` on
+    that lane's peers of each stage). Then the lane: `choose_stage` on the chosen stage's lanes."""
     rng = rng or random.Random()
     if stage is None:
         if lane is not None:
-            per_stage = {s: list(loads.get(s, {}).get(lane, ())) for s in range(num_stages)}
-        else:
-            per_stage = {s: _capacity_as_load(loads.get(s, {}), lanes) for s in range(num_stages)}
-        stage = choose_stage(per_stage, num_stages, rng)
+            stage = choose_stage({s: list(loads.get(s, {}).get(lane, ())) for s in range(num_stages)}, num_stages, rng)
+        else:  # a stage counts as many peers as its thinnest lane holds (the count a single crash can empty it from)
+            thinnest = [min(len(loads.get(s, {}).get(c, ())) for c in range(lanes)) for s in range(num_stages)]
+            stage = pick_weakest([stage_capacity(loads.get(s, {}), lanes) for s in range(num_stages)], thinnest, rng)
     if lane is None:
         lane = choose_stage(loads.get(stage, {}), lanes, rng)
     return stage, lane
-
-
-def _capacity_as_load(stage_lanes: Mapping[int, Sequence[float]], lanes: int) -> list[float]:
-    """A stage as `choose_stage` should see it: empty if a lane is, else its capacity split evenly among as
-    many peers as its thinnest lane holds (the count a single crash can empty a lane from)."""
-    if any(not stage_lanes.get(lane) for lane in range(lanes)):
-        return []
-    peers = min(len(stage_lanes[lane]) for lane in range(lanes))
-    return [stage_capacity(stage_lanes, lanes) / peers] * peers
 
 
 def allowed_slots(num_stages: int, lanes: int, stage: int | None = None, lane: int | None = None) -> list[Slot]:

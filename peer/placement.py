@@ -80,8 +80,17 @@ def stage_totals(loads: StageLoads, num_stages: int) -> list[float]:
 def choose_stage(
     loads: StageLoads, num_stages: int, rng: random.Random | None = None, margin: float = Hysteresis.min_gain
 ) -> int:
-    """An empty stage if there is one, else the weakest; ties broken by fewest peers, then by the lower total,
-    then at random (no herd).
+    """Where a newcomer goes among `num_stages` stages of `loads`: `pick_weakest` of their totals and peer counts."""
+    counts = [len(loads.get(stage, ())) for stage in range(num_stages)]
+    return pick_weakest(stage_totals(loads, num_stages), counts, rng, margin)
+
+
+def pick_weakest(
+    totals: Sequence[float], peers: Sequence[int], rng: random.Random | None = None,
+    margin: float = Hysteresis.min_gain,
+) -> int:
+    """The index of a stage with no `peers` if there is one, else of the weakest of `totals`; ties broken by fewest
+    peers, then by the lower total, then at random (no herd).
 
     Totals within `margin` of the weakest count as tied: a peer would not move for a gain that small
     (`should_move`), and one throughput probe at start-up, taken while other processes load the machine, is
@@ -89,14 +98,13 @@ def choose_stage(
     stages, the one with fewer peers is the one a single crash leaves empty; among those, the weakest (a stage a
     newcomer wrongly chose within the margin would stay: moving back never gains more than the margin)."""
     rng = rng or random.Random()
-    empty = [stage for stage in range(num_stages) if not loads.get(stage)]
+    empty = [stage for stage, count in enumerate(peers) if not count]
     if empty:
         return rng.choice(empty)
-    totals = stage_totals(loads, num_stages)
     weakest = min(totals)
     tied = [stage for stage, total in enumerate(totals) if total <= weakest * (1 + margin) + 1e-12]
-    fewest = min(len(loads[stage]) for stage in tied)
-    thinnest = [stage for stage in tied if len(loads[stage]) == fewest]
+    fewest = min(peers[stage] for stage in tied)
+    thinnest = [stage for stage in tied if peers[stage] == fewest]
     lowest = min(totals[stage] for stage in thinnest)
     return rng.choice([stage for stage in thinnest if totals[stage] <= lowest * (1 + 1e-9)])
 

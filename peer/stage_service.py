@@ -113,7 +113,8 @@ class StageService:
             runtime = StageRuntime(manifest, index, parts.dht, device, self.label, options.checkpoint_dir,
                                    options.fault_t_fixed_seed, options.fault_poison_served_state,
                                    signing_key=parts.signing_key, checkpoint_every=options.checkpoint_every,
-                                   stats=parts.stats, gradient_wire=options.gradient_wire)
+                                   stats=parts.stats, gradient_wire=options.gradient_wire,
+                                   judged_lanes=parts.trips.judged_lanes)
         self.runtime = runtime
         runtime.optimizer.lane = self.lane
         subspace = runtime.stage.subspace

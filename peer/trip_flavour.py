@@ -37,6 +37,7 @@ class PipelineTrips:
     # idle a fifth of the time (+8% tokens/s at RTT 0 and at 100, benchmarks/RESULTS.md, Latency)
     default_inflight = 8
     pinned_lane = 0  # a pipeline stage has one lane: placement picks only the stage
+    judged_lanes = None  # ...and its gradient senders are judged all together
 
     def __init__(self, manifest: Manifest):
         self.manifest = manifest
@@ -86,6 +87,7 @@ class LaneTrips:
         # without lanes (measured: 4 lanes refused each other's chunks `overloaded` until their trips collapsed on
         # an 8 Mbit/s link)
         self.overload_factor = manifest.lanes
+        self.judged_lanes = manifest.lanes  # a gradient sender is judged among its lane's (peer/averaging_lanes.py)
         self.hop_served: LaneHop | None = None  # the lane the K/V handler serves now, None while none is served
         # set by `start`, once p2pd is up and before any slot is served
         self.kv: KVService

@@ -32,6 +32,13 @@ def test_state_served_to_joiners_is_a_copy_not_the_live_tensors(runtime: StageRu
     assert tensor_sha256(served) == before
 
 
+def test_a_pipeline_runtime_judges_its_gradient_senders_all_together(runtime: StageRuntime):
+    """No lanes given (a pipeline run's flavour): no sender waits out a lane grace, none is judged by a lane it
+    names (`peer/averaging_lanes.py`); the state averager never judges by lane."""
+    assert runtime.optimizer.grad_averager.lane_check is None
+    assert runtime.optimizer.state_averager.lane_check is None
+
+
 def test_a_stage_alone_books_no_averaging_groups_and_still_steps(runtime: StageRuntime):
     batch = MANIFEST.batch
     tokens = torch.randint(0, MANIFEST.model.vocab_size, (batch.microbatch_size, batch.seq_len))

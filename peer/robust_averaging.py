@@ -118,18 +118,19 @@ class RobustAveraging:
     """Mixin for a hivemind averager (before it in the bases): every all-reduce runs `runner_class`, and peers
     accused in any round are banned from this averager's later rounds and groups while their ban lasts
     (`AveragingBans`). Its matchmaking reads the DHT at most once per `LOOKUP_INTERVAL` (`pace_lookups`). Where its
-    rounds gather each peer's lane (`lanes`, the run's: gradients, `StageOptimizer`), a sender is judged among its
-    lane's senders only (`peer/averaging_lanes.py`, fed the stage's records by `set_record_lanes`)."""
+    rounds gather each peer's lane (`judges_by_lane`: gradients of a run of lanes, `StageOptimizer`), a sender is judged
+    among its lane's senders only (`peer/averaging_lanes.py`, fed the stage's records by `set_record_lanes`)."""
 
     runner_class: type[AllReduceRunner] = RobustAllReduceRunner
     robust_rule = RobustRule()
-    lane_grace = LANE_GRACE  # seconds a sender whose gathered lane differs from its record goes unjudged
+    lane_grace = LANE_GRACE  # seconds a sender out of order (gathered lane not its record's, or none) goes unjudged
     LOOKUP_INTERVAL = 0.2  # seconds between two DHT reads of a matchmaking (`pace_lookups`)
 
-    def __init__(self, *args, lanes: int | None = None, **kwargs):
-        # `lanes`: the run's, where rounds gather each peer's lane; None: rounds judge every sender together
-        self.lane_check = None if lanes is None else LaneCheck(lanes, self.lane_grace)
-        self._records_sent: dict[str, int] | None = None  # the last records' lanes sent to the averager's process
+    def __init__(self, *args, judges_by_lane: bool = False, **kwargs):
+        # `judges_by_lane`: rounds gather each peer's lane, and a sender is judged among its lane's; else all together
+        self.lane_check = LaneCheck(self.lane_grace) if judges_by_lane else None
+        self._records_sent: dict[str, tuple[int, float]] | None = None  # the last records sent to the averager
+        self._own_lane: int | None = None  # the lane this peer gathered at its last step, as it sent it
         # accused peers, until when and why, and the honest change of each part this peer reduced; set before
         # hivemind forks the averager's process, which owns them
         self.banned_peers = AveragingBans()
@@ -162,24 +163,32 @@ class RobustAveraging:
     async def _banned_peers_for(self, future: MPFuture) -> None:
         future.set_result({peer.to_base58(): why for peer, why in self.banned_peers.current().items()})
 
-    def set_record_lanes(self, records: dict[str, int]) -> None:
-        """The lane each peer of the stage names in its signed record (peer id in base58 -> lane), for the averager's
-        process to judge senders by (`LaneCheck`); ignored where rounds are not judged by lane. Sent only when they
-        changed and while that process lives: the caller's thread blocks on a pipe nobody reads once it fills."""
+    def set_record_lanes(self, records: dict[str, tuple[int, float]]) -> None:
+        """The lane each peer of the stage names in its signed record, and when that record expires (peer id in base58
+        -> (lane, DHT time)), for the averager's process to judge senders by (`LaneCheck.merge`); ignored where rounds
+        are not judged by lane. Sent only when they changed and while that process lives: the caller's thread blocks
+        on a pipe nobody reads once it fills."""
         if records != self._records_sent and self.is_alive():
             self._outer_pipe.send(("_record_lanes_are", [records], {}))
             self._records_sent = records
 
-    async def _record_lanes_are(self, records: dict[str, int]) -> None:
+    async def _record_lanes_are(self, records: dict[str, tuple[int, float]]) -> None:
         if self.lane_check is not None:
-            self.lane_check.records = records
+            self.lane_check.merge(records, get_dht_time())
+
+    async def _step(self, *, step, **kwargs):
+        # the lane this peer gathers, as it sent it: the leader's copy of this peer's entry may be relabelled
+        self._own_lane = gathered_lanes([self.peer_id], [step.data_for_gather]).get(self.peer_id)
+        return await super()._step(step=step, **kwargs)
 
     def _camps(self, group_info) -> dict[PeerID, int] | None:
         """The lane each sender of this round is judged in (`LaneCheck.camps`); None: no lanes, all judged together."""
         if self.lane_check is None:
             return None
+        self.lane_check.merge({}, get_dht_time())  # forget the records expired since the last hand-over
         gathered = gathered_lanes(list(group_info.peer_ids), list(group_info.gathered))
-        return self.lane_check.camps(gathered, list(group_info.peer_ids), self.peer_id, time.monotonic())
+        return self.lane_check.camps(gathered, list(group_info.peer_ids), self.peer_id, self._own_lane,
+                                     time.monotonic())
 
     def _accuse(self, peer_id: PeerID, why: str) -> None:
         if peer_id == self.peer_id:

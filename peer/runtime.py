@@ -61,10 +61,10 @@ class StageRuntime:
         checkpoint_every: int = 50,
         stats: Stats | None = None,
         gradient_wire: GradientWire = GradientWire.FP16,
-        judged_lanes: int | None = None,
+        judges_by_lane: bool = False,
     ):
         """`stats`: the peer's counters, where this runtime's stage-thread times are added (its own by default).
-        `judged_lanes`: the lanes its gradient senders are judged by (the trip flavour's; None: all together)."""
+        `judges_by_lane`: its gradient senders are judged among their lane's (the trip flavour's), else together."""
         self.manifest, self.index, self.device, self.label = manifest, index, device, label
         stats = stats or Stats()
         self.queued, self.busy = stats.stage_queued, stats.stage_busy
@@ -77,7 +77,7 @@ class StageRuntime:
         self.codec = BoundaryCodec(manifest, self.stage.subspace)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"stage{index}")
         self.optimizer = stage_optimizer(self.stage, manifest, index, dht, signing_key, fault_poison_served_state,
-                                         label, gradient_wire, judged_lanes)
+                                         label, gradient_wire, judges_by_lane)
         self.checkpoint_dir = Path(checkpoint_dir) / manifest.run_id if checkpoint_dir else None
         self.checkpoint_every = max(checkpoint_every, 1)
         self.state_sha256 = parameters_sha256(self.stage)

@@ -88,12 +88,11 @@ class StageOptimizer(Optimizer):
     """
 
     def __init__(self, *args, state_donor: type[SnapshotStateAverager] = SnapshotStateAverager, label: str = "",
-                 gradient_wire: GradientWire = GradientWire.FP16, judged_lanes: int | None = None, **kwargs):
+                 gradient_wire: GradientWire = GradientWire.FP16, judges_by_lane: bool = False, **kwargs):
         self.state_donor = state_donor  # the state averager's class: PoisonedStateDonor only to inject a fault
         self.gradient_wire = gradient_wire
         self.label = label
-        # the lanes gradient senders are judged by, each among its lane's (stage_averagers); None: all together
-        self.judged_lanes = judged_lanes
+        self.judges_by_lane = judges_by_lane  # gradient senders judged among their lane's (stage_averagers)
         self.lane = 0  # the lane this peer serves (set by its slot), gathered in gradient rounds (stage_averagers)
         # the running gradient round whose update has not landed yet, and when its epoch ended
         self._round: StepControl | None = None
@@ -298,8 +297,7 @@ class StageOptimizer(Optimizer):
         # at every epoch, for nobody to read
         kwargs.update(self.gradient_wire.averager_options())  # in place of hivemind's `grad_compression`
         return super()._make_gradient_averager(RobustGradientAverager, allow_state_sharing=False,
-                                               lanes=self.judged_lanes,
-                                               **kwargs)
+                                               judges_by_lane=self.judges_by_lane, **kwargs)
 
     def _make_progress_tracker(self, target_batch_size: int, **kwargs) -> PacedProgressTracker:
         # one progress record per PROGRESS_INTERVAL instead of one per microbatch (peer/progress.py)
@@ -341,7 +339,7 @@ def _unchecked(download: Callable[[], None]) -> bool:
 
 def stage_optimizer(stage: PipelineStage, manifest: Manifest, index: int, dht: DHT, signing_key: RSAPrivateKey | None,
                     poison_served_state: bool = False, label: str = "",
-                    gradient_wire: GradientWire = GradientWire.FP16, judged_lanes: int | None = None) -> StageOptimizer:
+                    gradient_wire: GradientWire = GradientWire.FP16, judges_by_lane: bool = False) -> StageOptimizer:
     """The optimizer of stage `index` of the run, on `stage`'s own tensors.
 
     Its progress records are signed with `signing_key`, the key the DHT's signature validator signs with
@@ -349,7 +347,7 @@ def stage_optimizer(stage: PipelineStage, manifest: Manifest, index: int, dht: D
     stepped alone, and replicas of a stage never averaged. A group may be one peer (`min_group_size` 1):
     a peer whose partner died waits out one matchmaking, not the whole averaging timeout, at each epoch
     until the dead peer's progress record expires. `gradient_wire`: what its gradient averaging sends;
-    `judged_lanes`: the lanes its gradient senders are judged by (None: all together)."""
+    `judges_by_lane`: its gradient senders are judged among their lane's, else all together."""
     spec = manifest.optimizer
     return StageOptimizer(
         dht=dht,
@@ -378,5 +376,5 @@ def stage_optimizer(stage: PipelineStage, manifest: Manifest, index: int, dht: D
         state_donor=PoisonedStateDonor if poison_served_state else SnapshotStateAverager,
         label=label,
         gradient_wire=gradient_wire,
-        judged_lanes=judged_lanes,
+        judges_by_lane=judges_by_lane,
     )

@@ -114,7 +114,7 @@ class StageService:
                                    options.fault_t_fixed_seed, options.fault_poison_served_state,
                                    signing_key=parts.signing_key, checkpoint_every=options.checkpoint_every,
                                    stats=parts.stats, gradient_wire=options.gradient_wire,
-                                   judged_lanes=parts.trips.judged_lanes)
+                                   judges_by_lane=parts.trips.judges_by_lane)
         self.runtime = runtime
         runtime.optimizer.lane = self.lane
         subspace = runtime.stage.subspace

@@ -37,7 +37,7 @@ class PipelineTrips:
     # idle a fifth of the time (+8% tokens/s at RTT 0 and at 100, benchmarks/RESULTS.md, Latency)
     default_inflight = 8
     pinned_lane = 0  # a pipeline stage has one lane: placement picks only the stage
-    judged_lanes = None  # ...and its gradient senders are judged all together
+    judges_by_lane = False  # ...and its gradient senders are judged all together
 
     def __init__(self, manifest: Manifest):
         self.manifest = manifest
@@ -87,7 +87,7 @@ class LaneTrips:
         # without lanes (measured: 4 lanes refused each other's chunks `overloaded` until their trips collapsed on
         # an 8 Mbit/s link)
         self.overload_factor = manifest.lanes
-        self.judged_lanes = manifest.lanes  # a gradient sender is judged among its lane's (peer/averaging_lanes.py)
+        self.judges_by_lane = True  # a gradient sender is judged among its lane's senders (peer/averaging_lanes.py)
         self.hop_served: LaneHop | None = None  # the lane the K/V handler serves now, None while none is served
         # set by `start`, once p2pd is up and before any slot is served
         self.kv: KVService
@@ -114,9 +114,9 @@ class LaneTrips:
         await relaying.deliver(KV, self.kv.servicer.serve_stream)
 
     def hand_lanes(self, averager: RobustAveraging, entries: list[PeerEntry]) -> None:
-        """Hand the stage's gradient averager the lane each of its peers' signed records names (`entries`): a sender
-        is judged among its record's lane's senders (`peer/averaging_lanes.py`)."""
-        averager.set_record_lanes({entry.record.peer_id: entry.record.lane for entry in entries})
+        """Hand the stage's gradient averager the lane each of its peers' signed records names (`entries`), and when
+        each record expires: a sender is judged among its record's lane's senders (`peer/averaging_lanes.py`)."""
+        averager.set_record_lanes({entry.record.peer_id: (entry.record.lane, entry.expiration) for entry in entries})
 
     def admit_kv_sender(self, peer: PeerID) -> ErrorCode | None:
         """Asked before a K/V stream is read: the served lane's peers of its stage only (`LaneHop.admit_kv_sender`)."""

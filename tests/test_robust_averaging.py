@@ -22,6 +22,7 @@ from hivemind.averaging.partition import (
 from hivemind.dht import DHT
 from hivemind.p2p import PeerID
 from hivemind.utils.serializer import MSGPackSerializer
+from hivemind.utils.timed_storage import get_dht_time
 
 from peer.averaging_lanes import gathered_lanes
 from peer.averaging_matchmaking import pace_lookups
@@ -102,7 +103,8 @@ STEP_WAIT = 60 + AVERAGING_TIMEOUT + 30  # seconds the test waits for a step: ma
 def average_once(hostile_cls, hostile_tensors, hostile_weight: float = 1.0, rounds: int = 1, min_group_size: int = 4,
                  fresh: bool = False, wire: GradientWire = GradientWire.FP32, fourth_wire: GradientWire | None = None,
                  make_tensors: Callable[[int], list[torch.Tensor]] = honest_tensors, honest_cls=RobustAverager,
-                 lanes: int | None = None, gathered: list[int] | None = None, record_lanes: list[int] | None = None):
+                 judges_by_lane: bool = False, gathered: list[int] | None = None,
+                 record_lanes: list[int] | None = None):
     """Three robust peers and one hostile peer average `rounds` times; the honest peers' tensors after each
     round, the honest inputs' means (the first round's; with `fresh`, each round's), the hostile peer's id, what
     each honest peer banned and, for each round, which honest peers averaged in a group with the hostile one (read
@@ -112,9 +114,9 @@ def average_once(hostile_cls, hostile_tensors, hostile_weight: float = 1.0, roun
     out, another joined its group): that peer's result of the round is then None (its tensors are its own, not
     averaged). `fresh`: every round after the first starts from new honest tensors, as a gradient averager does
     (each round a new step's gradients). `wire`: what the peers send (`fourth_wire`: the fourth peer, if it
-    differs); `make_tensors`: each peer's tensors from a seed. `honest_cls`, of a run of `lanes` lanes: the honest
-    peers' class; `gathered`: the lane each of the four gathers at every step; `record_lanes`: the lane each of them
-    names in its record, as the honest peers' `StageService` would hand them over."""
+    differs); `make_tensors`: each peer's tensors from a seed. `honest_cls`: the honest peers' class, judging senders
+    by lane with `judges_by_lane`; `gathered`: the lane each of the four gathers at every step; `record_lanes`: the
+    lane each of them names in its record, as the honest peers' `StageService` would hand them over."""
     dht = DHT(start=True)
     averagers = []
     try:
@@ -126,13 +128,14 @@ def average_once(hostile_cls, hostile_tensors, hostile_weight: float = 1.0, roun
         inputs = [make_tensors(seed) for seed in (1, 2, 3)]
         honest_mean = torch.stack([t[0] for t in inputs]).mean(0)
         for peer, tensors in zip(peers[:3], inputs, strict=True):
-            averagers.append(honest_cls(averaged_tensors=tensors, dht=peer, lanes=lanes, **common,
+            averagers.append(honest_cls(averaged_tensors=tensors, dht=peer, judges_by_lane=judges_by_lane, **common,
                                         **wire.averager_options()))
         hostile = hostile_cls(averaged_tensors=hostile_tensors, dht=peers[3], **common,
                               **(fourth_wire or wire).averager_options())
         averagers.append(hostile)
         if record_lanes is not None:
-            records = {a.peer_id.to_base58(): lane for a, lane in zip(averagers, record_lanes, strict=True)}
+            expiry = get_dht_time() + 3600
+            records = {a.peer_id.to_base58(): (lane, expiry) for a, lane in zip(averagers, record_lanes, strict=True)}
             for averager in averagers[:3]:
                 averager.set_record_lanes(records)
         results, means, met_hostile = [], [honest_mean], []
@@ -318,7 +321,7 @@ def test_a_sender_naming_another_lane_than_its_record_is_still_judged_in_its_rec
     make_tensors = signal_in_noise
     results, _, liar, bans, _ = average_once(hostile_sender(torch.neg), make_tensors(4), rounds=6, min_group_size=3,
                                              fresh=True, make_tensors=make_tensors, honest_cls=NoGraceAverager,
-                                             lanes=2, gathered=[0, 0, 0, 1], record_lanes=[0, 0, 0, 0])
+                                             judges_by_lane=True, gathered=[0, 0, 0, 1], record_lanes=[0, 0, 0, 0])
     assert all(torch.isfinite(averaged).all() for round_ in results for averaged in round_ if averaged is not None)
     assert all(list(banned) == [liar] for banned in bans), bans
     assert all("as a sender" in banned[liar] and "cosine -" in banned[liar] for banned in bans), bans

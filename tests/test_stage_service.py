@@ -52,7 +52,7 @@ def test_the_flavour_answers_what_differs_between_a_pipeline_and_lanes():
     assert (pipeline.pinned_lane, lanes.pinned_lane) == (0, None)
     assert trip_flavour(LANES, PeerOptions(lane=1)).pinned_lane == 1
     # a gradient sender is judged among its lane's senders only where there are lanes (peer/averaging_lanes.py)
-    assert (pipeline.judged_lanes, lanes.judged_lanes) == (None, 2)
+    assert (pipeline.judges_by_lane, lanes.judges_by_lane) == (False, True)
 
 
 def test_a_pipeline_stage_0_accepts_no_trips_and_a_lane_stage_0_accepts_its_drivers():

@@ -46,8 +46,8 @@ class GradientWire(enum.Enum):
 
 class RobustGradientAverager(RobustAveraging, GradientAverager):
     """The stage's gradient averaging, robust to a hostile peer of the group (peer/robust_averaging.py); its rounds
-    gather each peer's lane (`StageOptimizer.lane`), and in a run of several lanes (`lanes`) a sender is judged among
-    its own lane's senders (`peer/averaging_lanes.py`)."""
+    gather each peer's lane (`StageOptimizer.lane`), and in a run of several lanes (`judges_by_lane`, the trip
+    flavour's) a sender is judged among its own lane's senders (`peer/averaging_lanes.py`)."""
 
 
 class SnapshotStateAverager(RobustAveraging, TrainingStateAverager, VerifiedStateLoad):

@@ -62,10 +62,14 @@ class LaneCheck:
 
     def merge(self, records: dict[str, tuple[int, float]], clock: float) -> None:
         """The records of a read, each peer's lane and its record's expiry (DHT time): a later expiry replaces what
-        is known of that peer; records expired by `clock` (DHT time) are forgotten, and only those."""
+        is known of that peer; then `forget_expired(clock)`."""
         for peer, (lane, expiry) in records.items():
             if expiry > self._records.get(peer, (0, -float("inf")))[1]:
                 self._records[peer] = (lane, expiry)
+        self.forget_expired(clock)
+
+    def forget_expired(self, clock: float) -> None:
+        """Forget the records expired by `clock` (DHT time), and only those."""
         self._records = {peer: known for peer, known in self._records.items() if known[1] > clock}
 
     def camps(self, gathered: dict[PeerID, int], peer_ids: list[PeerID], own: PeerID, own_lane: int | None,
@@ -75,7 +79,8 @@ class LaneCheck:
         own, and the leader's copy of its gathered data may be relabelled)."""
         self._episodes = {peer: (began, seen) for peer, (began, seen) in self._episodes.items()
                           if now - seen <= self.episode_gap}
-        recorded = {peer: self._records[peer.to_base58()][0] for peer in peer_ids if peer.to_base58() in self._records}
+        names = {peer: peer.to_base58() for peer in peer_ids}
+        recorded = {peer: self._records[names[peer]][0] for peer in peer_ids if names[peer] in self._records}
         in_order = {peer: recorded[peer] for peer in peer_ids
                     if peer != own and peer in recorded and gathered.get(peer) == recorded[peer]}
         if own in peer_ids and own_lane is not None:
@@ -86,9 +91,8 @@ class LaneCheck:
         for peer in peer_ids:
             if peer in in_order or peer == own:
                 continue
-            name = peer.to_base58()
-            began, _ = self._episodes.get(name, (now, now))
-            self._episodes[name] = (began, now)
+            began, _ = self._episodes.get(names[peer], (now, now))
+            self._episodes[names[peer]] = (began, now)
             if now - began >= self.grace:
                 camps[peer] = recorded.get(peer, largest)
         return camps

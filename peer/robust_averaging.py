@@ -177,15 +177,15 @@ class RobustAveraging:
             self.lane_check.merge(records, get_dht_time())
 
     async def _step(self, *, step, **kwargs):
-        # the lane this peer gathers, as it sent it: the leader's copy of this peer's entry may be relabelled
-        self._own_lane = gathered_lanes([self.peer_id], [step.data_for_gather]).get(self.peer_id)
+        if self.lane_check is not None:  # the lane this peer gathers, as it sent it: the leader may relabel its copy
+            self._own_lane = gathered_lanes([self.peer_id], [step.data_for_gather]).get(self.peer_id)
         return await super()._step(step=step, **kwargs)
 
     def _camps(self, group_info) -> dict[PeerID, int] | None:
         """The lane each sender of this round is judged in (`LaneCheck.camps`); None: no lanes, all judged together."""
         if self.lane_check is None:
             return None
-        self.lane_check.merge({}, get_dht_time())  # forget the records expired since the last hand-over
+        self.lane_check.forget_expired(get_dht_time())  # those expired since the last hand-over
         gathered = gathered_lanes(list(group_info.peer_ids), list(group_info.gathered))
         return self.lane_check.camps(gathered, list(group_info.peer_ids), self.peer_id, self._own_lane,
                                      time.monotonic())

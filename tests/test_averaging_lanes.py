@@ -73,5 +73,5 @@ def test_a_record_a_read_missed_is_kept_until_it_expires():
     assert lanes.camps(gathered, PEERS[:4], OWN, None, now=0.0)[PEERS[3]] == 1
     lanes.merge({IDS[3]: (0, EXPIRY - 1)}, CLOCK)  # an older record does not replace a newer one
     assert lanes.camps(gathered, PEERS[:4], OWN, None, now=1.0)[PEERS[3]] == 1
-    lanes.merge({}, EXPIRY)  # every record expired: all out of order, unjudged for the grace
+    lanes.forget_expired(EXPIRY)  # every record expired: all out of order, unjudged for the grace
     assert lanes.camps(gathered, PEERS[:4], OWN, None, now=2.0) == {}

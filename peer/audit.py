@@ -32,10 +32,11 @@ replays them through these rules). A comparison is judged only where one of the 
   weights where the older weights gave the higher loss (a stale copy early in a run); a lower loss from older
   weights gets no slack.
 - A lag: replies more than `AUDIT_MAX_LAG` epochs apart (losses not compared), or whose losses are apart past the
-  slack, by at most `LOSS_GAP_EXCUSED` per epoch between them, the way older weights' are (the loss falling faster
-  than the slack in a run's first minute, or a loss spike the newer weights recovered from; `loss_gap_of_lag`).
-  If the gradients pass, the peer blamed is not judged but loses its standing (verified again by `VERIFY_AFTER`
-  matches) while gaps are excused, for `LAG_GRACE` from its first, one grace per `LAG_MEMORY` for either kind.
+  slack, by at most `LOSS_GAP_EXCUSED` per epoch between them (never past `LOSS_GAP_MAX`), the way older weights'
+  are (the loss falling faster than the slack in a run's first minute, or a loss spike the newer weights recovered
+  from; `loss_gap_of_lag`). If the gradients pass, the peer blamed is not judged but loses its standing (verified
+  again by `VERIFY_AFTER` matches) while gaps are excused, for `LAG_GRACE` from its first, one grace per
+  `LAG_MEMORY` for either kind.
 - The gradient alone refuses only what no honest peer sends: all-zero against non-zero, non-finite, or a cosine
   below `COSINE_MIN` (-0.8): at one audit where a peer is being verified (its audits go to whichever verified peer is
   the primary, so windows split among them would let a negating newcomer be verified), over a pair's last
@@ -66,7 +67,8 @@ import torch
 COSINE_MIN = -0.8  # see the measurements above: direction is only checked for a sign flip
 LOSS_RTOL = 0.25
 LOSS_RTOL_PER_EPOCH = 0.05  # more loss difference allowed per epoch of lag, where the older weights lost more
-LOSS_GAP_EXCUSED = 0.1  # how far past its slack, per epoch of lag, a loss gap of older weights may be excused as a lag
+LOSS_GAP_EXCUSED = 0.1  # how far past its slack, per epoch of lag, a loss gap of older weights may be excused...
+LOSS_GAP_MAX = 0.75  # ...as a lag, up to this (one loss 4 times the other is never a lag)
 AUDIT_MAX_LAG = 10  # epochs apart two replies' weights may be and still be compared (see above)
 LAG_GRACE = 120.0  # seconds an audited peer's replies may stay too far apart to compare (see above)
 LAG_MEMORY = 1800.0  # seconds a peer's grace is remembered: a later gap within it is a disagreement
@@ -172,11 +174,13 @@ def loss_gap_of_lag(
 ) -> bool:
     """Whether losses apart past their slack `rtol` may be a copy that fell behind rather than a lie, to be excused as
     a lag (`NextHop._compare_later`): the older weights lost more, by at most `LOSS_GAP_EXCUSED` per epoch between
-    the two past the slack (a loss from the run's initial weights, 0.44 apart at its first audit, is past it at a lag
-    of 1; an honest loss spike and its recovery, 4.33 against 1.78 at 4 epochs, 0.59 apart where the slack is 0.45,
-    docs/DESIGN.md §4), and the gradients pass the one-audit sign check (`COSINE_MIN`)."""
+    the two past the slack and never more than `LOSS_GAP_MAX` apart (a loss from the run's initial weights, 0.44
+    apart at its first audit, is past it at a lag of 1; an honest loss spike and its recovery, 4.33 against 1.78 at 4
+    epochs, 0.59 apart where the slack is 0.45, docs/DESIGN.md §4; the largest honest difference recorded at any lag
+    is 0.60), and the gradients pass the one-audit sign check (`COSINE_MIN`)."""
     lag = epoch_lag(epochs_a, epochs_b) or 0
-    return (seen.loss_rdiff is not None and rtol < seen.loss_rdiff <= rtol + LOSS_GAP_EXCUSED * lag
+    bound = min(rtol + LOSS_GAP_EXCUSED * lag, LOSS_GAP_MAX)
+    return (seen.loss_rdiff is not None and rtol < seen.loss_rdiff <= bound
             and seen.cosine is not None and seen.cosine >= COSINE_MIN
             and older_lost_more(loss_a, epochs_a, loss_b, epochs_b))
 

@@ -7,7 +7,8 @@ less of the microbatches' noise, so its norm is smaller: while the noise dominat
 microbatches falls towards the expected gradient's as 1/sqrt(n). A sender of g/10 also sends a small norm pointing
 along the others' average. This measures the honest side: the tiny preset's two stages on real text (trained by
 AdamW on batches of 4 microbatches up to each checkpoint), then the norm of each stage's gradient averaged over n
-microbatches, `--repeats` draws each, as a ratio to the median norm of one microbatch at the same weights.
+microbatches, `--repeats` draws each, as a ratio to the median norm over the fewest microbatches given (one, by
+default) at the same weights.
 
     OMP_NUM_THREADS=1 python benchmarks/gradient_norms.py --json benchmarks/results/gradient-norms.json
 """
@@ -45,8 +46,8 @@ def gradient_norms(stages: list[PipelineStage], batches, microbatches: int) -> l
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoints", type=int, nargs="+", default=[0, 30, 120], help="optimizer steps")
-    parser.add_argument("--microbatches", type=int, nargs="+", default=[1, 4, 16, 64])
-    parser.add_argument("--repeats", type=int, default=6)
+    parser.add_argument("--microbatches", type=int, nargs="+", default=[1, 4, 16, 32])
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--data", default="builtin:stdlib")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path)
@@ -55,18 +56,22 @@ def main() -> None:
     manifest = preset("tiny", stages=2)
     train, _ = load_splits(manifest, args.data, seed=args.seed)
     size = manifest.batch.microbatch_size
+
+    def draw() -> torch.Tensor:
+        return train.batch(size)
+
     stages = [PipelineStage(manifest, index) for index in range(manifest.num_stages)]
     optimizer = torch.optim.AdamW([p for stage in stages for p in stage.parameters()], lr=manifest.optimizer.lr)
     results, step = [], 0
     for checkpoint in sorted(args.checkpoints):
         while step < checkpoint:
-            gradient_norms(stages, lambda: train.batch(size), 4)
+            gradient_norms(stages, draw, 4)
             optimizer.step()
             step += 1
-        norms = {n: [gradient_norms(stages, lambda: train.batch(size), n) for _ in range(args.repeats)]
+        norms = {n: [gradient_norms(stages, draw, n) for _ in range(args.repeats)]
                  for n in args.microbatches}
         for index in range(len(stages)):
-            one = statistics.median(draw[index] for draw in norms[min(norms)])
+            one = statistics.median(d[index] for d in norms[min(norms)])
             row = dict(step=checkpoint, stage=index, median_norm_of_one=one,
                        ratio={n: dict(median=statistics.median(d[index] for d in draws) / one,
                                       min=min(d[index] for d in draws) / one, max=max(d[index] for d in draws) / one)

@@ -265,9 +265,8 @@ def test_a_loss_gap_of_older_weights_past_the_slack_is_excused_as_a_lag_once():
     3 epochs older against 3.674, 0.40 apart where the slack at 3 epochs is 0.40. The peer that would lose is not
     banned but loses its standing for its lag grace; a gap the other way, a negated gradient with it, a gap more than
     `LOSS_GAP_EXCUSED` per epoch past the slack or `LOSS_GAP_MAX` apart, or a gap once the grace is spent are
-    verdicts. A lane run's honest loss
-    spike (4.332 from weights 4 epochs older against 1.775 after the newer ones recovered, 0.59 apart where the slack
-    is 0.45) is excused the same way."""
+    verdicts. A lane run's honest loss spike (4.332 from weights 4 epochs older against 1.775 after the newer ones
+    recovered, 0.59 apart where the slack is 0.45) is excused the same way."""
     router, next_hop = _verified_pair("first", "second")
     ledger = router.ledger
     torch.manual_seed(0)
@@ -285,7 +284,8 @@ def test_a_loss_gap_of_older_weights_past_the_slack_is_excused_as_a_lag_once():
         # the loss spike and its recovery 4 epochs later: a gap further past the slack, over more epochs
         await audit("first", Reply(grad, 1.775, [0], [16], 100), "spiked", Reply(grad * 0.3, 4.332, [0], [12], 100))
         assert not router.liars() and "spiked" in ledger.lagging_since
-        # but not one further past the slack over those epochs (0.85 at 4), nor a loss 4 times the other at any lag
+        # but not one past the band over those epochs (0.85 at 4, capped at 0.75), nor a loss 4 times the other at
+        # any lag
         await audit("first", Reply(grad, 0.8, [0], [16], 100), "far", Reply(grad, 6.0, [0], [12], 100))
         await audit("first", Reply(grad, 1.5, [0], [19], 100), "quadruple", Reply(grad, 6.2, [0], [10], 100))
         assert {"far", "quadruple"} <= set(router.liars())

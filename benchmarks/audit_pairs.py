@@ -6,8 +6,9 @@ sends to a verified peer also duplicated to the other (`--audit-rate 1`, `PROTOC
 comparison logged by the drivers at DEBUG (peer/next_hop.py). Every peer is honest, so each refusal (and the ban
 that follows it) is a false positive. It reports how many pairs, the gradient cosine (min, 1st percentile,
 median), the relative loss difference (max, 99th percentile, median), the ratio of the gradients' norms, and the
-refusals with the reason each gave, and every ban from a stage's averaging the peers logged (each one also of an
-honest peer). With `--context-parallel 2` every stage has 2 lanes of 2 peers each and
+refusals with the reason each gave, every ban from a stage's averaging the peers logged (each one also of an
+honest peer), and the reduced parts receivers refused (`refused_parts`: their sizes, and what they weigh as
+evidence). With `--context-parallel 2` every stage has 2 lanes of 2 peers each and
 every lane trip is forked for an audit (`peer/lane_claim.py`): the lane peers' comparisons, measured the same way.
 Each run also reports how far a stage's replicas' weights were apart at the same epoch (`replica_drift`, from the
 weights fingerprints each peer logs after every update, `swarm/fingerprint.py`) with the sizes of the gradient
@@ -38,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from peer.audit import AUDIT_MAX_LAG, COSINE_MIN, LOSS_RTOL, LOSS_RTOL_PER_EPOCH  # noqa: E402
 from peer.next_hop import NOT_JUDGED  # noqa: E402
+from swarm.evidence import EvidenceRule  # noqa: E402
 from swarm.fingerprint import relative_distance  # noqa: E402
 from swarm.manifest import save_manifest  # noqa: E402
 from swarm.presets import preset  # noqa: E402
@@ -82,6 +84,24 @@ def averaging_bans(log_text: str) -> list[dict]:
     prefix: gradients or state), as a sender or a reducer, and why. Every peer is honest: each is a false one."""
     return [dict(averager=m["averager"], role=m["role"], why=m["why"])
             for m in map(AVERAGING_BAN.search, log_text.splitlines()) if m]
+
+
+REFUSED_PART = re.compile(
+    r"refused reduced part \d+ of reducer \d+, (?P<values>\d+) values \(not accused yet\): .*\(tensor (?P<tensor>\d+), "
+    r"part \d+\)$")
+
+
+def refused_parts(log_text: str) -> dict:
+    """Every reduced part a receiver refused without an accusation (peer/robust_parts.py; all honest: each is a
+    false finding): how many, how many of fewer than `EvidenceRule.full_values` values (vectors: norm gains, biases,
+    the θ head), what they weigh as evidence (`swarm/evidence.py`: each its values' share of a full part, at most 1)
+    against what they weighed counted as whole parts, and the count by (values, tensor index)."""
+    found = [(int(m["values"]), int(m["tensor"])) for m in map(REFUSED_PART.search, log_text.splitlines()) if m]
+    full = EvidenceRule.full_values
+    return dict(parts=len(found), vectors=sum(values < full for values, _ in found),
+                weight=round(sum(min(1.0, values / full) for values, _ in found), 3),
+                by_size_and_tensor={f"{values} values, tensor {tensor}": n
+                                    for (values, tensor), n in sorted(Counter(found).items())})
 
 
 FINGERPRINT = re.compile(
@@ -218,7 +238,8 @@ def main() -> None:
         runs.append(dict(target_batch_size=args.target_batch_size,
                          steps=run["steps"], loss_first=run.get("loss_first"), loss_last=run.get("loss_last"),
                          honest_peers_banned=bans, bans=[line.split("audit: ", 1)[1] for line in ban_lines],
-                         averaging_bans=averaging, lags_excused=excused, replica_drift=replica_drift(logs),
+                         averaging_bans=averaging, refused_parts=refused_parts(logs), lags_excused=excused,
+                         replica_drift=replica_drift(logs),
                          lane_forwards=lane_forwards(logs),
                          summary=summary(pairs), pairs=pairs))
         everything = [pair for r in runs for pair in r["pairs"]]

@@ -81,9 +81,10 @@ def regions(tensors: list[torch.Tensor], peers: int) -> list[list[tuple[int, int
     return [[(info.key, info.part_index) for _, info in parts] for parts in container._input_parts_by_peer]
 
 
-def evidences(role: str, peers: int) -> list[Evidence]:
-    """Each replica's `Evidence` for one role: by rounds for the roles of `DIRECTIONS`, by parts for the rest."""
-    return [Evidence(ALIGNMENT if role in DIRECTIONS else EvidenceRule()) for _ in range(peers)]
+def evidences(role: str, peers: int, part_rule: EvidenceRule) -> list[Evidence]:
+    """Each replica's `Evidence` for one role: by rounds for the roles of `DIRECTIONS`, by parts (`part_rule`) for
+    the rest."""
+    return [Evidence(ALIGNMENT if role in DIRECTIONS else part_rule) for _ in range(peers)]
 
 
 def first_accusations(by_role) -> dict[str, int]:
@@ -116,7 +117,7 @@ class Stage:
     """One stage's replicas for the whole run: each round's parts, each rule's findings, and the accusations each
     replica's `Evidence` makes, all honest and with the last replica hostile in each way of `ATTACKS`."""
 
-    def __init__(self, stage: PipelineStage, weights: list[float], lr: float):
+    def __init__(self, stage: PipelineStage, weights: list[float], lr: float, part_rule: EvidenceRule):
         self.params = list(stage.parameters())
         self.names = [name for name, _ in stage.named_parameters()]
         self.optimizer = torch.optim.AdamW(self.params, lr=lr)
@@ -127,9 +128,10 @@ class Stage:
         self.judged = Counter()  # parts judged, by role
         self.findings = {"sender": Counter(), "reducer region": Counter(), "reducer part": Counter()}
         roles = ("part", *DIRECTIONS)
-        self.honest = {role: evidences(role, self.peers) for role in roles}  # each replica's, all replicas honest
+        # each replica's, all replicas honest
+        self.honest = {role: evidences(role, self.peers, part_rule) for role in roles}
         self.accusations: list[dict] = []
-        self.attacked = {(role, attack): evidences(role, self.peers) for role in roles for attack in ATTACKS}
+        self.attacked = {(role, attack): evidences(role, self.peers, part_rule) for role in roles for attack in ATTACKS}
         self.away: dict[tuple[int, int], list[bool]] = defaultdict(list)  # (receiver, reducer): rounds below the floor
         self.sender_away: dict[tuple[int, int], list[bool]] = defaultdict(list)  # (reducer, sender): rounds lowest
         self.sender_cosines: list[float] = []  # honest senders' cosines of a round to the others' clipped average
@@ -139,16 +141,18 @@ class Stage:
         # hostile replica on that evidence
         self.caught: dict[str, dict[str, dict[int, int]]] = {attack: defaultdict(dict) for attack in ATTACKS}
         # the honest replicas' verdicts on each other while the last one attacks: evidence, findings, accusations
-        self.attacked_honest = {(role, attack): evidences(role, self.peers) for role in roles for attack in ATTACKS}
+        self.attacked_honest = {(role, attack): evidences(role, self.peers, part_rule) for role in roles
+                                for attack in ATTACKS}
         self.honest_direction_findings = Counter()  # attack -> honest senders' direction findings under it
         self.accused_under_attack: dict[str, list[dict]] = defaultdict(list)
 
-    def _judge(self, step: int, observer: int, suspect: int, role: str, honest, attacked: dict) -> None:
-        """One judged part of `suspect` by `observer` (or, for the roles of `DIRECTIONS`, one round's direction of a
-        reducer or a sender): `honest` its finding in the all-honest round, `attacked` what it is under each attack
-        (the honest finding where the attack does not touch this part)."""
+    def _judge(self, step: int, observer: int, suspect: int, role: str, honest, attacked: dict,
+               values: int | None = None) -> None:
+        """One judged part of `suspect` by `observer`, of `values` values (or, for the roles of `DIRECTIONS`, one
+        round's direction of a reducer or a sender): `honest` its finding in the all-honest round, `attacked` what it
+        is under each attack (the honest finding where the attack does not touch this part)."""
         kind = role if role in DIRECTIONS else "part"
-        why = self.honest[kind][observer].judge(suspect, step, honest)
+        why = self.honest[kind][observer].judge(suspect, step, honest, values)
         if why:
             self.accusations.append(dict(round=step, observer=observer, suspect=suspect, role=role, why=why))
         hostile = self.peers - 1
@@ -157,7 +161,7 @@ class Stage:
         for attack, finding in attacked.items():
             if suspect != hostile:
                 self.honest_direction_findings[attack] += role == "sender direction" and finding is not None
-                why = self.attacked_honest[kind, attack][observer].judge(suspect, step, finding)
+                why = self.attacked_honest[kind, attack][observer].judge(suspect, step, finding, values)
                 if why:
                     self.accused_under_attack[attack].append(
                         dict(round=step, observer=observer, suspect=suspect, role=role, why=why))
@@ -166,7 +170,7 @@ class Stage:
                 self.attack_judged[attack] += 1
                 self.attack_findings[attack] += finding is not None
             evidence = self.attacked[kind, attack][observer]
-            if evidence.judge(suspect, step, finding) and observer not in self.caught[attack][kind]:
+            if evidence.judge(suspect, step, finding, values) and observer not in self.caught[attack][kind]:
                 self.caught[attack][kind][observer] = step
 
     def round(self, step: int, grads: list[list[torch.Tensor]], rng: random.Random, gen: torch.Generator) -> None:
@@ -195,7 +199,7 @@ class Stage:
                 self.findings["sender"][self.names[key[0]]] += finding is not None
                 # the hostile part moves every sender's radius: judged there too, or not judged at all under that attack
                 attacked = under_attack(finding, {attack: reduced.judged for attack, reduced in sent.items()}, sender)
-                self._judge(step, reducer_of[key], sender, "sender", finding, attacked)
+                self._judge(step, reducer_of[key], sender, "sender", finding, attacked, contributions[0].numel())
         for reducer in range(self.peers):
             verdicts = {name: direction_findings(directions[reducer, name], RULE)
                         for name in ("honest", *SENDER_ATTACKS)}
@@ -232,7 +236,7 @@ class Stage:
                         returned[attack] = hostile(attack, averages[key], gen)
                         attacked[attack] = check_reduced(x, returned[attack] - x, honest, RULE, memory.reference(key),
                                                          typical)
-                self._judge(step, receiver, reducer, "reducer", finding, attacked)
+                self._judge(step, receiver, reducer, "reducer", finding, attacked, x.numel())
                 for name, used in (("honest", finding), *attacked.items()):
                     if used is None:  # a refused part is not applied, so not judged for its direction
                         alignments[reducer, name].add(x, averages[key] if name == "honest" else returned[name])
@@ -288,6 +292,9 @@ def main() -> None:
     parser.add_argument("--samples", type=int, nargs="+",
                         help="microbatches each replica's gradient averages, one number per replica (default 1 each); "
                              "its weight in the average, capped at the median as the peers cap it")
+    parser.add_argument("--full-values", type=int, default=EvidenceRule.full_values,
+                        help="values from which a judged part weighs one judgement as evidence (smaller parts weigh "
+                             "their share; 1: every part weighs 1, the rule before 1 Dec 2026)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     samples = args.samples or [1] * args.peers
@@ -298,7 +305,8 @@ def main() -> None:
     manifest = preset("tiny", stages=2)
     train, _ = load_splits(manifest, args.data, seed=args.seed)
     modules = [PipelineStage(manifest, index) for index in range(manifest.num_stages)]
-    stages = [Stage(module, [float(n) for n in samples], manifest.optimizer.lr) for module in modules]
+    part_rule = EvidenceRule(full_values=args.full_values)
+    stages = [Stage(module, [float(n) for n in samples], manifest.optimizer.lr, part_rule) for module in modules]
     for step in range(args.rounds):
         grads: list[list[list[torch.Tensor]]] = [[] for _ in modules]
         losses = []
@@ -320,7 +328,7 @@ def main() -> None:
             stage.round(step, grads[index], rng, generator)
         print(f"round {step + 1}/{args.rounds}: loss {sum(losses) / len(losses):.3f}", file=sys.stderr, flush=True)
     report = dict(rounds=args.rounds, peers=args.peers, samples=samples, data=args.data, seed=args.seed,
-                  values_per_part=RULE_PART,
+                  values_per_part=RULE_PART, full_values=args.full_values,
                   **{f"stage {index}": stage.report() for index, stage in enumerate(stages)})
     text = json.dumps(report, indent=1, ensure_ascii=False)
     print(text)

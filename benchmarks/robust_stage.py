@@ -145,7 +145,7 @@ class Stage1Averaging:
                 if aggregate is not None and j == 0:  # peer 0 judges the senders of the part it reduces
                     refused = {n: Finding(why, math.inf) for n, why in aggregate.refused.items()}
                     for n, finding in (refused | aggregate.judged).items():
-                        self._judge(keep[n], step, finding)
+                        self._judge(keep[n], step, finding, values=parts[0].numel())
                     for n, finding in direction_findings(aggregate.directions, self.robust).items():
                         if keep[n] != 0:  # a peer does not judge itself
                             self._judge(keep[n], step, finding, self.direction_evidence)
@@ -169,7 +169,7 @@ class Stage1Averaging:
                 reduced[j] = mine
             if j == HOSTILE and self.banned:
                 continue
-            self._judge(j, step, finding)
+            self._judge(j, step, finding, values=mine.numel())
             if finding is not None:  # a refused part is not applied, so not judged for its direction
                 continue
             alignment = Alignment()
@@ -178,8 +178,9 @@ class Stage1Averaging:
                 self._judge(j, step, alignment.finding(self.robust), self.alignment_evidence)
         return reduced
 
-    def _judge(self, peer: int, step: int, finding: Finding | None, evidence: Evidence | None = None) -> None:
-        if (evidence or self.evidence).judge(peer, step, finding) is None:
+    def _judge(self, peer: int, step: int, finding: Finding | None, evidence: Evidence | None = None,
+               values: int | None = None) -> None:
+        if (evidence or self.evidence).judge(peer, step, finding, values) is None:
             return
         if peer != HOSTILE:
             self.honest_accused += 1

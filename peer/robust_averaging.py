@@ -87,28 +87,40 @@ class RobustAllReduceRunner(AllReduceRunner):
             lambda: self.tensor_part_reducer.weight_share,
         )
 
-    def _judge(self, peer_id: PeerID, role: str, finding: Finding | None, evidence: Evidence | None = None) -> bool:
-        """Weigh one judged part of `peer_id` (`swarm/evidence.py`; the per-part `Evidence` unless another is given)
-        in this averager's round (counted here: a leader's group id could repeat); True if it now stands accused.
-        This peer does not judge itself."""
+    async def _communicate_with_peer(self, peer_id: PeerID):
+        """hivemind's exchange with one reducer, with the reason logged when it fails (hivemind logs it at debug
+        only): this peer then keeps its own values for that reducer's parts, and its warning "received N% results"
+        alone does not say whether a reducer failed or a reduced part was refused."""
+        try:
+            await super()._communicate_with_peer(peer_id)
+        except Exception as exc:
+            logger.warning("all-reduce: reducer %s failed, this peer keeps its own values for its parts: %r",
+                           peer_id, exc)
+            raise
+
+    def _judge(self, peer_id: PeerID, role: str, finding: Finding | None, evidence: Evidence | None = None,
+               values: int | None = None) -> bool:
+        """Weigh one judged part of `peer_id`, of `values` values (`swarm/evidence.py`; the per-part `Evidence`
+        unless another is given: then one round's judgement) in this averager's round (counted here: a leader's group
+        id could repeat); True if it now stands accused. This peer does not judge itself."""
         if peer_id == self.peer_id:
             return False
-        why = (evidence or self._evidence).judge(peer_id, self._round, finding)
+        why = (evidence or self._evidence).judge(peer_id, self._round, finding, values)
         if why is not None:
             self._accuse(peer_id, f"as a {role}: {why}")
         return why is not None
 
-    def _judge_sender(self, sender_index: int, finding: Finding | None) -> bool:
+    def _judge_sender(self, sender_index: int, finding: Finding | None, values: int) -> bool:
         if finding is not None:  # which slice, so that a log line says where an accused sender's part lay
             container, reducer = self.tensor_part_container, self.tensor_part_reducer
             finding = located(finding, container.part_key(container.own_index, reducer.current_part_index))
-        return self._judge(self.sender_peer_ids[sender_index], "sender", finding)
+        return self._judge(self.sender_peer_ids[sender_index], "sender", finding, values=values)
 
     def _judge_direction(self, sender_index: int, finding: Finding | None) -> bool:
         return self._judge(self.sender_peer_ids[sender_index], "sender", finding, self._direction_evidence)
 
-    def _judge_reducer(self, peer_index: int, finding: Finding | None) -> bool:
-        return self._judge(self.ordered_peer_ids[peer_index], "reducer", finding)
+    def _judge_reducer(self, peer_index: int, finding: Finding | None, values: int) -> bool:
+        return self._judge(self.ordered_peer_ids[peer_index], "reducer", finding, values=values)
 
     def _judge_alignment(self, peer_index: int, finding: Finding | None) -> bool:
         return self._judge(self.ordered_peer_ids[peer_index], "reducer", finding, self._alignment_evidence)

@@ -19,8 +19,9 @@ reducer returns (`TensorPartContainer.register_processed_part`). Here:
   all where that share is 0 (this peer's own part was not averaged there), so such a peer does not catch a reducer
   that negates the average.
 
-Each judged part goes to a `Judge`, the runner's, which weighs it as evidence and says whether its peer is now
-accused.
+Each judged part goes to a `PartJudge`, the runner's, with its number of values: it weighs it as evidence
+(`swarm/evidence.py`: by its values) and says whether its peer is now accused; a round's direction goes to a
+`Judge`.
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ from swarm.robust import (
 
 logger = logging.getLogger(__name__)
 
-Judge = Callable[[int, Finding | None], bool]  # one judged part of the peer at this index; True: it is accused
+Judge = Callable[[int, Finding | None], bool]  # one judgement of the peer at this index; True: it is accused
+PartJudge = Callable[[int, Finding | None, int], bool]  # the same for one judged part, of this many values
 
 
 def located(finding: Finding | None, key: tuple) -> Finding | None:
@@ -74,7 +76,7 @@ class RobustPartReducer(TensorPartReducer):
         part_shapes: Sequence[torch.Size],
         num_senders: int,
         rule: RobustRule,
-        judge: Judge,
+        judge: PartJudge,
         ignored: set[int],
         judge_direction: Judge,
         own_sender: int | None,
@@ -121,8 +123,9 @@ class RobustPartReducer(TensorPartReducer):
             future.set_exception(AllreduceException("no usable contribution to this part"))
         else:
             findings = {n: Finding(why, math.inf) for n, why in aggregate.refused.items()} | aggregate.judged
+            values = math.prod(shape)
             for n, finding in findings.items():
-                if self.judge(senders[keep[n]], finding):
+                if self.judge(senders[keep[n]], finding, values):
                     self.ignored.add(senders[keep[n]])
             for n, direction in aggregate.directions.items():
                 self.directions.setdefault(senders[keep[n]], SenderDirection()).merge(direction)
@@ -158,7 +161,7 @@ class CheckedPartContainer(TensorPartContainer):
         self,
         own_index: int,
         rule: RobustRule,
-        judge: Judge,
+        judge: PartJudge,
         banned: set[int],
         changes: PartChanges,
         judge_alignment: Judge,
@@ -193,7 +196,7 @@ class CheckedPartContainer(TensorPartContainer):
             return
         if part_index >= self.num_parts_by_peer[peer_index]:  # more parts than it reduces: no honest peer sends that
             why = f"a reduced part {part_index} from a reducer of {self.num_parts_by_peer[peer_index]}"
-            if self.judge(peer_index, Finding(why, math.inf)):
+            if self.judge(peer_index, Finding(why, math.inf), part.numel()):
                 self.register_failed_reducer(peer_index)
             return
         if peer_index == self.own_index:
@@ -219,11 +222,11 @@ class CheckedPartContainer(TensorPartContainer):
         finding = self._check(own, part, self.part_key(peer_index, part_index))
         if finding is None and self._shape_checks_only():  # nothing was judged: no evidence either way
             super().register_processed_part(peer_index, part_index, part)
-        elif self.judge(peer_index, finding):
+        elif self.judge(peer_index, finding, own.numel()):
             self.register_failed_reducer(peer_index)
         elif finding is not None:  # refused: this peer keeps its own values for that slice
-            logger.info("refused reduced part %d of reducer %d (not accused yet): %s", part_index, peer_index,
-                        finding.why)
+            logger.info("refused reduced part %d of reducer %d, %d values (not accused yet): %s", part_index,
+                        peer_index, own.numel(), finding.why)
             super().register_processed_part(peer_index, part_index, torch.zeros_like(own))
             self.failed_size += own.numel()
         else:

@@ -13,6 +13,16 @@ this peer, at least `flags` of its judged parts were findings and they were at l
 runs no honest peer was accused, while a reducer returning noise of 10× the average's norm was past the bound on
 24–32 % of its parts and a sender sending 10× its gradient on 19–33 %, and both were accused in round 0 or 1.
 
+A part weighs as evidence in proportion to its values, up to `full_values` (16,384: between the presets' widest
+vector, 8B's 4,096-value norm gains, and their smallest matrix, tiny's 32,768-value K and V projections): a matrix's
+part counts as one judgement, tiny's 256-value norm gain as 1/64 of one, the θ head's 2-value bias as next to
+nothing. The bounds come from what the round's matrices did (the reduced-part check: this peer's own reduction,
+dominated by them), and vectors do not follow them: every honest reduced part refused in session 26's kept lane-run
+logs was a vector (the θ head's weight and bias 43× and 48× their bound, a layer's `attn_norm` 8.9×), and session
+25's one honest reducer ban was for `attn_norm` parts. A spoiled vector is still refused or clipped, part by part,
+and one `flagrant` times past its bound still accuses at once; what weighing by values gives up is an accusation of
+a peer that spoils vectors alone (benchmarks/RESULTS.md, "Evidence weighed by values").
+
 What a finding costs a peer before it is accused is only the part itself: a far contribution is clipped, a
 refused reduced part replaced by the receiver's own values. What it cannot catch: a peer that spoils fewer parts
 than `share` of its judged ones stays unaccused (each of those parts is still clipped or refused).
@@ -47,10 +57,11 @@ class EvidenceRule:
     """The knobs; the defaults are what the peers use (module docstring)."""
 
     rounds: int = 8  # the rounds with a peer that its judged parts are counted over
-    flags: int = 3  # at least this many findings in them...
+    flags: int = 3  # at least this many findings in them (weighed by values)...
     share: float = 0.15  # ...and at least this share of its judged parts
     flagrant: float = 100.0  # a finding this many times past its bound accuses at once
     unit: str = "parts"  # what one judgement is, for the accusation's text
+    full_values: int = 16384  # a judged part of this many values or more weighs 1, a smaller one its share of it
 
 
 # one judgement per reducer and round (module docstring)
@@ -60,8 +71,8 @@ ALIGNMENT = EvidenceRule(rounds=8, flags=5, share=0.5, unit="rounds")
 @dataclass
 class _Round:
     key: Hashable
-    judged: int = 0
-    findings: int = 0
+    judged: float = 0.0  # judged parts, each weighed by its values (`Evidence.judge`)
+    findings: float = 0.0
 
 
 class Evidence:
@@ -71,9 +82,12 @@ class Evidence:
         self.rule = rule
         self._rounds: dict[Hashable, deque[_Round]] = {}
 
-    def judge(self, peer: Hashable, round_key: Hashable, finding: Finding | None) -> str | None:
-        """Count one judged part of `peer` in round `round_key`; why the peer stands accused now, or None. An
-        accusation spends the evidence behind it (after a ban ends, the peer starts from nothing)."""
+    def judge(
+        self, peer: Hashable, round_key: Hashable, finding: Finding | None, values: int | None = None
+    ) -> str | None:
+        """Count one judged part of `peer` in round `round_key`, of `values` values (None: a judgement of its own,
+        weighing 1, as a round's direction is); why the peer stands accused now, or None. An accusation spends the
+        evidence behind it (after a ban ends, the peer starts from nothing)."""
         if finding is not None and finding.excess >= self.rule.flagrant:
             self._rounds.pop(peer, None)
             return finding.why
@@ -81,16 +95,17 @@ class Evidence:
         if not rounds or rounds[-1].key != round_key:
             rounds.append(_Round(round_key))
         current = rounds[-1]
-        current.judged += 1
+        weight = 1.0 if values is None else min(1.0, values / self.rule.full_values)
+        current.judged += weight
         if finding is None:
             return None
-        current.findings += 1
+        current.findings += weight
         judged = sum(r.judged for r in rounds)
         findings = sum(r.findings for r in rounds)
         if findings < self.rule.flags or findings < self.rule.share * judged:
             return None
         del self._rounds[peer]
-        return (f"{findings} of its last {judged} {self.rule.unit} past their bounds in {len(rounds)} rounds "
+        return (f"{findings:.3g} of its last {judged:.3g} {self.rule.unit} past their bounds in {len(rounds)} rounds "
                 f"(last: {finding.why})")
 
 

@@ -3,6 +3,7 @@
 import math
 
 from swarm.evidence import ALIGNMENT, AveragingBans, Evidence, EvidenceRule
+from swarm.presets import _SHAPES
 from swarm.robust import Finding
 
 FAR = Finding("a part 9.0 clip radii from the robust average", 9.0 / 8.0)
@@ -40,6 +41,31 @@ def test_what_no_honest_peer_sends_accuses_at_once():
     assert evidence.judge("p", 0, Finding("a part with NaN or inf", math.inf)) == "a part with NaN or inf"
     assert evidence.judge("q", 0, Finding("1000 × the bound", 1000.0)) == "1000 × the bound"
     assert evidence.judge("r", 0, Finding("20 × the bound", 20.0)) is None
+
+
+def test_a_part_weighs_by_its_values_so_findings_on_vectors_alone_accuse_nobody():
+    """Findings on every 256-value part of a peer (a norm gain's gradient) add up to less than three full parts in 8
+    rounds; the same findings counted as whole parts accuse it in its first round. A part of `full_values` or more
+    counts as one, and a flagrant finding accuses at once whatever its size."""
+    rule = EvidenceRule(rounds=8, flags=3, share=0.15, full_values=4096)  # a 256-value part weighs 1/16
+    by_values, by_parts = Evidence(rule), Evidence(rule)
+    assert all(by_values.judge("vectors", round_key, FAR, 256) is None for round_key in range(40) for _ in range(4))
+    assert [by_parts.judge("vectors", 0, FAR) is None for _ in range(3)] == [True, True, False]
+    matrices = Evidence(rule)
+    assert [matrices.judge("matrices", 0, FAR, 65536) is None for _ in range(3)] == [True, True, False]
+    assert Evidence(rule).judge("bias", 0, Finding("a part with NaN or inf", math.inf), 2) is not None
+    mixed = Evidence(rule)  # two full findings and 16 findings on vectors make the third
+    assert mixed.judge("mixed", 0, FAR, 4096) is None and mixed.judge("mixed", 0, FAR, 4096) is None
+    whys = [mixed.judge("mixed", 0, FAR, 256) for _ in range(16)]
+    assert whys[:15] == [None] * 15 and whys[15].startswith("3 of its last 3 parts past their bounds")
+
+
+def test_the_peers_full_part_lies_between_every_presets_vectors_and_matrices():
+    """`EvidenceRule.full_values`: wider than any preset's model width (its norm gains, 8B's 4,096 included), no
+    wider than the smallest weight matrix of any preset (tiny's K projection)."""
+    shapes = [fields["model"] for fields in _SHAPES.values()]  # the shapes alone: a preset derives 8B's T_fixed
+    smallest_matrix = min(min(s.d_model * s.d_model * s.n_kv_heads // s.n_heads, s.d_model * s.d_ff) for s in shapes)
+    assert max(s.d_model for s in shapes) < EvidenceRule().full_values <= smallest_matrix
 
 
 def test_peers_are_judged_apart():

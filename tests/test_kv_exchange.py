@@ -122,11 +122,23 @@ def message(trip: str, src: int = 0, dst: int = 1, layer: int = 0, codec: CPCode
 
 
 async def refusal(service: KVService, peer, blob: bytes) -> ErrorCode | None:
-    try:
-        await service.send(peer, blob)
-    except WireError as exc:
-        return exc.code
-    return None
+    """The code `peer` refused `blob` with, None if it took it. A send that came back `unreachable` (no answer at
+    all: once in CI, on a loaded machine, where `overloaded` was due) is sent once more, its reason printed: these
+    tests check what a receiver answers, not that loopback daemons never drop a stream."""
+
+    async def send() -> WireError | None:
+        try:
+            await service.send(peer, blob)
+        except WireError as exc:
+            return exc
+        return None
+
+    failure = await send()
+    if failure is not None and failure.code is ErrorCode.UNREACHABLE:
+        print(f"sent once more after: {failure.message}")
+        await asyncio.sleep(0.5)
+        failure = await send()
+    return None if failure is None else failure.code
 
 
 def test_forward_and_backward_between_three_lanes_are_bit_exact(net):

@@ -395,9 +395,9 @@ def test_a_receiver_refuses_one_reduced_part_keeps_the_order_and_accuses_on_evid
     judged: list[tuple[int, str | None]] = []
     evidence = Evidence()
 
-    def judge(peer_index: int, finding) -> bool:
+    def judge(peer_index: int, finding, values: int) -> bool:
         judged.append((peer_index, finding and finding.why))
-        return evidence.judge(peer_index, 0, finding) is not None
+        return evidence.judge(peer_index, 0, finding, values) is not None
 
     aligned: list = []
     CheckedPartContainer.adopt(container, 0, RobustRule(), judge, set(), PartChanges(8),
@@ -461,7 +461,7 @@ def test_a_gradient_round_judges_each_sender_among_its_own_lanes_senders():
     def accused(camps: dict[int, int] | None) -> set[int]:
         found: set[int] = set()
 
-        def judge(sender: int, finding) -> bool:
+        def judge(sender: int, finding, values: int) -> bool:
             if finding is not None:
                 found.add(sender)
             return False
@@ -491,7 +491,8 @@ def test_each_lane_has_its_rounds_lowest_sender_judged_for_its_direction():
     found: dict[int, str] = {}
     parts_judged: dict[int, float | None] = {}
 
-    def judge(sender: int, finding) -> bool:
+    def judge(sender: int, finding, values: int) -> bool:
+        assert values == 3000  # what a part holds, for its weight as evidence
         parts_judged[sender] = finding and finding.excess
         return False
 

@@ -87,21 +87,24 @@ def averaging_bans(log_text: str) -> list[dict]:
 
 
 REFUSED_PART = re.compile(
-    r"refused reduced part \d+ of reducer \d+, (?P<values>\d+) values \(not accused yet\): .*\(tensor (?P<tensor>\d+), "
-    r"part \d+\)$")
+    r"robust_parts: (?:(?P<averager>\S+) )?refused reduced part \d+ of reducer \d+, (?P<values>\d+) values "
+    r"\(not accused yet\): .*\(tensor (?P<tensor>\d+), part \d+\)$")
 
 
 def refused_parts(log_text: str) -> dict:
     """Every reduced part a receiver refused without an accusation (peer/robust_parts.py; all honest: each is a
-    false finding): how many, how many of fewer than `EvidenceRule.full_values` values (vectors: norm gains, biases,
-    the θ head), what they weigh as evidence (`swarm/evidence.py`: each its values' share of a full part, at most 1)
-    against what they weighed counted as whole parts, and the count by (values, tensor index)."""
-    found = [(int(m["values"]), int(m["tensor"])) for m in map(REFUSED_PART.search, log_text.splitlines()) if m]
+    false finding): how many, how many of fewer than `EvidenceRule.full_values` values (`vectors`: norm gains,
+    biases, and the θ head's d × 2 weight too), what they weigh as evidence (`swarm/evidence.py`: each its values'
+    share of a full part, at most 1) against what they weighed counted as whole parts, and the count by averager
+    (its prefix names the stage; none in logs from before 1 Dec 2026), values and tensor index (an index into that
+    stage's tensors)."""
+    found = [(m["averager"] or "", int(m["values"]), int(m["tensor"]))
+             for m in map(REFUSED_PART.search, log_text.splitlines()) if m]
     full = EvidenceRule.full_values
-    return dict(parts=len(found), vectors=sum(values < full for values, _ in found),
-                weight=round(sum(min(1.0, values / full) for values, _ in found), 3),
-                by_size_and_tensor={f"{values} values, tensor {tensor}": n
-                                    for (values, tensor), n in sorted(Counter(found).items())})
+    return dict(parts=len(found), vectors=sum(values < full for _, values, _ in found),
+                weight=round(sum(min(1.0, values / full) for _, values, _ in found), 3),
+                by_size_and_tensor={f"{averager} {values} values, tensor {tensor}".strip(): n
+                                    for (averager, values, tensor), n in sorted(Counter(found).items())})
 
 
 FINGERPRINT = re.compile(

@@ -300,6 +300,8 @@ def main() -> None:
     samples = args.samples or [1] * args.peers
     if len(samples) != args.peers or min(samples) < 1:
         parser.error(f"--samples needs {args.peers} positive numbers, one per replica")
+    if args.full_values < 1:
+        parser.error("--full-values needs a positive number")
     torch.manual_seed(args.seed)
     rng, generator = random.Random(args.seed), torch.Generator().manual_seed(args.seed)
     manifest = preset("tiny", stages=2)

@@ -25,18 +25,23 @@ with each accusation of the same peer (`AveragingBans`).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable, Mapping
 
 from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
+from hivemind.averaging.group_info import GroupInfo
+from hivemind.averaging.load_balancing import load_balance_peers
+from hivemind.averaging.matchmaking import MatchmakingException
 from hivemind.p2p import PeerID
-from hivemind.utils.asyncio import as_aiter, azip
+from hivemind.utils.asyncio import as_aiter, azip, enter_asynchronously
 from hivemind.utils.mpfuture import MPFuture
 from hivemind.utils.timed_storage import get_dht_time
 
 from peer.averaging_lanes import LANE_GRACE, LaneCheck, gathered_lanes
 from peer.averaging_matchmaking import ExcludingMatchmaking, pace_lookups
+from peer.group_members import checked_members
 from peer.robust_parts import CheckedPartContainer, RobustPartReducer, located
 from swarm.evidence import ALIGNMENT, AveragingBans, Evidence
 from swarm.robust import Finding, PartChanges, RobustRule
@@ -85,17 +90,21 @@ class RobustAllReduceRunner(AllReduceRunner):
             changes,
             self._judge_alignment,
             lambda: self.tensor_part_reducer.weight_share,
+            self._prefix,
         )
 
-    async def _communicate_with_peer(self, peer_id: PeerID):
+    async def _communicate_with_peer(self, peer_id: PeerID) -> None:
         """hivemind's exchange with one reducer, with the reason logged when it fails (hivemind logs it at debug
-        only): this peer then keeps its own values for that reducer's parts, and its warning "received N% results"
-        alone does not say whether a reducer failed or a reduced part was refused."""
+        only): this peer then keeps its own values for another reducer's parts, and hivemind's warning "received N%
+        results" alone does not say whether a reducer failed or a reduced part was refused."""
         try:
             await super()._communicate_with_peer(peer_id)
         except Exception as exc:
-            logger.warning("all-reduce: reducer %s failed, this peer keeps its own values for its parts: %r",
-                           peer_id, exc)
+            if peer_id == self.peer_id:
+                logger.warning("%s all-reduce: reducing this peer's own parts failed: %r", self._prefix, exc)
+            else:
+                logger.warning("%s all-reduce: reducer %s failed, this peer keeps its own values for its parts: %r",
+                               self._prefix, peer_id, exc)
             raise
 
     def _judge(self, peer_id: PeerID, role: str, finding: Finding | None, evidence: Evidence | None = None,
@@ -119,7 +128,7 @@ class RobustAllReduceRunner(AllReduceRunner):
     def _judge_direction(self, sender_index: int, finding: Finding | None) -> bool:
         return self._judge(self.sender_peer_ids[sender_index], "sender", finding, self._direction_evidence)
 
-    def _judge_reducer(self, peer_index: int, finding: Finding | None, values: int) -> bool:
+    def _judge_reducer(self, peer_index: int, finding: Finding | None, values: int | None) -> bool:
         return self._judge(self.ordered_peer_ids[peer_index], "reducer", finding, values=values)
 
     def _judge_alignment(self, peer_index: int, finding: Finding | None) -> bool:
@@ -208,6 +217,24 @@ class RobustAveraging:
         seconds = self.banned_peers.ban(peer_id, why)
         if seconds is not None:
             logger.warning("%s banned peer %s from averaging for %.0f s: %s", self.prefix, peer_id, seconds, why)
+
+    async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs) -> dict:
+        """hivemind's, on the group's entries as `checked_members` reads them: a member whose entry no honest
+        averager sends is left out of the round (no share, no tensors expected) instead of failing it for all."""
+        try:
+            members = checked_members(group_info.gathered, self.serializer.loads)
+            for index, why in members.left_out.items():
+                logger.warning("%s left member %s out of this round: %s", self.prefix, group_info.peer_ids[index], why)
+            fractions = await asyncio.get_running_loop().run_in_executor(
+                None, load_balance_peers, self.total_size, members.download_bandwidths, min_vector_size)
+            async with enter_asynchronously(self.get_tensors()) as local_tensors:
+                await self._run_allreduce_inplace_(local_tensors, group_info, peer_fractions=fractions,
+                                                   modes=members.runner_modes(fractions), **kwargs)
+            return dict(zip(group_info.peer_ids, members.user_data, strict=True))
+        except BaseException as exc:
+            if isinstance(exc, Exception):
+                logger.exception(exc)
+            raise MatchmakingException(f"Unable to run All-Reduce: {exc}") from exc
 
     async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs):
         """hivemind's step, with `runner_class`: build the runner, hand it to the group, add what it yields."""

@@ -48,7 +48,8 @@ from swarm.robust import (
 logger = logging.getLogger(__name__)
 
 Judge = Callable[[int, Finding | None], bool]  # one judgement of the peer at this index; True: it is accused
-PartJudge = Callable[[int, Finding | None, int], bool]  # the same for one judged part, of this many values
+# the same for one judged part, of this many values (None: a judgement weighing 1, for what no honest peer sends)
+PartJudge = Callable[[int, Finding | None, int | None], bool]
 
 
 def located(finding: Finding | None, key: tuple) -> Finding | None:
@@ -166,12 +167,14 @@ class CheckedPartContainer(TensorPartContainer):
         changes: PartChanges,
         judge_alignment: Judge,
         weight_share: Callable[[], float] = lambda: 1.0,
+        log_name: str = "averaging",
     ):
         """Turn hivemind's container into this one after `AllReduceRunner.__init__` built it (it builds it inline,
         with no hook for another class). `judge_alignment` weighs each reducer's `Alignment` once its last part of
-        the round is in."""
+        the round is in; `log_name` (the averager's prefix: its run and stage) starts each log line."""
         self.__class__ = CheckedPartContainer
         self.own_index, self.rule, self.judge, self.changes = own_index, rule, judge, changes
+        self.log_name = log_name
         self.judge_alignment, self.weight_share = judge_alignment, weight_share
         self.alignments: dict[int, Alignment] = {}
         self.refused: set[int] = set()
@@ -196,7 +199,7 @@ class CheckedPartContainer(TensorPartContainer):
             return
         if part_index >= self.num_parts_by_peer[peer_index]:  # more parts than it reduces: no honest peer sends that
             why = f"a reduced part {part_index} from a reducer of {self.num_parts_by_peer[peer_index]}"
-            if self.judge(peer_index, Finding(why, math.inf), part.numel()):
+            if self.judge(peer_index, Finding(why, math.inf), None):  # not its size: the reducer chose that
                 self.register_failed_reducer(peer_index)
             return
         if peer_index == self.own_index:
@@ -225,8 +228,8 @@ class CheckedPartContainer(TensorPartContainer):
         elif self.judge(peer_index, finding, own.numel()):
             self.register_failed_reducer(peer_index)
         elif finding is not None:  # refused: this peer keeps its own values for that slice
-            logger.info("refused reduced part %d of reducer %d, %d values (not accused yet): %s", part_index,
-                        peer_index, own.numel(), finding.why)
+            logger.info("%s refused reduced part %d of reducer %d, %d values (not accused yet): %s", self.log_name,
+                        part_index, peer_index, own.numel(), finding.why)
             super().register_processed_part(peer_index, part_index, torch.zeros_like(own))
             self.failed_size += own.numel()
         else:

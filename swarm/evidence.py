@@ -14,14 +14,18 @@ runs no honest peer was accused, while a reducer returning noise of 10× the ave
 24–32 % of its parts and a sender sending 10× its gradient on 19–33 %, and both were accused in round 0 or 1.
 
 A part weighs as evidence in proportion to its values, up to `full_values` (16,384: between the presets' widest
-vector, 8B's 4,096-value norm gains, and their smallest matrix, tiny's 32,768-value K and V projections): a matrix's
-part counts as one judgement, tiny's 256-value norm gain as 1/64 of one, the θ head's 2-value bias as next to
-nothing. The bounds come from what the round's matrices did (the reduced-part check: this peer's own reduction,
-dominated by them), and vectors do not follow them: every honest reduced part refused in session 26's kept lane-run
-logs was a vector (the θ head's weight and bias 43× and 48× their bound, a layer's `attn_norm` 8.9×), and session
-25's one honest reducer ban was for `attn_norm` parts. A spoiled vector is still refused or clipped, part by part,
-and one `flagrant` times past its bound still accuses at once; what weighing by values gives up is an accusation of
-a peer that spoils vectors alone (benchmarks/RESULTS.md, "Evidence weighed by values").
+vector, 8B's 4,096-value norm gains, and their smallest d-wide matrix, tiny's 32,768-value K and V projections): such
+a matrix's part counts as one judgement, tiny's 256-value norm gain as 1/64 of one, the θ head of the
+context-parallel presets (a d × 2 matrix, 512 to 8,192 values, and its 2-value bias) like the vectors. The bounds
+come from what the round's large matrices did (the reduced-part check: this peer's own reduction, dominated by
+them), and the small tensors do not follow them: every honest reduced part refused in session 26's kept lane-run
+logs was one of them (the θ head's weight and bias 43× and 48× their bound, a layer's `attn_norm` 8.9×), and
+session 25's one honest reducer ban was for `attn_norm` parts. A spoiled small part is still refused or clipped,
+part by part, and one `flagrant` times past its bound still accuses at once; what weighing by values gives up is an
+accusation of a peer that spoils small parts alone (benchmarks/RESULTS.md, "Evidence weighed by values"). A peer
+cannot pick the parts it reduces: hivemind gives each peer a share by the bandwidth it claims, but honest peers
+claim none, and a single claim is then taken for every peer's (equal shares, whatever it claims; two colluding
+peers claiming different bandwidths could leave one of them a small share, made of small parts).
 
 What a finding costs a peer before it is accused is only the part itself: a far contribution is clipped, a
 refused reduced part replaced by the receiver's own values. What it cannot catch: a peer that spoils fewer parts
@@ -62,6 +66,10 @@ class EvidenceRule:
     flagrant: float = 100.0  # a finding this many times past its bound accuses at once
     unit: str = "parts"  # what one judgement is, for the accusation's text
     full_values: int = 16384  # a judged part of this many values or more weighs 1, a smaller one its share of it
+
+    def __post_init__(self) -> None:
+        if self.full_values < 1:
+            raise ValueError(f"full_values must be at least 1, not {self.full_values}")
 
 
 # one judgement per reducer and round (module docstring)
@@ -105,8 +113,8 @@ class Evidence:
         if findings < self.rule.flags or findings < self.rule.share * judged:
             return None
         del self._rounds[peer]
-        return (f"{findings:.3g} of its last {judged:.3g} {self.rule.unit} past their bounds in {len(rounds)} rounds "
-                f"(last: {finding.why})")
+        return (f"{round(findings, 2):g} of its last {round(judged, 2):g} {self.rule.unit} past their bounds in "
+                f"{len(rounds)} rounds (last: {finding.why})")
 
 
 class AveragingBans:

@@ -2,6 +2,8 @@
 
 import math
 
+import pytest
+
 from swarm.evidence import ALIGNMENT, AveragingBans, Evidence, EvidenceRule
 from swarm.presets import _SHAPES
 from swarm.robust import Finding
@@ -54,6 +56,8 @@ def test_a_part_weighs_by_its_values_so_findings_on_vectors_alone_accuse_nobody(
     matrices = Evidence(rule)
     assert [matrices.judge("matrices", 0, FAR, 65536) is None for _ in range(3)] == [True, True, False]
     assert Evidence(rule).judge("bias", 0, Finding("a part with NaN or inf", math.inf), 2) is not None
+    with pytest.raises(ValueError):
+        EvidenceRule(full_values=0)
     mixed = Evidence(rule)  # two full findings and 16 findings on vectors make the third
     assert mixed.judge("mixed", 0, FAR, 4096) is None and mixed.judge("mixed", 0, FAR, 4096) is None
     whys = [mixed.judge("mixed", 0, FAR, 256) for _ in range(16)]

@@ -104,7 +104,7 @@ def average_once(hostile_cls, hostile_tensors, hostile_weight: float = 1.0, roun
                  fresh: bool = False, wire: GradientWire = GradientWire.FP32, fourth_wire: GradientWire | None = None,
                  make_tensors: Callable[[int], list[torch.Tensor]] = honest_tensors, honest_cls=RobustAverager,
                  judges_by_lane: bool = False, gathered: list[int] | None = None,
-                 record_lanes: list[int] | None = None):
+                 record_lanes: list[int] | None = None, hostile_fails: bool = False):
     """Three robust peers and one hostile peer average `rounds` times; the honest peers' tensors after each
     round, the honest inputs' means (the first round's; with `fresh`, each round's), the hostile peer's id, what
     each honest peer banned and, for each round, which honest peers averaged in a group with the hostile one (read
@@ -116,7 +116,9 @@ def average_once(hostile_cls, hostile_tensors, hostile_weight: float = 1.0, roun
     (each round a new step's gradients). `wire`: what the peers send (`fourth_wire`: the fourth peer, if it
     differs); `make_tensors`: each peer's tensors from a seed. `honest_cls`: the honest peers' class, judging senders
     by lane with `judges_by_lane`; `gathered`: the lane each of the four gathers at every step; `record_lanes`: the
-    lane each of them names in its record, as the honest peers' `StageService` would hand them over."""
+    lane each of them names in its record, as the honest peers' `StageService` would hand them over;
+    `hostile_fails`: the hostile peer's own step fails in every round (its failure is not the honest peers'; it
+    retries until its step's timeout, which is then 20 s from the first round on)."""
     dht = DHT(start=True)
     averagers = []
     try:
@@ -155,7 +157,7 @@ def average_once(hostile_cls, hostile_tensors, hostile_weight: float = 1.0, roun
             # that never ends fails this test instead of hanging it (once matchmaking began: hivemind's
             # `step(wait=False)` itself waits, unbounded, for the averager's process to take the step up)
             controls = [a.step(weight=hostile_weight if a is hostile else 1.0, wait=False,
-                               timeout=hostile_timeout if a is hostile and round_ else 60,
+                               timeout=hostile_timeout if a is hostile and (round_ or hostile_fails) else 60,
                                gather=None if gathered is None else gathered[n]) for n, a in enumerate(averagers)]
             done, met = [], []
             for control in controls[:3]:
@@ -172,7 +174,7 @@ def average_once(hostile_cls, hostile_tensors, hostile_weight: float = 1.0, roun
             # raises FutureTimeoutError only if the wait ran out; the hostile step's own failure (after the first
             # round it may be left out of every group, or be alone below min_group_size) is returned
             failure = controls[3].exception(timeout=STEP_WAIT)
-            if failure is not None and not round_:
+            if failure is not None and not round_ and not hostile_fails:
                 raise failure
             snapshot = []
             for averager, averaged in zip(averagers[:3], done, strict=True):
@@ -326,6 +328,28 @@ def test_a_sender_naming_another_lane_than_its_record_is_still_judged_in_its_rec
     assert all(list(banned) == [liar] for banned in bans), bans
     assert all("as a sender" in banned[liar] and "cosine -" in banned[liar] for banned in bans), bans
 
+
+
+def garbling_init(self, *args, **kwargs):
+    DecentralizedAverager.__init__(self, *args, **kwargs)
+    self.bandwidth = "fast"  # past hivemind's own check of its argument: what goes into its gathered entry
+
+
+# a plain hivemind averager whose gathered entry names a bandwidth no honest averager sends: hivemind's split of the
+# tensors raised on it in every member, and every round it joined failed for all
+GarblingAverager = type("RobustAverager", (DecentralizedAverager,), {"__init__": garbling_init})
+
+
+def test_a_member_whose_gathered_entry_is_garbled_is_left_out_and_the_rounds_run_without_it():
+    """Two rounds with a member whose entry is garbled: each honest peer leaves it out (no share, no tensors
+    expected) and the three get exactly their own mean in both; it is in their groups, and banned by nobody (the
+    leader may have garbled it, `peer/group_members.py`)."""
+    results, (honest_mean,), hostile, bans, met = average_once(GarblingAverager, honest_tensors(4), rounds=2,
+                                                                hostile_fails=True)
+    for round_results in results:
+        for averaged in round_results:
+            assert averaged is not None and float((averaged - honest_mean).norm()) < 1e-4 * spread()
+    assert met == [[True] * 3] * 2 and bans == [{}, {}, {}]
 
 def test_four_honest_peers_ban_nobody_and_get_about_their_mean():
     fourth = honest_tensors(4)

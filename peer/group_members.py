@@ -6,11 +6,16 @@ every member unchecked, and every member then computes the same split of the ten
 `AveragingMode`, bytes that are no such triple) raised in every member's `_aggregate_with_group`, so one member
 that sends it, every round, stopped its stage's averaging: each round failed for everyone in its group.
 
-`checked_members` keeps every entry an honest hivemind averager can send as it is, and turns any other into an
-auxiliary member with no bandwidth: no share of the parts to reduce, no tensors expected from it, no lane, so the
-round runs without it and the others' split is the one they would compute had it sent `bandwidth 0`. It is not
-banned for it: the entry reaches this peer through the leader, which may have altered an honest member's entry, and
-a hostile member gains nothing from it but being left out.
+`checked_members` keeps every entry an honest hivemind averager can send, and turns any other into an auxiliary
+member: no share of the parts to reduce, no tensors expected from it, no lane, so the round runs without it. It is
+not banned for it: the entry reaches this peer through the leader, which may have altered an honest member's, and a
+hostile member gains nothing from it but being left out.
+
+The split does not use the bandwidths members claim, only whether a member reduces at all (`split_bandwidths`):
+honest peers of this swarm claim none (an equal share each), a claim is a member's word, and hivemind takes a single
+claim for every member's bandwidth and solves a linear program on it that fails for a claim of 1e-6 or less, after
+which it gives every member an equal share, clients and members left out included (and below about 1e-308 it
+raises, failing the round for all again).
 """
 
 from __future__ import annotations
@@ -26,29 +31,36 @@ Loads = Callable[[bytes], object]
 
 @dataclass(frozen=True)
 class Members:
-    """A group's entries, checked: per member (in the group's order) its bandwidth, mode and user data as hivemind
-    reads them, the modes for the all-reduce (None where every entry was sound: hivemind's own from the split), and
-    why each member left out was (by index)."""
+    """A group's entries, checked, per member in the group's order: the bandwidth, mode and user data it gathered
+    (a member left out: 0, auxiliary, None), and why each member left out was (by its index in the group)."""
 
     bandwidths: tuple[float | None, ...]
     modes: tuple[AveragingMode, ...]
     user_data: tuple[object, ...]
     left_out: dict[int, str]
 
+    @property
+    def split_bandwidths(self) -> list[float | None]:
+        """What the tensors are split by: 0 (no share) for a client, a member that claims a bandwidth of 0 (hivemind:
+        it leaves the reducing to the others) or one left out; None (an equal share) for every other member, whatever
+        bandwidth it claims (module docstring)."""
+        return [0.0 if index in self.left_out or mode == AveragingMode.CLIENT or bandwidth == 0 else None
+                for index, (bandwidth, mode) in enumerate(zip(self.bandwidths, self.modes, strict=True))]
+
     def runner_modes(self, fractions: Sequence[float]) -> tuple[AveragingMode, ...] | None:
-        """The modes for the all-reduce given the split: hivemind's own (a member with no share a client, the rest
-        nodes) where nobody was left out, else the same with each member left out auxiliary (not a sender)."""
+        """The modes for the all-reduce given the split: hivemind's own (None: the runner derives them, a member with
+        no share a client, the rest nodes) where nobody was left out, else the same with each member left out
+        auxiliary (not a sender)."""
         if not self.left_out:
             return None
         return tuple(AveragingMode.AUX if index in self.left_out
                      else AveragingMode.CLIENT if fraction == 0 else AveragingMode.NODE
                      for index, fraction in enumerate(fractions))
 
-    @property
-    def download_bandwidths(self) -> list[float | None]:
-        """What hivemind splits the tensors by: a client's bandwidth counts as 0 (it reduces nothing)."""
-        return [0.0 if mode == AveragingMode.CLIENT else bandwidth
-                for bandwidth, mode in zip(self.bandwidths, self.modes, strict=True)]
+    def gathered(self, peer_ids: Sequence[object]) -> dict[object, object]:
+        """The round's user data by member, members left out left out (the step's result: how many averaged)."""
+        return {peer: data for index, (peer, data) in enumerate(zip(peer_ids, self.user_data, strict=True))
+                if index not in self.left_out}
 
 
 def _entry(blob: object, loads: Loads) -> tuple[float | None, AveragingMode, object]:

@@ -29,6 +29,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 
 from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
 from hivemind.averaging.group_info import GroupInfo
@@ -220,17 +221,25 @@ class RobustAveraging:
 
     async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs) -> dict:
         """hivemind's, on the group's entries as `checked_members` reads them: a member whose entry no honest
-        averager sends is left out of the round (no share, no tensors expected) instead of failing it for all."""
+        averager sends is left out of the round (no share, no tensors expected, no lane, not in the result) instead
+        of failing it for all, and the split ignores claimed bandwidths (`peer/group_members.py`). Where this peer's
+        own entry reached it garbled (the leader's doing), the round fails here and hivemind looks for another."""
         try:
             members = checked_members(group_info.gathered, self.serializer.loads)
+            own = group_info.peer_ids.index(self.peer_id)
+            if own in members.left_out:
+                raise ValueError(f"this peer's own entry reached it as {members.left_out[own]}")
             for index, why in members.left_out.items():
                 logger.warning("%s left member %s out of this round: %s", self.prefix, group_info.peer_ids[index], why)
             fractions = await asyncio.get_running_loop().run_in_executor(
-                None, load_balance_peers, self.total_size, members.download_bandwidths, min_vector_size)
+                None, load_balance_peers, self.total_size, members.split_bandwidths, min_vector_size)
+            # a member left out names no lane either (`_camps` reads the lanes from the entries)
+            checked = replace(group_info, gathered=tuple(b"" if index in members.left_out else entry
+                                                         for index, entry in enumerate(group_info.gathered)))
             async with enter_asynchronously(self.get_tensors()) as local_tensors:
-                await self._run_allreduce_inplace_(local_tensors, group_info, peer_fractions=fractions,
+                await self._run_allreduce_inplace_(local_tensors, checked, peer_fractions=fractions,
                                                    modes=members.runner_modes(fractions), **kwargs)
-            return dict(zip(group_info.peer_ids, members.user_data, strict=True))
+            return members.gathered(group_info.peer_ids)
         except BaseException as exc:
             if isinstance(exc, Exception):
                 logger.exception(exc)

@@ -23,9 +23,9 @@ logs was one of them (the θ head's weight and bias 43× and 48× their bound, a
 session 25's one honest reducer ban was for `attn_norm` parts. A spoiled small part is still refused or clipped,
 part by part, and one `flagrant` times past its bound still accuses at once; what weighing by values gives up is an
 accusation of a peer that spoils small parts alone (benchmarks/RESULTS.md, "Evidence weighed by values"). A peer
-cannot pick the parts it reduces: hivemind gives each peer a share by the bandwidth it claims, but honest peers
-claim none, and a single claim is then taken for every peer's (equal shares, whatever it claims; two colluding
-peers claiming different bandwidths could leave one of them a small share, made of small parts).
+cannot make its share small parts alone: its share is an equal one whatever bandwidth it claims
+(peer/group_members.py), a run of about 1/N of the values (a hostile leader may choose where in the order it
+stands, not how much it reduces).
 
 What a finding costs a peer before it is accused is only the part itself: a far contribution is clipped, a
 refused reduced part replaced by the receiver's own values. What it cannot catch: a peer that spoils fewer parts

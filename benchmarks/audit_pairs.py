@@ -100,9 +100,9 @@ def refused_parts(log_text: str) -> dict:
     stage's tensors)."""
     found = [(m["averager"] or "", int(m["values"]), int(m["tensor"]))
              for m in map(REFUSED_PART.search, log_text.splitlines()) if m]
-    full = EvidenceRule.full_values
-    return dict(parts=len(found), vectors=sum(values < full for _, values, _ in found),
-                weight=round(sum(min(1.0, values / full) for _, values, _ in found), 3),
+    rule = EvidenceRule()
+    return dict(parts=len(found), vectors=sum(values < rule.full_values for _, values, _ in found),
+                weight=round(sum(rule.weight(values) for _, values, _ in found), 3),
                 by_size_and_tensor={f"{averager} {values} values, tensor {tensor}".strip(): n
                                     for (averager, values, tensor), n in sorted(Counter(found).items())})
 

@@ -71,6 +71,10 @@ class EvidenceRule:
         if self.full_values < 1:
             raise ValueError(f"full_values must be at least 1, not {self.full_values}")
 
+    def weight(self, values: int | None) -> float:
+        """What one judged part of `values` values weighs as evidence (None: a judgement of its own, 1)."""
+        return 1.0 if values is None else min(1.0, values / self.full_values)
+
 
 # one judgement per reducer and round (module docstring)
 ALIGNMENT = EvidenceRule(rounds=8, flags=5, share=0.5, unit="rounds")
@@ -103,7 +107,7 @@ class Evidence:
         if not rounds or rounds[-1].key != round_key:
             rounds.append(_Round(round_key))
         current = rounds[-1]
-        weight = 1.0 if values is None else min(1.0, values / self.rule.full_values)
+        weight = self.rule.weight(values)
         current.judged += weight
         if finding is None:
             return None

@@ -419,7 +419,7 @@ def test_a_receiver_refuses_one_reduced_part_keeps_the_order_and_accuses_on_evid
     judged: list[tuple[int, str | None]] = []
     evidence = Evidence()
 
-    def judge(peer_index: int, finding, values: int) -> bool:
+    def judge(peer_index: int, finding, values: int | None) -> bool:
         judged.append((peer_index, finding and finding.why))
         return evidence.judge(peer_index, 0, finding, values) is not None
 

@@ -37,7 +37,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from peer.audit import AUDIT_MAX_LAG, COSINE_MIN, LOSS_RTOL, LOSS_RTOL_PER_EPOCH  # noqa: E402
+from peer.audit import AUDIT_MAX_LAG, COSINE_MIN, LANE_LOSS_RTOL, LOSS_RTOL, LOSS_RTOL_PER_EPOCH  # noqa: E402
 from peer.next_hop import NOT_JUDGED  # noqa: E402
 from swarm.evidence import EvidenceRule  # noqa: E402
 from swarm.fingerprint import relative_distance  # noqa: E402
@@ -185,7 +185,8 @@ def summary(pairs: list[dict]) -> dict:
         not_judged=sum(unjudged(p) for p in pairs),
         not_compared=sum(too_far(p) for p in pairs),
         lag_max=max((p["lag"] for p in pairs if p.get("lag") is not None), default=None),
-        tolerances=dict(cosine_min=COSINE_MIN, loss_rtol=LOSS_RTOL, loss_rtol_per_epoch=LOSS_RTOL_PER_EPOCH),
+        tolerances=dict(cosine_min=COSINE_MIN, loss_rtol=LOSS_RTOL, lane_loss_rtol=LANE_LOSS_RTOL,
+                        loss_rtol_per_epoch=LOSS_RTOL_PER_EPOCH),
     )
 
 

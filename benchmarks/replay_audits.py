@@ -6,9 +6,11 @@ lanes', or the files named), every peer honest, so each verdict is a false posit
 below `COSINE_MIN`, the lowest median of a pair's last `FLIP_WINDOW` cosines, the highest median norm ratio over a
 pair's last `DRIFT_WINDOW` audits within 1, 2 and 3 epochs, and the verdicts of `Ledger.flip` and `Ledger.drift`
 (one ledger per driver) run over them in order. Older files do not name the peers: their windows run over a run's
-audits in order. The loss check is not replayed (which reply came from the older weights is not recorded).
+audits in order. The loss check is not replayed (which reply came from the older weights is not recorded), except
+on lane forks (`--lanes`: the `audit-pairs-lanes*.json` files), whose single loss differences are held against
+`LANE_LOSS_RTOL` without any slack, and whose cosines against `Ledger.flip` (lane forks are not weighed for drift).
 
-    python benchmarks/replay_audits.py [FILE ...]
+    python benchmarks/replay_audits.py [--lanes] [FILE ...]
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from peer.audit import COSINE_MIN, DRIFT_WINDOW, FLIP_WINDOW, Agreement, Ledger  # noqa: E402
+from peer.audit import COSINE_MIN, DRIFT_WINDOW, FLIP_WINDOW, LANE_LOSS_RTOL, LOSS_RTOL, Agreement, Ledger  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -58,9 +60,11 @@ def worst_norm_windows(runs: list, max_lag: int) -> tuple[int, list]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--lanes", action="store_true", help="the lane forks' recorded audits")
     parser.add_argument("files", nargs="*", type=Path)
     args = parser.parse_args()
-    files = args.files or sorted(p for p in RESULTS.glob("audit-pairs*.json") if "lanes" not in p.name)
+    recorded = sorted(RESULTS.glob("audit-pairs*.json"))
+    files = args.files or [p for p in recorded if ("lanes" in p.name) == args.lanes]
     runs = list(recorded_runs(files))
     singles, flip_medians, verdicts, audits = [], [], [], 0
     for name, index, pairs in runs:
@@ -78,7 +82,7 @@ def main() -> None:
                 flip_medians.append((round(statistics.median(window), 3), name, index, at))
             seen = Agreement(pair["loss_rdiff"], (1.0, pair["norm_ratio"] or 1.0), pair["cosine"], True)
             ledger, (a, b) = ledgers[pair.get("observer")], (pair.get("primary", "a"), pair.get("shadow", "b"))
-            why = ledger.flip(a, b, seen) or ledger.drift(a, b, seen, pair["lag"])
+            why = ledger.flip(a, b, seen) or (None if args.lanes else ledger.drift(a, b, seen, pair["lag"]))
             if why:
                 verdicts.append((name, index, at, why))
     report = {
@@ -87,8 +91,15 @@ def main() -> None:
         f"lowest medians of {FLIP_WINDOW} cosines": sorted(flip_medians)[:3],
         **{f"norm windows within {lag} epochs (count, highest medians)": worst_norm_windows(runs, lag)
            for lag in (1, 2, 3)},
-        "verdicts of Ledger.flip and Ledger.drift": verdicts,
+        "verdicts of Ledger.flip" + ("" if args.lanes else " and Ledger.drift"): verdicts,
     }
+    if args.lanes:
+        losses = sorted(pair["loss_rdiff"] for _, _, pairs in runs for pair in pairs if pair["loss_rdiff"] is not None)
+        report["loss differences"] = {
+            "compared": len(losses), "largest": losses[-3:],
+            f"past LOSS_RTOL ({LOSS_RTOL:.3g})": sum(rdiff > LOSS_RTOL for rdiff in losses),
+            f"past LANE_LOSS_RTOL ({LANE_LOSS_RTOL:.3g})": sum(rdiff > LANE_LOSS_RTOL for rdiff in losses),
+        }
     print(json.dumps(report, indent=1))
 
 

@@ -28,9 +28,9 @@ replays them through these rules). A comparison is judged only where one of the 
 
 - Replies are not paired at the same weights (no two replicas hold bit-equal weights after hivemind's all-reduce);
   every reply carries the epoch of each hop's weights, and only the next hop's own epoch counts.
-- The loss is the discriminator: within `LOSS_RTOL`, plus `LOSS_RTOL_PER_EPOCH` per epoch between the two replies'
-  weights where the older weights gave the higher loss (a stale copy early in a run); a lower loss from older
-  weights gets no slack.
+- The loss is the discriminator: within `LOSS_RTOL` (`LANE_LOSS_RTOL` on lane forks, whose losses are a chunk's),
+  plus `LOSS_RTOL_PER_EPOCH` per epoch between the two replies' weights where the older weights gave the higher loss
+  (a stale copy early in a run); a lower loss from older weights gets no slack.
 - A lag: replies more than `AUDIT_MAX_LAG` epochs apart (losses not compared), or whose losses are apart past the
   slack, by at most `LOSS_GAP_EXCUSED` per epoch between them (never past `LOSS_GAP_MAX`), the way older weights'
   are (the loss falling faster than the slack in a run's first minute, or a loss spike the newer weights recovered
@@ -66,6 +66,9 @@ import torch
 
 COSINE_MIN = -0.8  # see the measurements above: direction is only checked for a sign flip
 LOSS_RTOL = 0.25
+# a lane fork's two losses are one chunk's (a lane's share of a sequence), from replicas that average mostly in
+# pairs: 10,403 recorded honest lane comparisons reached 0.599 apart at one audit (`benchmarks/replay_audits.py`)
+LANE_LOSS_RTOL = 2 / 3  # one loss 3 times the other
 LOSS_RTOL_PER_EPOCH = 0.05  # more loss difference allowed per epoch of lag, where the older weights lost more
 LOSS_GAP_EXCUSED = 0.1  # how far past its slack, per epoch of lag, a loss gap of older weights may be excused...
 LOSS_GAP_MAX = 0.75  # ...as a lag, up to this (one loss 4 times the other is never a lag)
@@ -148,17 +151,19 @@ def epoch_lag(epochs_a: list[int], epochs_b: list[int]) -> int | None:
     return abs(epochs_a[-1] - epochs_b[-1])
 
 
-def loss_rtol(loss_a: float | None, epochs_a: list[int], loss_b: float | None, epochs_b: list[int]) -> float:
-    """The relative loss difference two honest replies to one message may show (see above): `LOSS_RTOL`, plus
-    `LOSS_RTOL_PER_EPOCH` per epoch between the next hop's weights where the older weights gave the higher loss
-    (what training does to a stale copy; a lower loss from older weights gets no slack); not compared (infinite)
-    past `AUDIT_MAX_LAG`."""
+def loss_rtol(
+    loss_a: float | None, epochs_a: list[int], loss_b: float | None, epochs_b: list[int], base: float = LOSS_RTOL
+) -> float:
+    """The relative loss difference two honest replies to one message may show (see above): `base` (`LOSS_RTOL`,
+    or `LANE_LOSS_RTOL` for a lane fork's), plus `LOSS_RTOL_PER_EPOCH` per epoch between the next hop's weights
+    where the older weights gave the higher loss (what training does to a stale copy; a lower loss from older weights
+    gets no slack); not compared (infinite) past `AUDIT_MAX_LAG`."""
     lag = epoch_lag(epochs_a, epochs_b)
     if lag is None or loss_a is None or loss_b is None:
-        return LOSS_RTOL
+        return base
     if lag > AUDIT_MAX_LAG:
         return math.inf
-    return LOSS_RTOL + LOSS_RTOL_PER_EPOCH * lag if older_lost_more(loss_a, epochs_a, loss_b, epochs_b) else LOSS_RTOL
+    return base + LOSS_RTOL_PER_EPOCH * lag if older_lost_more(loss_a, epochs_a, loss_b, epochs_b) else base
 
 
 def older_lost_more(loss_a: float | None, epochs_a: list[int], loss_b: float | None, epochs_b: list[int]) -> bool:

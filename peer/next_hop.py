@@ -25,7 +25,17 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from peer.audit import AUDIT_MAX_LAG, COSINE_MIN, agreement, epoch_lag, loss_gap_of_lag, loss_rtol, replies_disagree
+from peer.audit import (
+    AUDIT_MAX_LAG,
+    COSINE_MIN,
+    LANE_LOSS_RTOL,
+    LOSS_RTOL,
+    agreement,
+    epoch_lag,
+    loss_gap_of_lag,
+    loss_rtol,
+    replies_disagree,
+)
 from peer.link import Link
 from peer.routing import Failover, Router
 from peer.runtime import StageRuntime
@@ -267,7 +277,8 @@ class NextHop:
         fork's, which the driver chose) prove nothing either way. A duplicate that failed bans its peer as a failed
         trip would, except a lane fork's (`lane_fork`): the driver shaped it, and a hostile driver must not get
         honest peers banned by naming them in forks that cannot succeed. A lane fork's replies are not weighed for
-        drift (`Ledger.drift`): honest lane peers' replies drift apart (benchmarks/RESULTS.md). The cosines of two
+        drift (`Ledger.drift`), and their losses may be further apart (`LANE_LOSS_RTOL`): honest lane peers' replies
+        drift apart (benchmarks/RESULTS.md). The cosines of two
         verified peers and of lane forks are weighed over the pair's last few for a sign flip (`Ledger.flip`); a
         peer being verified is refused at one below the floor. A comparison is not judged
         if a verdict on either peer landed while it was in flight (`Ledger.verdicts_on`)."""
@@ -295,7 +306,8 @@ class NextHop:
             reply, seconds = t.result()
             seen = agreement(used.grad, used.loss, reply.grad, reply.loss)
             lag = epoch_lag(used.epochs, reply.epochs)
-            rtol = loss_rtol(used.loss, used.epochs, reply.loss, reply.epochs)
+            base = LANE_LOSS_RTOL if lane_fork else LOSS_RTOL  # a chunk's loss, from replicas averaging in pairs
+            rtol = loss_rtol(used.loss, used.epochs, reply.loss, reply.epochs, base)
             # between two verified peers (and on lane forks) a sign flip is judged over the pair's last few cosines
             # (`Ledger.flip`); a peer not verified yet is refused at one, so that it cannot be verified on windows
             # split among several primaries

@@ -8,7 +8,8 @@ pair's last `DRIFT_WINDOW` audits within 1, 2 and 3 epochs, and the verdicts of 
 (one ledger per driver) run over them in order. Older files do not name the peers: their windows run over a run's
 audits in order. The loss check is not replayed (which reply came from the older weights is not recorded), except
 on lane forks (`--lanes`: the `audit-pairs-lanes*.json` files), whose single loss differences are held against
-`LANE_LOSS_RTOL` without any slack, and whose cosines against `Ledger.flip` (lane forks are not weighed for drift).
+`LANE_LOSS_RTOL` without any slack (those within `AUDIT_MAX_LAG` epochs, the ones compared), and whose cosines
+against `Ledger.flip` (lane forks are not weighed for drift).
 
     python benchmarks/replay_audits.py [--lanes] [FILE ...]
 """
@@ -25,7 +26,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from peer.audit import COSINE_MIN, DRIFT_WINDOW, FLIP_WINDOW, LANE_LOSS_RTOL, LOSS_RTOL, Agreement, Ledger  # noqa: E402
+from peer.audit import (  # noqa: E402
+    AUDIT_MAX_LAG,
+    COSINE_MIN,
+    DRIFT_WINDOW,
+    FLIP_WINDOW,
+    LANE_LOSS_RTOL,
+    LOSS_RTOL,
+    Agreement,
+    Ledger,
+)
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -94,9 +104,10 @@ def main() -> None:
         "verdicts of Ledger.flip" + ("" if args.lanes else " and Ledger.drift"): verdicts,
     }
     if args.lanes:
-        losses = sorted(pair["loss_rdiff"] for _, _, pairs in runs for pair in pairs if pair["loss_rdiff"] is not None)
-        report["loss differences"] = {
-            "compared": len(losses), "largest": losses[-3:],
+        losses = sorted(pair["loss_rdiff"] for _, _, pairs in runs for pair in pairs
+                        if pair["loss_rdiff"] is not None and pair["lag"] <= AUDIT_MAX_LAG)  # farther: not compared
+        report[f"loss differences within {AUDIT_MAX_LAG} epochs"] = {
+            "comparisons": len(losses), "largest": losses[-3:],
             f"past LOSS_RTOL ({LOSS_RTOL:.3g})": sum(rdiff > LOSS_RTOL for rdiff in losses),
             f"past LANE_LOSS_RTOL ({LANE_LOSS_RTOL:.3g})": sum(rdiff > LANE_LOSS_RTOL for rdiff in losses),
         }

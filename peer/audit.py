@@ -28,9 +28,9 @@ replays them through these rules). A comparison is judged only where one of the 
 
 - Replies are not paired at the same weights (no two replicas hold bit-equal weights after hivemind's all-reduce);
   every reply carries the epoch of each hop's weights, and only the next hop's own epoch counts.
-- The loss is the discriminator: within `LOSS_RTOL` (`LANE_LOSS_RTOL` on lane forks, whose losses are a chunk's),
-  plus `LOSS_RTOL_PER_EPOCH` per epoch between the two replies' weights where the older weights gave the higher loss
-  (a stale copy early in a run); a lower loss from older weights gets no slack.
+- The loss is the discriminator: within `LOSS_RTOL`, plus `LOSS_RTOL_PER_EPOCH` per epoch between the two replies'
+  weights where the older weights gave the higher loss (a stale copy early in a run); a lower loss from older
+  weights gets no slack. On lane forks, whose losses are a chunk's, within the larger of that and `LANE_LOSS_RTOL`.
 - A lag: replies more than `AUDIT_MAX_LAG` epochs apart (losses not compared), or whose losses are apart past the
   slack, by at most `LOSS_GAP_EXCUSED` per epoch between them (never past `LOSS_GAP_MAX`), the way older weights'
   are (the loss falling faster than the slack in a run's first minute, or a loss spike the newer weights recovered
@@ -152,18 +152,23 @@ def epoch_lag(epochs_a: list[int], epochs_b: list[int]) -> int | None:
 
 
 def loss_rtol(
-    loss_a: float | None, epochs_a: list[int], loss_b: float | None, epochs_b: list[int], base: float = LOSS_RTOL
+    loss_a: float | None, epochs_a: list[int], loss_b: float | None, epochs_b: list[int], lane_fork: bool = False
 ) -> float:
-    """The relative loss difference two honest replies to one message may show (see above): `base` (`LOSS_RTOL`,
-    or `LANE_LOSS_RTOL` for a lane fork's), plus `LOSS_RTOL_PER_EPOCH` per epoch between the next hop's weights
-    where the older weights gave the higher loss (what training does to a stale copy; a lower loss from older weights
-    gets no slack); not compared (infinite) past `AUDIT_MAX_LAG`."""
+    """The relative loss difference two honest replies to one message may show (see above): `LOSS_RTOL`, plus
+    `LOSS_RTOL_PER_EPOCH` per epoch between the next hop's weights where the older weights gave the higher loss
+    (what training does to a stale copy; a lower loss from older weights gets no slack); not compared (infinite)
+    past `AUDIT_MAX_LAG`. A lane fork's is at least `LANE_LOSS_RTOL`, not that plus the slack: the epochs are each
+    reply's word, and stacked, a liar claiming 7 epochs' lag would pass any loss (no recorded honest lane comparison
+    came near `LANE_LOSS_RTOL` at any lag: 0.599 at most)."""
     lag = epoch_lag(epochs_a, epochs_b)
     if lag is None or loss_a is None or loss_b is None:
-        return base
-    if lag > AUDIT_MAX_LAG:
+        rtol = LOSS_RTOL
+    elif lag > AUDIT_MAX_LAG:
         return math.inf
-    return base + LOSS_RTOL_PER_EPOCH * lag if older_lost_more(loss_a, epochs_a, loss_b, epochs_b) else base
+    else:
+        slack = LOSS_RTOL_PER_EPOCH * lag if older_lost_more(loss_a, epochs_a, loss_b, epochs_b) else 0.0
+        rtol = LOSS_RTOL + slack
+    return max(rtol, LANE_LOSS_RTOL) if lane_fork else rtol
 
 
 def older_lost_more(loss_a: float | None, epochs_a: list[int], loss_b: float | None, epochs_b: list[int]) -> bool:

@@ -25,17 +25,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from peer.audit import (
-    AUDIT_MAX_LAG,
-    COSINE_MIN,
-    LANE_LOSS_RTOL,
-    LOSS_RTOL,
-    agreement,
-    epoch_lag,
-    loss_gap_of_lag,
-    loss_rtol,
-    replies_disagree,
-)
+from peer.audit import AUDIT_MAX_LAG, COSINE_MIN, agreement, epoch_lag, loss_gap_of_lag, loss_rtol, replies_disagree
 from peer.link import Link
 from peer.routing import Failover, Router
 from peer.runtime import StageRuntime
@@ -306,8 +296,7 @@ class NextHop:
             reply, seconds = t.result()
             seen = agreement(used.grad, used.loss, reply.grad, reply.loss)
             lag = epoch_lag(used.epochs, reply.epochs)
-            base = LANE_LOSS_RTOL if lane_fork else LOSS_RTOL  # a chunk's loss, from replicas averaging in pairs
-            rtol = loss_rtol(used.loss, used.epochs, reply.loss, reply.epochs, base)
+            rtol = loss_rtol(used.loss, used.epochs, reply.loss, reply.epochs, lane_fork)
             # between two verified peers (and on lane forks) a sign flip is judged over the pair's last few cosines
             # (`Ledger.flip`); a peer not verified yet is refused at one, so that it cannot be verified on windows
             # split among several primaries

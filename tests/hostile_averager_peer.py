@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import multiprocessing
 import sys
 
 import torch
@@ -48,6 +49,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--send", choices=sorted(FORGERIES), default="nan")
     args, peer_args = parser.parse_known_args()
+    if multiprocessing.get_start_method() != "fork":
+        sys.exit("hostile_averager_peer.py patches the averager in this process: it needs the 'fork' start method")
     RobustAveraging._run_allreduce_inplace_ = forging(RobustAveraging._run_allreduce_inplace_, args.send)
     sys.exit(cli.main(peer_args))
 

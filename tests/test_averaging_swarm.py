@@ -24,6 +24,8 @@ from swarm.presets import preset
 
 REPO = Path(__file__).resolve().parent.parent
 AVERAGING_BAN = re.compile(r"(?P<averager>\S+) banned peer (?P<peer>\S+) from averaging for \S+ s: (?P<why>.*)$")
+AUDIT_BAN = re.compile(r"audit: replies of .* disagree \(.*\); (?P<peer>\S+) banned")
+EPOCH = re.compile(r", epoch (\d+), trips ")
 HONEST = ("honest-a", "honest-b")
 pytestmark = pytest.mark.slow
 
@@ -60,15 +62,24 @@ def test_a_tail_sending_forged_gradients_to_its_stages_averaging_is_banned_and_t
         assert all(why in found_why for found_why in whys), whys
         assert any(f"hostile averager: sending {send}" in line for line in lines("hostile"))
 
-        # after the bans the honest tails still average their gradients, with each other
+        # after the bans the honest tails still average their gradients, with each other, and step on
         since = {name: len(lines(name)) for name in HONEST}
+        epochs = {name: epoch(lines(name)) for name in HONEST}
 
-        def averaged_again() -> bool:
+        def trained_on() -> bool:
             return all(any("grad_averager averaged in a group of 2" in line for line in lines(name)[since[name]:])
-                       for name in HONEST)
+                       and epoch(lines(name)) >= epochs[name] + 2 for name in HONEST)
 
-        wait_for(averaged_again, 180, "the honest tails to average their gradients again")
+        wait_for(trained_on, 180, "the honest tails to average their gradients again and step on")
 
+        audit_banned = {m["peer"] for m in map(AUDIT_BAN.search, lines("driver")) if m}
+        assert not audit_banned & {ids[name][-6:] for name in HONEST}, audit_banned
         for name in ("driver", *HONEST):
             assert not [m.string for m in bans(name) if m["peer"] != ids["hostile"]], name
             assert not [line for line in lines(name) if "refused non-finite updates" in line], name
+
+
+def epoch(lines: list[str]) -> int:
+    """The epoch a peer's last status line gives (-1 before its first)."""
+    found = [int(m[1]) for m in map(EPOCH.search, lines) if m]
+    return found[-1] if found else -1

@@ -67,7 +67,8 @@ import torch
 COSINE_MIN = -0.8  # see the measurements above: direction is only checked for a sign flip
 LOSS_RTOL = 0.25
 # a lane fork's two losses are one chunk's (a lane's share of a sequence), from replicas that average mostly in
-# pairs: 10,403 recorded honest lane comparisons reached 0.599 apart at one audit (`benchmarks/replay_audits.py`)
+# pairs: 10,750 recorded honest lane comparisons within `AUDIT_MAX_LAG` reached 0.599 apart at one audit
+# (`benchmarks/replay_audits.py --lanes`)
 LANE_LOSS_RTOL = 2 / 3  # one loss 3 times the other
 LOSS_RTOL_PER_EPOCH = 0.05  # more loss difference allowed per epoch of lag, where the older weights lost more
 LOSS_GAP_EXCUSED = 0.1  # how far past its slack, per epoch of lag, a loss gap of older weights may be excused...

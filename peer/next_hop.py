@@ -268,10 +268,9 @@ class NextHop:
         trip would, except a lane fork's (`lane_fork`): the driver shaped it, and a hostile driver must not get
         honest peers banned by naming them in forks that cannot succeed. A lane fork's replies are not weighed for
         drift (`Ledger.drift`), and their losses may be further apart (`LANE_LOSS_RTOL`): honest lane peers' replies
-        drift apart (benchmarks/RESULTS.md). The cosines of two
-        verified peers and of lane forks are weighed over the pair's last few for a sign flip (`Ledger.flip`); a
-        peer being verified is refused at one below the floor. A comparison is not judged
-        if a verdict on either peer landed while it was in flight (`Ledger.verdicts_on`)."""
+        drift apart (benchmarks/RESULTS.md). The cosines of two verified peers and of lane forks are weighed over the
+        pair's last few for a sign flip (`Ledger.flip`); a peer being verified is refused at one below the floor. A
+        comparison is not judged if a verdict on either peer landed while it was in flight (`Ledger.verdicts_on`)."""
         router, ledger = self.router, self.router.ledger
         standing = ledger.verdicts_on(primary, shadow)
 

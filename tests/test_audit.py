@@ -482,7 +482,6 @@ def test_a_lane_forks_losses_may_be_three_times_apart_a_pipeline_duplicates_only
             assert (3.0 - 0.9) / 3.0 > LANE_LOSS_RTOL
             await compare(3.0, 0.9)  # one loss more than 3 times the other
             assert "newer" in router.liars() and "older" not in router.liars()
-            await asyncio.sleep(0)
             router.bans.clear()
             # a liar claiming weights 7 epochs newer, with a loss of 0: the older weights lost more, and the
             # pipeline's slack stacked on the lane's tolerance would have been above 1 there (no loss refused)

@@ -53,12 +53,12 @@ def test_a_tail_sending_forged_gradients_to_its_stages_averaging_is_banned_and_t
 
         def hostile_bans() -> dict[str, list[re.Match]] | None:
             """Each honest tail's bans of the hostile one from its gradient averaging; None until both have one."""
-            found = {name: [m for m in bans(name) if m["peer"] == ids["hostile"] and "grad_averager" in m["averager"]]
-                     for name in HONEST}
-            return found if all(found.values()) else None
+            by_name = {name: [m for m in bans(name) if m["peer"] == ids["hostile"] and "grad_averager" in m["averager"]]
+                       for name in HONEST}
+            return by_name if all(by_name.values()) else None
 
         banned = wait_for(hostile_bans, 300, "both honest tails to ban the hostile one from averaging")
-        whys = [m["why"] for found in banned.values() for m in found]
+        whys = [m["why"] for matches in banned.values() for m in matches]
         assert all(why in found_why for found_why in whys), whys
         assert any(f"hostile averager: sending {send}" in line for line in lines("hostile"))
 

@@ -38,7 +38,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from peer.audit import AUDIT_MAX_LAG, COSINE_MIN, LANE_LOSS_RTOL, LOSS_RTOL, LOSS_RTOL_PER_EPOCH  # noqa: E402
-from peer.next_hop import NOT_JUDGED  # noqa: E402
+from peer.next_hop import LOSS_GAP_WEIGHED, NOT_JUDGED  # noqa: E402
 from swarm.evidence import EvidenceRule  # noqa: E402
 from swarm.fingerprint import relative_distance  # noqa: E402
 from swarm.manifest import save_manifest  # noqa: E402
@@ -154,6 +154,10 @@ def unjudged(pair: dict) -> bool:
     return pair["verdict"].startswith(NOT_JUDGED)
 
 
+def weighed(pair: dict) -> bool:
+    return pair["verdict"].startswith(LOSS_GAP_WEIGHED)
+
+
 def too_far(pair: dict) -> bool:
     return pair.get("lag") is not None and pair["lag"] > AUDIT_MAX_LAG
 
@@ -180,7 +184,10 @@ def summary(pairs: list[dict]) -> dict:
         norm_ratio_max=max(ratios, default=None),
         norm_ratio_p99=quantile(ratios, 0.99),
         # a pair too many epochs apart is not compared (peer/audit.py): the tolerances' verdict on it is not used
-        refused=[p["verdict"] for p in pairs if p["verdict"] != "agree" and not too_far(p) and not unjudged(p)],
+        refused=[p["verdict"] for p in pairs
+                 if p["verdict"] != "agree" and not too_far(p) and not unjudged(p) and not weighed(p)],
+        # a loss gap between two verified peers that was not most of the pair's last few: no verdict (peer/audit.py)
+        loss_gaps_weighed=[p["verdict"] for p in pairs if weighed(p)],
         # back after a verdict on its pair landed (peer/next_hop.py): logged, not judged
         not_judged=sum(unjudged(p) for p in pairs),
         not_compared=sum(too_far(p) for p in pairs),

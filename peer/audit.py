@@ -87,6 +87,7 @@ AUDIT_RATE = 0.02  # share of a verified peer's trips duplicated to another veri
 # through forks, so newcomers need them; each costs the forked stage and those after it one more lane trip
 LANE_AUDIT_RATE = 0.1
 FLIP_WINDOW = 3  # a pair's last this many cosines: their median is checked against `COSINE_MIN`
+LOSS_WINDOW = 3  # between two verified peers a loss gap is a verdict once most of the pair's last this many had one
 
 
 @dataclass(frozen=True)
@@ -236,6 +237,8 @@ class Ledger:
     drift_norms: dict[frozenset[str], deque[float]] = field(default_factory=dict)
     # a pair of peers -> its last `FLIP_WINDOW` gradient cosines
     flip_cosines: dict[frozenset[str], deque[float]] = field(default_factory=dict)
+    # a pair of peers -> whether each of its last `LOSS_WINDOW` compared losses was apart past its tolerance
+    loss_gaps: dict[frozenset[str], deque[bool]] = field(default_factory=dict)
     # peer -> how many times it lost its standing (`distrust`): a comparison sent before the last is not judged
     verdicts: dict[str, int] = field(default_factory=dict)
     rng: random.Random = field(default_factory=random.Random)
@@ -331,7 +334,7 @@ class Ledger:
 
     def forget_pairs_beyond(self, listed: set[str]) -> None:
         """Drop the drift and flip windows of pairs with a peer not in `listed` (its record expired)."""
-        for store in (self.drift_cosines, self.drift_norms, self.flip_cosines):
+        for store in (self.drift_cosines, self.drift_norms, self.flip_cosines, self.loss_gaps):
             for pair in [pair for pair in store if not pair <= listed]:
                 del store[pair]
 
@@ -347,6 +350,23 @@ class Ledger:
             return None
         del self.flip_cosines[pair]
         return f"the median gradient cosine of their last {FLIP_WINDOW} audits is {cosine:.3f}, below {COSINE_MIN}"
+
+    def losses_apart(self, peer_a: str, peer_b: str, seen: Agreement, rtol: float) -> bool:
+        """Weigh one comparison's losses between two verified peers: whether the pair's losses were apart past their
+        tolerance `rtol` in most of its last `LOSS_WINDOW` comparisons (a verdict, which starts the pair afresh).
+        An honest replica's single reply can be far off: the third long honest run's one ban was a reply with loss
+        8.79 (above ln V) and a gradient 81 times smaller than its partner's 5.95, at equal epochs, and the same
+        pair's next 693 comparisons agreed (benchmarks/results/audit-pairs-long-3.json). A liar that forges its
+        loss forges it audit after audit, and is judged at its second."""
+        if seen.loss_rdiff is None:
+            return False
+        pair = frozenset((peer_a, peer_b))
+        window = self.loss_gaps.setdefault(pair, deque(maxlen=LOSS_WINDOW))
+        window.append(seen.loss_rdiff > rtol)
+        if 2 * sum(window) <= LOSS_WINDOW:
+            return False
+        del self.loss_gaps[pair]
+        return True
 
     def distrust(self, peer_id: str) -> None:
         self.standings.pop(peer_id, None)

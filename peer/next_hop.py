@@ -38,6 +38,8 @@ logger = logging.getLogger("peer")
 
 # the verdict logged for a comparison that is not judged (a verdict on its pair landed while it was in flight)
 NOT_JUDGED = "not judged, a verdict on the pair landed meanwhile"
+# ...and for a loss gap between two verified peers that is not a verdict yet (`Ledger.losses_apart`)
+LOSS_GAP_WEIGHED = "a loss gap weighed, not a verdict on its own"
 SEND_ATTEMPTS = 8  # peers of the next stage tried for one trip before giving up
 
 Fetch = Callable[[], Awaitable[dict[int, list[PeerEntry]]]]
@@ -295,17 +297,27 @@ class NextHop:
             reply, seconds = t.result()
             seen = agreement(used.grad, used.loss, reply.grad, reply.loss)
             lag = epoch_lag(used.epochs, reply.epochs)
+            judged = ledger.verdicts_on(primary, shadow) == standing
             rtol = loss_rtol(used.loss, used.epochs, reply.loss, reply.epochs, lane_fork)
             # between two verified peers (and on lane forks) a sign flip is judged over the pair's last few cosines
             # (`Ledger.flip`); a peer not verified yet is refused at one, so that it cannot be verified on windows
             # split among several primaries
-            settled = lane_fork or (ledger.verified(primary) and ledger.verified(shadow))
+            both_verified = ledger.verified(primary) and ledger.verified(shadow)
+            settled = lane_fork or both_verified
             cosine_min = -math.inf if settled else COSINE_MIN
-            why = replies_disagree(used.grad, used.loss, reply.grad, reply.loss, cosine_min, rtol, seen)
-            judged = ledger.verdicts_on(primary, shadow) == standing
+            # between two verified peers a loss gap is judged over the pair's last few (`Ledger.losses_apart`)
+            if both_verified and lag is not None and lag <= AUDIT_MAX_LAG and judged:
+                loss_judged = ledger.losses_apart(primary, shadow, seen, rtol)
+            else:
+                loss_judged = True
+            why = replies_disagree(used.grad, used.loss, reply.grad, reply.loss, cosine_min,
+                                   rtol if loss_judged else math.inf, seen)
+            weighed = not loss_judged and seen.loss_rdiff is not None and seen.loss_rdiff > rtol
             logger.debug("%s audit of %s against %s: loss rdiff %s, cosine %s, norms %.4g %.4g, epochs apart %s, %s%s",
                          self.label, shadow[-6:], primary[-6:], seen.loss_rdiff, seen.cosine, *seen.norms, lag,
-                         "" if judged else f"{NOT_JUDGED}: ", why or "agree")
+                         "" if judged else f"{NOT_JUDGED}: ", why or (
+                             f"{LOSS_GAP_WEIGHED}: losses {used.loss:.4g} and {reply.loss:.4g} differ by more than "
+                             f"{rtol:.0%}" if weighed else "agree"))
             if not judged:
                 return
             verified = {peer for peer in (primary, shadow) if ledger.verified(peer)}
@@ -313,7 +325,9 @@ class NextHop:
                 return
             if lag is None:
                 why = why or "the replies cover different hops"
-            elif lag > AUDIT_MAX_LAG or loss_gap_of_lag(seen, rtol, used.loss, used.epochs, reply.loss, reply.epochs):
+            elif lag > AUDIT_MAX_LAG or (
+                loss_judged and loss_gap_of_lag(seen, rtol, used.loss, used.epochs, reply.loss, reply.epochs)
+            ):
                 # too far apart to compare losses (`loss_rtol`), or losses a little past the slack the way a copy that
                 # fell behind while the loss falls fast gives them: while the lag is excused, no verdict on a gradient
                 # that passes (a zero, non-finite or, for a loss gap, negated one is refused)

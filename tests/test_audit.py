@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import math
 import random
+from collections.abc import Awaitable
 from types import SimpleNamespace
 
 import pytest
@@ -282,6 +283,9 @@ def test_a_loss_gap_of_older_weights_past_the_slack_is_excused_as_a_lag_once():
         return _audit(next_hop, primary, used, shadow, answer)
 
     async def run() -> None:
+        # between two verified peers one gap is weighed, not judged (`Ledger.losses_apart`); the second is judged
+        await audit("first", Reply(grad, 3.674, [0], [23], 100), "second", Reply(grad * 1.1, 6.2, [0], [20], 100))
+        assert not router.liars() and ledger.verified("second") and "second" not in ledger.lagging_since
         await audit("first", Reply(grad, 3.674, [0], [23], 100), "second", Reply(grad * 1.1, 6.2, [0], [20], 100))
         assert not router.liars() and not ledger.verified("second") and "second" in ledger.lagging_since
         for epoch in (24, 25, 26):  # caught up: compared, matched, verified again
@@ -305,12 +309,15 @@ def test_a_loss_gap_of_older_weights_past_the_slack_is_excused_as_a_lag_once():
         assert "negated" in router.liars()
         await audit("first", Reply(grad, 3.08, [0], [30], 100), "stale", Reply(grad, 5.52, [0], [29], 100))
         assert "stale" in router.liars()
+        # between two verified peers, where loss gaps and cosines are weighed over a window: at the second
         pair_router, pair_hop = _verified_pair("old", "new")
-        await _audit(pair_hop, "old", Reply(grad, 3.5, [0], [30], 100), "new", Reply(-grad, 6.2, [0], [27], 100))
-        assert "new" in pair_router.liars()
+        for audits in (1, 2):
+            await _audit(pair_hop, "old", Reply(grad, 3.5, [0], [30], 100), "new", Reply(-grad, 6.2, [0], [27], 100))
+            assert ("new" in pair_router.liars()) == (audits == 2)
         # one grace per peer for a while: the next gap past the slack, once it is spent, is a verdict
         ledger.lagging_since["second"] -= ledger.lag_grace + 1
-        await audit("first", Reply(grad, 3.4, [0], [40], 100), "second", Reply(grad, 6.2, [0], [37], 100))
+        for _ in range(2):
+            await audit("first", Reply(grad, 3.4, [0], [40], 100), "second", Reply(grad, 6.2, [0], [37], 100))
         assert "second" in router.liars()
 
     asyncio.run(run())
@@ -465,15 +472,17 @@ def test_a_lane_forks_losses_may_be_three_times_apart_a_pipeline_duplicates_only
     epoch answered 3.217 and 1.789 (an honest peer banned by the pipeline's 25 %, benchmarks/RESULTS.md), and no
     recorded honest lane comparison was more than 0.599 apart (`benchmarks/replay_audits.py --lanes`). A loss past
     `LANE_LOSS_RTOL` is still a lie on a lane fork, also where the reply claims epochs that would give the pipeline's
-    slack. Through the driver's comparison (real router and ledger)."""
+    slack. Through the driver's comparison (real router and ledger); two verified peers' losses are judged over the
+    pair's last few comparisons (`Ledger.losses_apart`), so each gap is sent twice."""
     router, next_hop = _verified_pair("older", "newer")
     grad = torch.randn(4, 16, 32)
 
     async def compare(loss: float, shadow_loss: float) -> None:
-        reply = asyncio.get_running_loop().create_future()
-        next_hop._compare_later("older", Reply(grad, loss, [0], [20], 100), "newer", reply, lane_fork=lane_fork)
-        reply.set_result((Reply(grad, shadow_loss, [0], [20], 100), 0.1))
-        await asyncio.sleep(0.01)
+        for _ in range(2):
+            reply = asyncio.get_running_loop().create_future()
+            next_hop._compare_later("older", Reply(grad, loss, [0], [20], 100), "newer", reply, lane_fork=lane_fork)
+            reply.set_result((Reply(grad, shadow_loss, [0], [20], 100), 0.1))
+            await asyncio.sleep(0.01)
 
     async def run() -> None:
         await compare(3.217, 1.789)
@@ -536,3 +545,39 @@ def test_a_negating_newcomer_audited_against_two_verified_peers_in_turn_is_refus
     asyncio.run(run())
     assert "newcomer" in router.liars() and not router.ledger.verified("newcomer")
     assert not {"a", "b"} & set(router.liars())
+
+
+def test_two_verified_peers_are_judged_on_loss_gaps_in_most_of_their_last_three_comparisons():
+    """The third long honest run's one ban (benchmarks/results/audit-pairs-long-3.json): at equal epochs one verified
+    replica answered loss 8.786 with a gradient 81 times smaller than its partner's 5.945, and the pair's next 693
+    comparisons agreed. One such gap is weighed, not judged; a liar that forges its loss on most audits (the stale
+    liar's 5.22 against 3.25) is banned at its second gap in any three, the peer with the shorter history as before.
+    Through the driver's comparison (real router and ledger)."""
+    router, next_hop = _verified_pair("older", "newer")
+    torch.manual_seed(0)
+    grad = torch.randn(4, 16, 32)
+
+    def audit(used_loss: float, shadow_loss: float, shadow_grad: torch.Tensor = grad) -> Awaitable[None]:
+        return _audit(next_hop, "older", Reply(grad, used_loss, [0], [9], 100), "newer",
+                      Reply(shadow_grad, shadow_loss, [0], [9], 100))
+
+    async def run() -> None:
+        await audit(8.786, 5.945, grad * 81)  # the outlier
+        for _ in range(5):
+            await audit(3.2, 3.21)
+        assert not router.liars() and router.ledger.verified("newer")
+        await audit(3.25, 5.22)  # gap, agree, gap: the second gap of three is the verdict
+        await audit(3.2, 3.21)
+        assert not router.liars()
+        await audit(3.25, 5.22)
+        assert "newer" in router.liars() and "older" not in router.liars()
+
+    asyncio.run(run())
+    ledger = Ledger()
+    seen = agreement(grad, 3.25, grad, 5.22)
+    # one gap in every three is never most of a window: a limit, as for the other windowed rules
+    assert not any(ledger.losses_apart("a", "b", s, LOSS_RTOL) for s in [seen, _seen(1.0, 1.0), _seen(1.0, 1.0)] * 4)
+    assert ledger.losses_apart("a", "b", seen, LOSS_RTOL) is False
+    assert ledger.losses_apart("a", "b", seen, LOSS_RTOL) is True and frozenset("ab") not in ledger.loss_gaps
+    # a comparison without both losses is not weighed
+    assert not ledger.losses_apart("a", "b", agreement(grad, None, grad, 3.0), LOSS_RTOL)

@@ -6,10 +6,14 @@ lanes', or the files named), every peer honest, so each verdict is a false posit
 below `COSINE_MIN`, the lowest median of a pair's last `FLIP_WINDOW` cosines, the highest median norm ratio over a
 pair's last `DRIFT_WINDOW` audits within 1, 2 and 3 epochs, and the verdicts of `Ledger.flip` and `Ledger.drift`
 (one ledger per driver) run over them in order. Older files do not name the peers: their windows run over a run's
-audits in order. The loss check is not replayed (which reply came from the older weights is not recorded), except
-on lane forks (`--lanes`: the `audit-pairs-lanes*.json` files), whose single loss differences are held against
-`LANE_LOSS_RTOL` without any slack (those within `AUDIT_MAX_LAG` epochs, the ones compared), and whose cosines
-against `Ledger.flip` (lane forks are not weighed for drift).
+audits in order. A single loss check is not replayed (which reply came from the older weights is not recorded): the
+recorded verdict says whether a comparison's losses were past their tolerance when it was made (or, since
+`Ledger.losses_apart`, weighed as a gap), and those are run through `Ledger.losses_apart`, which judges two verified
+peers' loss gaps over their last `LOSS_WINDOW` comparisons (whether both were verified is not recorded: every
+comparison is weighed, newcomers' too, which live are judged on one). On lane forks (`--lanes`: the
+`audit-pairs-lanes*.json` files), judged on one, single loss differences are held against `LANE_LOSS_RTOL` without
+any slack (those within `AUDIT_MAX_LAG` epochs, the ones compared), cosines against `Ledger.flip` (lane forks are
+not weighed for drift).
 
     python benchmarks/replay_audits.py [--lanes] [FILE ...]
 """
@@ -33,9 +37,11 @@ from peer.audit import (  # noqa: E402
     FLIP_WINDOW,
     LANE_LOSS_RTOL,
     LOSS_RTOL,
+    LOSS_WINDOW,
     Agreement,
     Ledger,
 )
+from peer.next_hop import LOSS_GAP_WEIGHED, NOT_JUDGED  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -68,6 +74,15 @@ def worst_norm_windows(runs: list, max_lag: int) -> tuple[int, list]:
     return len(medians), sorted(medians, reverse=True)[:3]
 
 
+def loss_gap(pair: dict) -> bool | None:
+    """Whether a pipeline comparison's losses were apart past their tolerance, as its recorded verdict says; None
+    where it was not weighed live: a loss missing, weights too far apart to compare, or not judged (a verdict on its
+    pair landed while it was in flight)."""
+    if pair["loss_rdiff"] is None or pair["lag"] > AUDIT_MAX_LAG or pair["verdict"].startswith(NOT_JUDGED):
+        return None
+    return pair["verdict"].startswith(("losses", LOSS_GAP_WEIGHED))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--lanes", action="store_true", help="the lane forks' recorded audits")
@@ -76,11 +91,17 @@ def main() -> None:
     recorded = sorted(RESULTS.glob("audit-pairs*.json"))
     files = args.files or [p for p in recorded if ("lanes" in p.name) == args.lanes]
     runs = list(recorded_runs(files))
-    singles, flip_medians, verdicts, audits = [], [], [], 0
+    singles, flip_medians, verdicts, loss_verdicts, audits = [], [], [], [], 0
     for name, index, pairs in runs:
         windows: dict[tuple, deque] = defaultdict(lambda: deque(maxlen=FLIP_WINDOW))
         ledgers: dict[str | None, Ledger] = defaultdict(Ledger)
         for at, pair in enumerate(pairs):
+            gap = None if args.lanes else loss_gap(pair)
+            if gap is not None:  # the recorded difference against a tolerance it was past, or one it was not
+                seen = Agreement(pair["loss_rdiff"], (1.0, 1.0), None, True)
+                ledger, (a, b) = ledgers[pair.get("observer")], (pair.get("primary", "a"), pair.get("shadow", "b"))
+                if ledger.losses_apart(a, b, seen, 0.0 if gap else math.inf):
+                    loss_verdicts.append((name, index, at, pair["verdict"]))
             if pair["cosine"] is None:
                 continue
             audits += 1
@@ -103,6 +124,9 @@ def main() -> None:
            for lag in (1, 2, 3)},
         "verdicts of Ledger.flip" + ("" if args.lanes else " and Ledger.drift"): verdicts,
     }
+    if not args.lanes:
+        report["loss gaps recorded"] = sum(bool(loss_gap(pair)) for _, _, pairs in runs for pair in pairs)
+        report[f"verdicts of Ledger.losses_apart (most of a pair's last {LOSS_WINDOW})"] = loss_verdicts
     if args.lanes:
         losses = sorted(pair["loss_rdiff"] for _, _, pairs in runs for pair in pairs
                         if pair["loss_rdiff"] is not None and pair["lag"] <= AUDIT_MAX_LAG)  # farther: not compared

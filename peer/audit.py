@@ -31,12 +31,15 @@ replays them through these rules). A comparison is judged only where one of the 
 - The loss is the discriminator: within `LOSS_RTOL`, plus `LOSS_RTOL_PER_EPOCH` per epoch between the two replies'
   weights where the older weights gave the higher loss (a stale copy early in a run); a lower loss from older
   weights gets no slack. On lane forks, whose losses are a chunk's, within the larger of that and `LANE_LOSS_RTOL`.
+  A peer being verified is judged on one comparison; two verified peers' pipeline duplicates on most of their last
+  `LOSS_WINDOW` (`Ledger.losses_apart`: an honest replica's single reply can be far off, where a liar forges audit
+  after audit), except a gap past `LOSS_GAP_MAX`, judged at once; a gap weighed is neither a match nor a verdict.
 - A lag: replies more than `AUDIT_MAX_LAG` epochs apart (losses not compared), or whose losses are apart past the
   slack, by at most `LOSS_GAP_EXCUSED` per epoch between them (never past `LOSS_GAP_MAX`), the way older weights'
   are (the loss falling faster than the slack in a run's first minute, or a loss spike the newer weights recovered
-  from; `loss_gap_of_lag`). If the gradients pass, the peer blamed is not judged but loses its standing (verified
-  again by `VERIFY_AFTER` matches) while gaps are excused, for `LAG_GRACE` from its first, one grace per
-  `LAG_MEMORY` for either kind.
+  from; `loss_gap_of_lag`; between two verified peers, once the gap is judged). If the gradients pass, the peer
+  blamed is not judged but loses its standing (verified again by `VERIFY_AFTER` matches) while gaps are excused,
+  for `LAG_GRACE` from its first, one grace per `LAG_MEMORY` for either kind.
 - The gradient alone refuses only what no honest peer sends: all-zero against non-zero, non-finite, or a cosine
   below `COSINE_MIN` (-0.8): at one audit where a peer is being verified (its audits go to whichever verified peer is
   the primary, so windows split among them would let a negating newcomer be verified), over a pair's last
@@ -48,10 +51,10 @@ replays them through these rules). A comparison is judged only where one of the 
 - One verdict a pair at a time: comparisons in flight when a verdict lands on either peer are not judged
   (`Ledger.verdicts_on`); without it one episode banned an honest lane peer 9 times within 2 s.
 
-Limits (DESIGN §4): a liar that copies a plausible loss and forges on fewer than half of its audits, claims epochs
-far from the verified reply's, scales by less than `DRIFT_NORM`, or answers from weights only a few epochs stale
-passes; one that claims older weights with a higher loss is excused once per `LAG_MEMORY` (unused meanwhile); a
-liar verified before an honest peer wins their disagreements.
+Limits (DESIGN §4): a liar that copies a plausible loss and forges its gradient (or, once verified, its loss) on
+fewer than half of its audits, claims epochs far from the verified reply's, scales by less than `DRIFT_NORM`, or
+answers from weights only a few epochs stale passes; one that claims older weights with a higher loss is excused
+once per `LAG_MEMORY` (unused meanwhile); a liar verified before an honest peer wins their disagreements.
 """
 
 from __future__ import annotations
@@ -357,13 +360,14 @@ class Ledger:
         An honest replica's single reply can be far off: the third long honest run's one ban was a reply with loss
         8.79 (above ln V) and a gradient 81 times smaller than its partner's 5.95, at equal epochs, and the same
         pair's next 693 comparisons agreed (benchmarks/results/audit-pairs-long-3.json). A liar that forges its
-        loss forges it audit after audit, and is judged at its second."""
+        loss forges it audit after audit, and is judged at its second gap in any `LOSS_WINDOW`; a gap past
+        `LOSS_GAP_MAX` (one loss 4 times the other: no honest pair recorded past 0.60) is judged at once."""
         if seen.loss_rdiff is None:
             return False
         pair = frozenset((peer_a, peer_b))
         window = self.loss_gaps.setdefault(pair, deque(maxlen=LOSS_WINDOW))
         window.append(seen.loss_rdiff > rtol)
-        if 2 * sum(window) <= LOSS_WINDOW:
+        if 2 * sum(window) <= LOSS_WINDOW and seen.loss_rdiff <= LOSS_GAP_MAX:
             return False
         del self.loss_gaps[pair]
         return True

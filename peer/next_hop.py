@@ -25,7 +25,17 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from peer.audit import AUDIT_MAX_LAG, COSINE_MIN, agreement, epoch_lag, loss_gap_of_lag, loss_rtol, replies_disagree
+from peer.audit import (
+    AUDIT_MAX_LAG,
+    COSINE_MIN,
+    LOSS_GAP_MAX,
+    LOSS_WINDOW,
+    agreement,
+    epoch_lag,
+    loss_gap_of_lag,
+    loss_rtol,
+    replies_disagree,
+)
 from peer.link import Link
 from peer.routing import Failover, Router
 from peer.runtime import StageRuntime
@@ -271,8 +281,10 @@ class NextHop:
         honest peers banned by naming them in forks that cannot succeed. A lane fork's replies are not weighed for
         drift (`Ledger.drift`), and their losses may be further apart (`LANE_LOSS_RTOL`): honest lane peers' replies
         drift apart (benchmarks/RESULTS.md). The cosines of two verified peers and of lane forks are weighed over the
-        pair's last few for a sign flip (`Ledger.flip`); a peer being verified is refused at one below the floor. A
-        comparison is not judged if a verdict on either peer landed while it was in flight (`Ledger.verdicts_on`)."""
+        pair's last few for a sign flip (`Ledger.flip`); a peer being verified is refused at one below the floor. So
+        are two verified peers' pipeline losses for a gap (`Ledger.losses_apart`): a gap weighed is neither a match
+        nor a verdict. A comparison is not judged if a verdict on either peer landed while it was in flight
+        (`Ledger.verdicts_on`)."""
         router, ledger = self.router, self.router.ledger
         standing = ledger.verdicts_on(primary, shadow)
 
@@ -305,14 +317,14 @@ class NextHop:
             both_verified = ledger.verified(primary) and ledger.verified(shadow)
             settled = lane_fork or both_verified
             cosine_min = -math.inf if settled else COSINE_MIN
-            # between two verified peers a loss gap is judged over the pair's last few (`Ledger.losses_apart`)
-            if both_verified and lag is not None and lag <= AUDIT_MAX_LAG and judged:
-                loss_judged = ledger.losses_apart(primary, shadow, seen, rtol)
-            else:
-                loss_judged = True
+            # between two verified peers a pipeline loss gap is judged over the pair's last few (`Ledger.losses_apart`)
+            windowed = both_verified and not lane_fork and lag is not None and lag <= AUDIT_MAX_LAG and judged
+            loss_judged = ledger.losses_apart(primary, shadow, seen, rtol) if windowed else True
             why = replies_disagree(used.grad, used.loss, reply.grad, reply.loss, cosine_min,
                                    rtol if loss_judged else math.inf, seen)
             weighed = not loss_judged and seen.loss_rdiff is not None and seen.loss_rdiff > rtol
+            if windowed and why is not None and why.startswith("losses") and seen.loss_rdiff <= LOSS_GAP_MAX:
+                why += f", the pair's second gap in its last {LOSS_WINDOW} comparisons"
             logger.debug("%s audit of %s against %s: loss rdiff %s, cosine %s, norms %.4g %.4g, epochs apart %s, %s%s",
                          self.label, shadow[-6:], primary[-6:], seen.loss_rdiff, seen.cosine, *seen.norms, lag,
                          "" if judged else f"{NOT_JUDGED}: ", why or (
@@ -329,15 +341,18 @@ class NextHop:
                 loss_judged and loss_gap_of_lag(seen, rtol, used.loss, used.epochs, reply.loss, reply.epochs)
             ):
                 # too far apart to compare losses (`loss_rtol`), or losses a little past the slack the way a copy that
-                # fell behind while the loss falls fast gives them: while the lag is excused, no verdict on a gradient
-                # that passes (a zero, non-finite or, for a loss gap, negated one is refused)
+                # fell behind while the loss falls fast gives them (between two verified peers, once the gap is
+                # judged): while the lag is excused, no verdict on a gradient that passes (a zero, non-finite or, for
+                # a loss gap, negated one is refused)
                 gradient = replies_disagree(used.grad, used.loss, reply.grad, reply.loss, cosine_min, math.inf, seen)
                 if gradient is None and self._lag_excused(ledger.loser(primary, shadow), lag, why):
                     return
                 why = why or f"weights {lag} epochs apart, past the grace"
             why = why or ledger.flip(primary, shadow, seen)
-            if not lane_fork:
+            if not lane_fork and not weighed:
                 why = why or ledger.drift(primary, shadow, seen, lag)
+            if why is None and weighed:
+                return  # a gap weighed is neither a match (no drift, no service time) nor a verdict yet
             if why is None:
                 router.answered(shadow, seconds, self.tokens_per_trip)
                 for checked in {primary, shadow} - verified:

@@ -270,8 +270,18 @@ class Router:
         del self.refusals[peer_id]
         return self.ban(peer_id, now)
 
-    def forgive(self, peer_id: str) -> None:
-        self.bans.pop(peer_id, None)
+    def forgive(self, peer_id: str, now: float | None = None) -> None:
+        """`peer_id` carried a trip: a ban for failures is lifted, its refusal count starts over. A ban for a lie
+        stands (the liar's trips still in flight when an audit refuted it come back answered: before, the first of
+        them lifted the ban and wiped its strikes), and a lie's strikes stay remembered (`_remembered`), so that
+        the next lie's ban is longer."""
+        now = time.monotonic() if now is None else now
+        ban = self.bans.get(peer_id)
+        if ban is not None and not (ban.lied and ban.until > now):
+            if ban.last_lie is None:
+                del self.bans[peer_id]
+            else:
+                ban.until = min(ban.until, now)
         self.refusals.pop(peer_id, None)
 
     def sending(self, peer_id: str) -> None:

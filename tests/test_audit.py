@@ -19,6 +19,7 @@ from peer.audit import (
     DRIFT_NORM_LAG,
     DRIFT_WINDOW,
     LANE_LOSS_RTOL,
+    LOSS_GAP_MAX,
     LOSS_RTOL,
     LOSS_RTOL_PER_EPOCH,
     Ledger,
@@ -270,7 +271,8 @@ def test_an_audit_excuses_a_joiner_with_stale_weights_then_verifies_it_and_bans_
 def test_a_loss_gap_of_older_weights_past_the_slack_is_excused_as_a_lag_once():
     """The long honest run's one remaining ban (benchmarks/results/audit-pairs-long.json): losses 6.128 from weights
     3 epochs older against 3.674, 0.40 apart where the slack at 3 epochs is 0.40. The peer that would lose is not
-    banned but loses its standing for its lag grace; a gap the other way, a negated gradient with it, a gap more than
+    banned but loses its standing for its lag grace (between two verified peers at the pair's second gap, as every
+    gap of theirs is judged, `Ledger.losses_apart`); a gap the other way, a negated gradient with it, a gap more than
     `LOSS_GAP_EXCUSED` per epoch past the slack or `LOSS_GAP_MAX` apart, or a gap once the grace is spent are
     verdicts. A lane run's honest loss spike (4.332 from weights 4 epochs older against 1.775 after the newer ones
     recovered, 0.59 apart where the slack is 0.45) is excused the same way."""
@@ -302,9 +304,8 @@ def test_a_loss_gap_of_older_weights_past_the_slack_is_excused_as_a_lag_once():
         # the newer weights losing that much more is no lag
         await audit("first", Reply(grad, 3.5, [0], [30], 100), "newer", Reply(grad, 6.2, [0], [33], 100))
         assert "newer" in router.liars()
-        # an older copy's loss does not cover a negated gradient, between two verified peers either (whose sign
-        # flip is otherwise weighed over a window), nor a gap further past the slack: the stale liar's losses 5.52
-        # and 3.08 at a lag of 1
+        # an older copy's loss does not cover a negated gradient, nor a gap further past the slack: the stale
+        # liar's losses 5.52 and 3.08 at a lag of 1
         await audit("first", Reply(grad, 3.5, [0], [30], 100), "negated", Reply(-grad, 6.2, [0], [27], 100))
         assert "negated" in router.liars()
         await audit("first", Reply(grad, 3.08, [0], [30], 100), "stale", Reply(grad, 5.52, [0], [29], 100))
@@ -314,7 +315,8 @@ def test_a_loss_gap_of_older_weights_past_the_slack_is_excused_as_a_lag_once():
         for audits in (1, 2):
             await _audit(pair_hop, "old", Reply(grad, 3.5, [0], [30], 100), "new", Reply(-grad, 6.2, [0], [27], 100))
             assert ("new" in pair_router.liars()) == (audits == 2)
-        # one grace per peer for a while: the next gap past the slack, once it is spent, is a verdict
+        # one grace per peer for a while: once it is spent, a gap past the slack judged (the pair's second) is a
+        # verdict
         ledger.lagging_since["second"] -= ledger.lag_grace + 1
         for _ in range(2):
             await audit("first", Reply(grad, 3.4, [0], [40], 100), "second", Reply(grad, 6.2, [0], [37], 100))
@@ -472,13 +474,13 @@ def test_a_lane_forks_losses_may_be_three_times_apart_a_pipeline_duplicates_only
     epoch answered 3.217 and 1.789 (an honest peer banned by the pipeline's 25 %, benchmarks/RESULTS.md), and no
     recorded honest lane comparison was more than 0.599 apart (`benchmarks/replay_audits.py --lanes`). A loss past
     `LANE_LOSS_RTOL` is still a lie on a lane fork, also where the reply claims epochs that would give the pipeline's
-    slack. Through the driver's comparison (real router and ledger); two verified peers' losses are judged over the
-    pair's last few comparisons (`Ledger.losses_apart`), so each gap is sent twice."""
+    slack. Through the driver's comparison (real router and ledger): a lane fork's gap is judged at once, a pipeline
+    duplicate's between two verified peers at the pair's second (`Ledger.losses_apart`)."""
     router, next_hop = _verified_pair("older", "newer")
     grad = torch.randn(4, 16, 32)
 
     async def compare(loss: float, shadow_loss: float) -> None:
-        for _ in range(2):
+        for _ in range(1 if lane_fork else 2):
             reply = asyncio.get_running_loop().create_future()
             next_hop._compare_later("older", Reply(grad, loss, [0], [20], 100), "newer", reply, lane_fork=lane_fork)
             reply.set_result((Reply(grad, shadow_loss, [0], [20], 100), 0.1))
@@ -581,3 +583,21 @@ def test_two_verified_peers_are_judged_on_loss_gaps_in_most_of_their_last_three_
     assert ledger.losses_apart("a", "b", seen, LOSS_RTOL) is True and frozenset("ab") not in ledger.loss_gaps
     # a comparison without both losses is not weighed
     assert not ledger.losses_apart("a", "b", agreement(grad, None, grad, 3.0), LOSS_RTOL)
+
+
+def test_a_loss_gap_no_honest_pair_showed_is_judged_at_once_and_a_gap_weighed_is_no_match():
+    """Between two verified peers a gap past `LOSS_GAP_MAX` (one loss 4 times the other; no recorded honest pair was
+    past 0.60) is a verdict at its first audit, as before the window. A gap weighed is neither a verdict nor a match:
+    its norm ratio does not enter the drift window and its service time is not taken."""
+    router, next_hop = _verified_pair("older", "newer")
+    grad = torch.randn(4, 16, 32)
+
+    async def run() -> None:
+        await _audit(next_hop, "older", Reply(grad, 3.0, [0], [9], 100), "newer", Reply(grad * 81, 5.0, [0], [9], 100))
+        assert not router.liars() and not router.ledger.drift_norms and "newer" not in router.measures
+        await _audit(next_hop, "older", Reply(grad, 3.0, [0], [9], 100), "newer", Reply(grad, 3.0, [0], [9], 100))
+        assert "newer" in router.measures and router.ledger.drift_norms
+        await _audit(next_hop, "older", Reply(grad, 3.0, [0], [9], 100), "newer", Reply(grad, 0.7, [0], [9], 100))
+        assert (3.0 - 0.7) / 3.0 > LOSS_GAP_MAX and "newer" in router.liars()
+
+    asyncio.run(run())

@@ -68,6 +68,21 @@ def test_ban_backs_off_and_expires():
     assert r.ban("x", now=7.0) == 5.0
 
 
+def test_an_answer_lifts_a_ban_for_failures_never_one_for_a_lie_and_keeps_a_lies_strikes():
+    """A liar's trips still in flight when an audit refuted it come back answered: they must not lift its ban, and
+    once the ban ran out its first answered trip must not wipe the strikes that make its next ban longer."""
+    r = router(entry("liar", 10.0), entry("flaky", 5.0))
+    assert r.ban("liar", now=0.0, lied=True) == r.audit_ban
+    r.forgive("liar", now=1.0)
+    assert r.unreachable(now=1.0) == {"liar"} and r.liars(now=1.0) == {"liar"}
+    r.forgive("liar", now=r.audit_ban + 1)  # its ban ran out; it is verified again, answering honestly
+    assert not r.unreachable(now=r.audit_ban + 1)
+    assert r.ban("liar", now=r.audit_ban + 2, lied=True) == 2 * r.audit_ban  # its next lie: twice as long
+    r.ban("flaky", now=0.0)
+    r.forgive("flaky", now=1.0)
+    assert "flaky" not in r.bans
+
+
 def test_a_peer_that_keeps_refusing_trips_is_banned_and_one_answer_clears_its_record():
     r = router(entry("stuck", 1000.0), entry("other", 10.0))
     assert r.refused("stuck", now=0.0) == 0.0

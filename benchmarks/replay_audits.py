@@ -16,6 +16,7 @@ any slack (those within `AUDIT_MAX_LAG` epochs, the ones compared), cosines agai
 not weighed for drift).
 
     python benchmarks/replay_audits.py [--lanes] [FILE ...]
+    python benchmarks/replay_audits.py --liar-shares 0.05 0.1 0.3 0.5 1
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import random
 import statistics
 import sys
 from collections import defaultdict, deque
@@ -83,11 +85,32 @@ def loss_gap(pair: dict) -> bool | None:
     return pair["verdict"].startswith(("losses", LOSS_GAP_WEIGHED))
 
 
+def audits_to_a_loss_verdict(share: float, trials: int = 20000, seed: int = 0) -> float:
+    """The mean number of audits until `Ledger.losses_apart` judges a verified pair whose liar forges its loss on a
+    random `share` of its audits (each forgery a gap, each other audit none); the one-audit rule's is 1 / share."""
+    rng, total = random.Random(seed), 0
+    for _ in range(trials):
+        ledger, audits, judged = Ledger(), 0, False
+        while not judged:
+            audits += 1
+            gap = Agreement(0.5 if rng.random() < share else 0.0, (1.0, 1.0), None, True)
+            judged = ledger.losses_apart("honest", "liar", gap, LOSS_RTOL)
+        total += audits
+    return total / trials
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--lanes", action="store_true", help="the lane forks' recorded audits")
+    parser.add_argument("--liar-shares", nargs="+", type=float, metavar="P",
+                        help="instead: the mean audits until a verified liar forging its loss on a share P of its "
+                             "audits is judged, under the loss window and under the one-audit rule")
     parser.add_argument("files", nargs="*", type=Path)
     args = parser.parse_args()
+    if args.liar_shares:
+        print(json.dumps({p: {"window": round(audits_to_a_loss_verdict(p), 1), "one audit": round(1 / p, 1)}
+                          for p in args.liar_shares}))
+        return
     recorded = sorted(RESULTS.glob("audit-pairs*.json"))
     files = args.files or [p for p in recorded if ("lanes" in p.name) == args.lanes]
     runs = list(recorded_runs(files))

@@ -51,8 +51,9 @@ replays them through these rules). A comparison is judged only where one of the 
 - One verdict a pair at a time: comparisons in flight when a verdict lands on either peer are not judged
   (`Ledger.verdicts_on`); without it one episode banned an honest lane peer 9 times within 2 s.
 
-Limits (DESIGN §4): a liar that copies a plausible loss and forges its gradient (or, once verified, its loss) on
-fewer than half of its audits, claims epochs far from the verified reply's, scales by less than `DRIFT_NORM`, or
+Limits (DESIGN §4): a liar that copies a plausible loss and forges its gradient (or, once verified, its loss) on too
+few of its audits for any window of a pair to hold a majority of forgeries (at random, a share p is caught later as p
+falls: DESIGN §4), claims epochs far from the verified reply's, scales by less than `DRIFT_NORM`, or
 answers from weights only a few epochs stale passes; one that claims older weights with a higher loss is excused
 once per `LAG_MEMORY` (unused meanwhile); a liar verified before an honest peer wins their disagreements.
 """
@@ -336,7 +337,7 @@ class Ledger:
         return why
 
     def forget_pairs_beyond(self, listed: set[str]) -> None:
-        """Drop the drift and flip windows of pairs with a peer not in `listed` (its record expired)."""
+        """Drop the drift, flip and loss windows of pairs with a peer not in `listed` (its record expired)."""
         for store in (self.drift_cosines, self.drift_norms, self.flip_cosines, self.loss_gaps):
             for pair in [pair for pair in store if not pair <= listed]:
                 del store[pair]
@@ -358,8 +359,8 @@ class Ledger:
         """Weigh one comparison's losses between two verified peers: whether the pair's losses were apart past their
         tolerance `rtol` in most of its last `LOSS_WINDOW` comparisons (a verdict, which starts the pair afresh).
         An honest replica's single reply can be far off: the third long honest run's one ban was a reply with loss
-        8.79 (above ln V) and a gradient 81 times smaller than its partner's 5.95, at equal epochs, and the same
-        pair's next 693 comparisons agreed (benchmarks/results/audit-pairs-long-3.json). A liar that forges its
+        8.79 (above ln V) and a gradient 81 times smaller than its partner's 5.95, at equal epochs, and every other
+        comparison of that run agreed (benchmarks/results/audit-pairs-long-3.json). A liar that forges its
         loss forges it audit after audit, and is judged at its second gap in any `LOSS_WINDOW`; a gap past
         `LOSS_GAP_MAX` (one loss 4 times the other: no honest pair recorded past 0.60) is judged at once."""
         if seen.loss_rdiff is None:

@@ -298,7 +298,7 @@ class Router:
 
     def answered(self, peer_id: str, seconds: float, tokens: int) -> None:
         """A trip to `peer_id` came back checked: what we measured of it, not what it claims, decides how
-        many trips it gets, and any ban or refusal count it had is lifted."""
+        many trips it gets, and a ban for failures or a refusal count it had is lifted (`forgive`)."""
         self.observe(peer_id, seconds, tokens)
         self.forgive(peer_id)
 

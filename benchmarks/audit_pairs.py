@@ -230,7 +230,7 @@ def main() -> None:
     parser.add_argument("--context-parallel", type=int, default=1, metavar="P", help="lanes per stage")
     parser.add_argument("--target-batch-size", type=int, help="sequences per optimizer epoch (tiny's own: 16)")
     parser.add_argument("--keep-logs", type=Path, metavar="DIR", help="keep the peer logs of a run that banned an "
-                        "honest peer here (one folder per run), to see what led to it")
+                        "honest peer or weighed a loss gap here (one folder per run), to see what led to it")
     args = parser.parse_args()
     runs = json.loads(args.json.read_text())["runs"] if args.json.exists() else []  # resumable: runs accumulate
     for number in range(args.runs):
@@ -240,10 +240,12 @@ def main() -> None:
         ban_lines = [line for line in logs.splitlines() if "audit: replies of" in line]  # all honest: false ones
         bans = len(ban_lines)
         averaging = averaging_bans(logs)
-        if (bans or averaging) and args.keep_logs is not None:
+        gaps = sum(weighed(pair) for pair in pairs)
+        if (bans or averaging or gaps) and args.keep_logs is not None:
             kept = args.keep_logs / f"run{len(runs) + 1}"
             shutil.copytree(workdir, kept, ignore=shutil.ignore_patterns("checkpoints", "*.sqlite*"))
-            print(f"the logs of a run with {bans} + {len(averaging)} bans are in {kept}", file=sys.stderr, flush=True)
+            print(f"the logs of a run with {bans} + {len(averaging)} bans and {gaps} loss gaps weighed are in {kept}",
+                  file=sys.stderr, flush=True)
         shutil.rmtree(workdir, ignore_errors=True)
         excused = sum("answered with weights" in line for line in logs.splitlines())
         runs.append(dict(target_batch_size=args.target_batch_size,

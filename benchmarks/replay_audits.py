@@ -119,10 +119,10 @@ def main() -> None:
         windows: dict[tuple, deque] = defaultdict(lambda: deque(maxlen=FLIP_WINDOW))
         ledgers: dict[str | None, Ledger] = defaultdict(Ledger)
         for at, pair in enumerate(pairs):
+            ledger, (a, b) = ledgers[pair.get("observer")], (pair.get("primary", "a"), pair.get("shadow", "b"))
             gap = None if args.lanes else loss_gap(pair)
             if gap is not None:  # the recorded difference against a tolerance it was past, or one it was not
                 seen = Agreement(pair["loss_rdiff"], (1.0, 1.0), None, True)
-                ledger, (a, b) = ledgers[pair.get("observer")], (pair.get("primary", "a"), pair.get("shadow", "b"))
                 if ledger.losses_apart(a, b, seen, 0.0 if gap else math.inf):
                     loss_verdicts.append((name, index, at, pair["verdict"]))
             if pair["cosine"] is None:
@@ -135,7 +135,6 @@ def main() -> None:
             if len(window) == FLIP_WINDOW:
                 flip_medians.append((round(statistics.median(window), 3), name, index, at))
             seen = Agreement(pair["loss_rdiff"], (1.0, pair["norm_ratio"] or 1.0), pair["cosine"], True)
-            ledger, (a, b) = ledgers[pair.get("observer")], (pair.get("primary", "a"), pair.get("shadow", "b"))
             why = ledger.flip(a, b, seen) or (None if args.lanes else ledger.drift(a, b, seen, pair["lag"]))
             if why:
                 verdicts.append((name, index, at, why))

@@ -322,8 +322,9 @@ class NextHop:
             loss_judged = ledger.losses_apart(primary, shadow, seen, rtol) if windowed else True
             why = replies_disagree(used.grad, used.loss, reply.grad, reply.loss, cosine_min,
                                    rtol if loss_judged else math.inf, seen)
-            weighed = not loss_judged and seen.loss_rdiff is not None and seen.loss_rdiff > rtol
-            if windowed and why is not None and why.startswith("losses") and seen.loss_rdiff <= LOSS_GAP_MAX:
+            gap = seen.loss_rdiff is not None and seen.loss_rdiff > rtol
+            weighed = gap and not loss_judged
+            if windowed and gap and loss_judged and seen.loss_rdiff <= LOSS_GAP_MAX:  # `why` is the loss's (first)
                 why += f", the pair's second gap in its last {LOSS_WINDOW} comparisons"
             logger.debug("%s audit of %s against %s: loss rdiff %s, cosine %s, norms %.4g %.4g, epochs apart %s, %s%s",
                          self.label, shadow[-6:], primary[-6:], seen.loss_rdiff, seen.cosine, *seen.norms, lag,
